@@ -1,0 +1,186 @@
+"""`AutoBatcher`: turns many concurrent awaits into few batched model calls.
+
+Every backend (and the async trie) funnels its requests through one of these.
+Callers ``await batcher.submit(key)``; the batcher
+
+- collects concurrent requests and flushes a batch as soon as it is full
+  (``batch_size``) or the event loop has nothing else ready to run, so there is
+  no fixed wait when every particle has already asked; ``timeout`` (seconds,
+  timed from the first queued request) bounds the wait when the loop stays busy;
+- computes each distinct key once per batch (identical prefixes are deduplicated);
+- runs ``process_batch`` in a worker thread, one batch at a time, so the next
+  batch gathers while the current one computes (torch releases the GIL);
+- delivers a failure to every caller of the failed batch and keeps serving; a
+  cancelled caller never disturbs the others;
+- works from successive event loops (``asyncio.run`` twice).
+
+``process_batch(keys) -> results`` receives distinct keys and returns one result
+per key, in order (a list, or anything indexable such as a ``[B, V]`` tensor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+
+class AutoBatcher:
+    """Batch concurrent requests for a synchronous batched function."""
+
+    def __init__(
+        self,
+        process_batch: Callable[[list[Hashable]], Sequence[Any]],
+        batch_size: int = 20,
+        timeout: float | None = 0.02,
+        name: str = "genlm-batcher",
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        self.process_batch = process_batch
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self.name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reset_loop_state()
+        self.batch_sizes: list[int] = []
+
+    def _reset_loop_state(self) -> None:
+        self._pending: dict[Hashable, list[asyncio.Future]] = {}
+        self._idle_handle: asyncio.Handle | None = None
+        self._timer_handle: asyncio.TimerHandle | None = None
+        self._deadline_passed = False
+        self._busy = False
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # A new event loop (e.g. a second asyncio.run): whatever was queued on the
+            # old one can never be delivered, so start afresh.
+            self._loop = loop
+            self._reset_loop_state()
+        return loop
+
+    async def submit(self, key: Hashable) -> Any:
+        """Queue ``key`` and wait for its result."""
+        loop = self._bind_loop()
+        future = loop.create_future()
+        waiters = self._pending.setdefault(key, [])
+        waiters.append(future)
+        if len(self._pending) >= self.batch_size:
+            self._maybe_flush(full=True)
+        else:
+            if len(self._pending) == 1 and len(waiters) == 1 and self.timeout is not None:
+                self._cancel_timer()
+                self._timer_handle = loop.call_later(self.timeout, self._on_timeout)
+            self._schedule_idle_flush(loop)
+        return await future
+
+    def _schedule_idle_flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Every new request pushes the flush to the back of the ready queue: it runs
+        # only once all callbacks that were ready (other particles) have had their turn.
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+        self._idle_handle = loop.call_soon(self._maybe_flush)
+
+    def _on_timeout(self) -> None:
+        self._timer_handle = None
+        self._deadline_passed = True
+        self._maybe_flush(full=True)
+
+    def _cancel_timer(self) -> None:
+        if self._timer_handle is not None:
+            self._timer_handle.cancel()
+            self._timer_handle = None
+
+    def _maybe_flush(self, full: bool = False) -> None:
+        if not full:
+            self._idle_handle = None
+        if self._busy:
+            return  # flushed again when the running batch finishes
+        batch = self._take_batch()
+        if not batch:
+            return
+        self._busy = True
+        self.batch_sizes.append(len(batch))
+        keys = list(batch)
+        work = self._loop.run_in_executor(self._get_executor(), self.process_batch, keys)
+        work.add_done_callback(lambda done: self._deliver(batch, done))
+
+    def _take_batch(self) -> dict[Hashable, list[asyncio.Future]]:
+        batch: dict[Hashable, list[asyncio.Future]] = {}
+        for key in list(self._pending):
+            waiters = [f for f in self._pending.pop(key) if not f.done()]
+            if waiters:
+                batch[key] = waiters
+            if len(batch) == self.batch_size:
+                break
+        if not self._pending:
+            self._cancel_timer()
+            self._deadline_passed = False
+            if self._idle_handle is not None:
+                self._idle_handle.cancel()
+                self._idle_handle = None
+        return batch
+
+    def _deliver(self, batch: dict[Hashable, list[asyncio.Future]], done: asyncio.Future) -> None:
+        self._busy = False
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        if error is None:
+            results = done.result()
+            if len(results) != len(batch):
+                error = RuntimeError(
+                    f"{self.name}: process_batch returned {len(results)} results "
+                    f"for {len(batch)} requests"
+                )
+        for i, waiters in enumerate(batch.values()):
+            for future in waiters:
+                if future.done():
+                    continue
+                if error is None:
+                    future.set_result(results[i])
+                else:
+                    future.set_exception(error)
+        if self._pending:
+            # Callers just answered usually ask again at once: give them one turn of
+            # the loop to join the next batch, unless that batch is already due.
+            if len(self._pending) >= self.batch_size or self._deadline_passed:
+                self._maybe_flush(full=True)
+            else:
+                self._schedule_idle_flush(self._loop)
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
+            return self._executor
+
+    def reset(self) -> None:
+        """Drop queued (not yet running) requests; their callers get ``CancelledError``."""
+        pending, self._pending = self._pending, {}
+        for waiters in pending.values():
+            for future in waiters:
+                future.cancel()
+        self._cancel_timer()
+        self._deadline_passed = False
+        if self._idle_handle is not None:
+            self._idle_handle.cancel()
+            self._idle_handle = None
+
+    def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the worker thread and wait, serialising it with batches."""
+        return self._get_executor().submit(fn, *args).result()
+
+    def close(self) -> None:
+        """Drop queued requests and stop the worker thread (a new one starts if used again)."""
+        self.reset()
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)

@@ -1,0 +1,307 @@
+"""Caches: an LRU map of outputs and the token prefix trees behind KV reuse.
+
+- `OutputCache`: LRU map from token-id tuples to tensors (e.g. logprobs).
+- `TokenTrie`: a prefix tree of token ids; each node may hold the next-token
+  log-probabilities after its prefix and the KV state (``past_key_values``,
+  backend-specific) that ends at it.
+- `DynamicTokenTrie`: a `TokenTrie` whose KV states and logprobs are bounded by
+  budgets, evicting the least recently used first.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+
+class OutputCache:
+    """LRU map from token-id tuples to tensors, holding at most ``maxsize`` entries.
+
+    With ``move_to_cpu=True`` values are stored on the CPU and handed back on the
+    device they came from, so a large cache does not occupy accelerator memory.
+    """
+
+    def __init__(self, maxsize: int, move_to_cpu: bool = False):
+        if maxsize < 0:
+            raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+        self.maxsize = maxsize
+        self.move_to_cpu = move_to_cpu
+        self._data: OrderedDict[Hashable, tuple[Any, Any]] = OrderedDict()
+
+    @staticmethod
+    def _key(key: Any) -> Hashable:
+        return tuple(key) if isinstance(key, list) else key
+
+    def __getitem__(self, key: Any) -> Any:
+        key = self._key(key)
+        value, device = self._data[key]
+        self._data.move_to_end(key)
+        return value.to(device) if device is not None else value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self.maxsize == 0:
+            return
+        key = self._key(key)
+        device = None
+        if self.move_to_cpu and getattr(value, "device", None) is not None:
+            device = value.device
+            value = value.cpu()
+        self._data[key] = (value, device)
+        self._data.move_to_end(key)
+        while len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+
+    def __contains__(self, key: Any) -> bool:
+        return self._key(key) in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+def tensor_nbytes(value: Any) -> int:
+    """Bytes held by a tensor/array or a (nested) tuple/list of them."""
+    if value is None:
+        return 0
+    if isinstance(value, tuple | list):
+        return sum(tensor_nbytes(v) for v in value)
+    nbytes = getattr(value, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return value.element_size() * value.numel()
+    return sys.getsizeof(value)
+
+
+class TokenTrie:
+    """A node of a prefix tree over token ids.
+
+    Attributes:
+        children: ``token id -> child node``.
+        logprobs: next-token log-probabilities after this node's prefix, or None.
+        past_key_values: the KV state ending at this node (backend-specific), or None.
+        parent, token, depth: where the node sits (the root has depth 0, token None).
+    """
+
+    __slots__ = ("children", "logprobs", "past_key_values", "parent", "token", "depth", "__weakref__")
+
+    def __init__(self, parent: TokenTrie | None = None, token: int | None = None):
+        self.children: dict[int, TokenTrie] = {}
+        self.logprobs: Any = None
+        self.past_key_values: Any = None
+        self.parent = parent
+        self.token = token
+        self.depth = 0 if parent is None else parent.depth + 1
+
+    def has_token(self, token_id: int) -> bool:
+        return token_id in self.children
+
+    def get_token(self, token_id: int) -> TokenTrie | None:
+        return self.children.get(token_id)
+
+    def add_token(self, token_id: int, logprobs: Any = None) -> TokenTrie:
+        """Return the child for ``token_id``, creating it if needed; set its logprobs if given."""
+        node = self.children.get(token_id)
+        if node is None:
+            node = self.children[token_id] = self._new_child(token_id)
+        if logprobs is not None:
+            node.set_logprobs(logprobs)
+        return node
+
+    def _new_child(self, token_id: int) -> TokenTrie:
+        return TokenTrie(self, token_id)
+
+    def set_logprobs(self, logprobs: Any) -> None:
+        self.logprobs = logprobs
+
+    def set_past_key_values(self, past_key_values: Any) -> None:
+        self.past_key_values = past_key_values
+
+    def extend_cache(
+        self,
+        next_token_index: int,
+        token_ids: Sequence[int],
+        logprobs: Sequence[Any] | None,
+        past_key_values: Any = None,
+    ) -> TokenTrie:
+        """Add ``token_ids[next_token_index:]`` below this node and return the deepest node.
+
+        ``logprobs[j]`` (if given) is stored at the node for the prefix ending at
+        ``token_ids[next_token_index + j]``; ``past_key_values`` at the deepest node.
+        """
+        node = self
+        for j, token_id in enumerate(token_ids[next_token_index:]):
+            node = node.add_token(token_id, None if logprobs is None else logprobs[j])
+        if past_key_values is not None:
+            node.set_past_key_values(past_key_values)
+        return node
+
+    def walk(self, token_ids: Sequence[int]) -> tuple[TokenTrie, int]:
+        """Follow ``token_ids`` as far as the tree goes: ``(deepest node, tokens consumed)``."""
+        node = self
+        for i, token_id in enumerate(token_ids):
+            child = node.children.get(token_id)
+            if child is None:
+                return node, i
+            node = child
+        return node, len(token_ids)
+
+    def path_to_root(self) -> Iterator[TokenTrie]:
+        """This node, its parent, ..., the root."""
+        node: TokenTrie | None = self
+        while node is not None:
+            yield node
+            node = node.parent
+
+    def clear_kv_cache(self) -> None:
+        """Drop the KV state of this node and of everything below it."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            node.set_past_key_values(None)
+            stack.extend(node.children.values())
+
+    def __iter__(self) -> Iterator[TokenTrie]:
+        """All nodes of this subtree (depth-first)."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+class _Budget:
+    """LRU bookkeeping of the nodes holding one kind of value, within a size budget."""
+
+    def __init__(self, max_bytes: float, max_entries: float, drop: Callable[[Any], None]):
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.drop = drop
+        self.entries: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def touch(self, node: Any) -> None:
+        if id(node) in self.entries:
+            self.entries.move_to_end(id(node))
+
+    def add(self, node: Any, nbytes: int) -> None:
+        self.remove(node)
+        self.entries[id(node)] = (node, nbytes)
+        self.nbytes += nbytes
+        while self.entries and (
+            self.nbytes > self.max_bytes or len(self.entries) > self.max_entries
+        ):
+            _, (oldest, _) = next(iter(self.entries.items()))
+            self.drop(oldest)
+
+    def remove(self, node: Any) -> None:
+        entry = self.entries.pop(id(node), None)
+        if entry is not None:
+            self.nbytes -= entry[1]
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+
+
+class DynamicTokenTrie(TokenTrie):
+    """A `TokenTrie` with bounded memory: KV states and logprobs are evicted LRU.
+
+    The budgets are shared by the whole tree (kept on the root): ``max_kv_bytes``
+    and ``max_kv_entries`` bound the KV states, ``max_logprobs_bytes`` and
+    ``max_logprobs_entries`` the cached logprobs (``None``: unbounded). Reading a
+    node through `touch` marks it, and its ancestors, as recently used, so a
+    prefix is never evicted before the longer prefixes built on it.
+    """
+
+    __slots__ = ("root", "kv_budget", "logprobs_budget")
+
+    def __init__(
+        self,
+        parent: DynamicTokenTrie | None = None,
+        token: int | None = None,
+        *,
+        max_kv_bytes: float | None = None,
+        max_kv_entries: float | None = None,
+        max_logprobs_bytes: float | None = None,
+        max_logprobs_entries: float | None = None,
+    ):
+        super().__init__(parent, token)
+        if parent is None:
+            self.root = self
+            inf = float("inf")
+            self.kv_budget = _Budget(
+                inf if max_kv_bytes is None else max_kv_bytes,
+                inf if max_kv_entries is None else max_kv_entries,
+                lambda node: node._evict(past_key_values=True),
+            )
+            self.logprobs_budget = _Budget(
+                inf if max_logprobs_bytes is None else max_logprobs_bytes,
+                inf if max_logprobs_entries is None else max_logprobs_entries,
+                lambda node: node._evict(past_key_values=False),
+            )
+        else:
+            self.root = parent.root
+            self.kv_budget = parent.kv_budget
+            self.logprobs_budget = parent.logprobs_budget
+
+    def _new_child(self, token_id: int) -> DynamicTokenTrie:
+        return DynamicTokenTrie(self, token_id)
+
+    def set_logprobs(self, logprobs: Any) -> None:
+        self.logprobs = logprobs
+        if logprobs is None:
+            self.logprobs_budget.remove(self)
+        else:
+            self.logprobs_budget.add(self, tensor_nbytes(logprobs))
+
+    def set_past_key_values(self, past_key_values: Any) -> None:
+        self.past_key_values = past_key_values
+        if past_key_values is None:
+            self.kv_budget.remove(self)
+        else:
+            self.kv_budget.add(self, tensor_nbytes(past_key_values))
+
+    def _evict(self, past_key_values: bool) -> None:
+        if past_key_values:
+            self.set_past_key_values(None)
+        else:
+            self.set_logprobs(None)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Detach empty leaves (no logprobs, no KV, no children) so the tree stays bounded."""
+        node = self
+        while (
+            node.parent is not None
+            and not node.children
+            and node.logprobs is None
+            and node.past_key_values is None
+        ):
+            del node.parent.children[node.token]
+            node = node.parent
+
+    def touch(self) -> None:
+        """Mark this node and its ancestors as recently used (ancestors first)."""
+        for node in reversed(list(self.path_to_root())):
+            self.kv_budget.touch(node)
+            self.logprobs_budget.touch(node)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of KV state currently held by the whole tree."""
+        return self.kv_budget.nbytes
+
+    @property
+    def logprobs_nbytes(self) -> int:
+        """Bytes of logprobs currently held by the whole tree."""
+        return self.logprobs_budget.nbytes
+
+    def clear_kv_cache(self) -> None:
+        super().clear_kv_cache()
+        if self is self.root:
+            self.kv_budget.clear()

@@ -1,0 +1,26 @@
+"""Language-model backends, all behind the `AsyncLM` interface."""
+
+from genlm.backend._lazy import lazy_exports
+
+__all__ = [
+    "AsyncLM",
+    "MockAsyncLM",
+    "AsyncTransformer",
+    "AsyncVirtualLM",
+    "AsyncMlxLM",
+    "AsyncSGLTransformer",
+    "load_model_by_name",
+]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "AsyncLM": ".base",
+        "MockAsyncLM": ".base",
+        "AsyncTransformer": ".hf",
+        "AsyncVirtualLM": ".vllm",
+        "AsyncMlxLM": ".mlx",
+        "AsyncSGLTransformer": ".sgl",
+        "load_model_by_name": ".loading",
+    },
+)

@@ -1,0 +1,188 @@
+"""The shared AutoBatcher, driven by a stand-in model that records its calls."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from genlm.backend.batching import AutoBatcher
+
+
+class StandIn:
+    """Squares its inputs; records every batch and the thread it ran on."""
+
+    def __init__(self, delay=0.0, fail_on=None):
+        self.batches = []
+        self.threads = set()
+        self.delay = delay
+        self.fail_on = fail_on
+
+    def __call__(self, keys):
+        self.batches.append(list(keys))
+        self.threads.add(threading.get_ident())
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_on is not None and self.fail_on in keys:
+            raise RuntimeError(f"boom on {self.fail_on}")
+        return [k * k for k in keys]
+
+
+async def test_concurrent_requests_form_one_batch_without_waiting_for_timeout():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=100, timeout=5.0)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(batcher.submit(i) for i in range(50)))
+    assert time.perf_counter() - start < 1.0  # flushed when the loop went idle, not at 5 s
+    assert results == [i * i for i in range(50)]
+    assert model.batches == [list(range(50))]
+    assert threading.get_ident() not in model.threads  # ran off the event loop thread
+
+
+async def test_batches_are_capped_at_batch_size():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=8, timeout=None)
+    results = await asyncio.gather(*(batcher.submit(i) for i in range(20)))
+    assert results == [i * i for i in range(20)]
+    assert [len(b) for b in model.batches] == [8, 8, 4]
+    assert sorted(k for b in model.batches for k in b) == list(range(20))
+
+
+async def test_identical_keys_are_computed_once():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=10)
+    results = await asyncio.gather(*(batcher.submit(i % 3) for i in range(12)))
+    assert results == [(i % 3) ** 2 for i in range(12)]
+    assert model.batches == [[0, 1, 2]]
+
+
+async def test_next_batch_gathers_while_current_one_computes():
+    model = StandIn(delay=0.1)
+    batcher = AutoBatcher(model, batch_size=100, timeout=None)
+
+    async def late(i):
+        await asyncio.sleep(0.02)  # arrives while the first batch is running
+        return await batcher.submit(i)
+
+    results = await asyncio.gather(batcher.submit(0), *(late(i) for i in range(1, 6)))
+    assert results == [i * i for i in range(6)]
+    assert model.batches == [[0], [1, 2, 3, 4, 5]]
+
+
+async def test_timeout_bounds_the_wait_when_the_loop_stays_busy():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=100, timeout=0.05)
+    stop = False
+
+    async def busy():  # keeps the loop from ever being idle
+        while not stop:
+            await asyncio.sleep(0)
+
+    async def trickle():
+        tasks = []
+        for i in range(40):
+            tasks.append(asyncio.ensure_future(batcher.submit(i)))
+            await asyncio.sleep(0.005)
+        return await asyncio.gather(*tasks)
+
+    spinner = asyncio.ensure_future(busy())
+    start = time.perf_counter()
+    first = await batcher.submit(-1)
+    assert first == 1
+    assert time.perf_counter() - start < 0.5
+    results = await trickle()
+    stop = True
+    await spinner
+    assert results == [i * i for i in range(40)]
+
+
+async def test_error_reaches_every_caller_of_the_batch_and_batcher_keeps_serving():
+    model = StandIn(fail_on=3)
+    batcher = AutoBatcher(model, batch_size=10)
+    outcomes = await asyncio.gather(*(batcher.submit(i) for i in range(5)), return_exceptions=True)
+    assert all(isinstance(o, RuntimeError) and "boom on 3" in str(o) for o in outcomes)
+    assert await asyncio.gather(batcher.submit(7), batcher.submit(8)) == [49, 64]
+
+
+async def test_wrong_number_of_results_is_an_error_for_the_callers():
+    batcher = AutoBatcher(lambda keys: [0], batch_size=10)
+    outcomes = await asyncio.gather(batcher.submit(1), batcher.submit(2), return_exceptions=True)
+    assert all(isinstance(o, RuntimeError) and "returned 1 results" in str(o) for o in outcomes)
+
+
+async def test_cancelled_caller_does_not_disturb_the_others():
+    model = StandIn(delay=0.05)
+    batcher = AutoBatcher(model, batch_size=10)
+    queued = [asyncio.ensure_future(batcher.submit(i)) for i in range(4)]
+    await asyncio.sleep(0)
+    queued[1].cancel()
+    results = await asyncio.gather(*queued, return_exceptions=True)
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert [results[i] for i in (0, 2, 3)] == [0, 4, 9]
+
+    running = [asyncio.ensure_future(batcher.submit(i)) for i in range(10, 14)]
+    await asyncio.sleep(0.01)  # the batch is now computing
+    running[0].cancel()
+    results = await asyncio.gather(*running, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert results[1:] == [121, 144, 169]
+
+
+async def test_cancelled_before_flush_is_not_computed():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=10)
+    a = asyncio.ensure_future(batcher.submit(1))
+    b = asyncio.ensure_future(batcher.submit(2))
+    await asyncio.sleep(0)  # both queued
+    a.cancel()
+    assert await b == 4
+    assert model.batches == [[2]]
+
+
+async def test_reset_drops_queued_requests():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=10, timeout=None)
+    queued = asyncio.ensure_future(batcher.submit(5))
+    await asyncio.sleep(0)  # queued, and the idle flush is pending
+    batcher.reset()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert model.batches == []
+    assert await batcher.submit(6) == 36
+
+
+def test_works_across_successive_event_loops():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=4)
+
+    async def run(offset):
+        return await asyncio.gather(*(batcher.submit(offset + i) for i in range(6)))
+
+    assert asyncio.run(run(0)) == [i * i for i in range(6)]
+    assert asyncio.run(run(10)) == [(10 + i) ** 2 for i in range(6)]
+    batcher.close()
+    assert asyncio.run(run(20)) == [(20 + i) ** 2 for i in range(6)]
+
+
+def test_abandoned_loop_does_not_block_the_next_one():
+    model = StandIn(delay=0.05)
+    batcher = AutoBatcher(model, batch_size=4)
+
+    async def abandon():
+        asyncio.ensure_future(batcher.submit(1))
+        await asyncio.sleep(0.01)  # the batch is running when the loop ends
+
+    asyncio.run(abandon())
+    assert asyncio.run(batcher.submit(3)) == 9
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="batch_size"):
+        AutoBatcher(StandIn(), batch_size=0)
+    with pytest.raises(ValueError, match="timeout"):
+        AutoBatcher(StandIn(), timeout=-1)
+
+
+def test_run_sync_uses_the_worker_thread():
+    batcher = AutoBatcher(StandIn())
+    assert batcher.run_sync(threading.get_ident) != threading.get_ident()
