@@ -15,7 +15,7 @@ class Token(bytes):
 
     token_id: int
 
-    def __new__(cls, token_id: int, byte_string: bytes) -> "Token":
+    def __new__(cls, token_id: int, byte_string: bytes) -> Token:
         if isinstance(token_id, bool) or not isinstance(token_id, int):
             raise TypeError(f"token_id must be an int, got {type(token_id).__name__}: {token_id!r}")
         if not isinstance(byte_string, (bytes, bytearray)):
@@ -78,8 +78,8 @@ class Token(bytes):
     def __reduce__(self) -> tuple:
         return (Token, (self.token_id, bytes(self)))
 
-    def __deepcopy__(self, memo: dict) -> "Token":
+    def __deepcopy__(self, memo: dict) -> Token:
         return self
 
-    def __copy__(self) -> "Token":
+    def __copy__(self) -> Token:
         return self

