@@ -1,0 +1,106 @@
+"""`AsyncTokenCharacterTrie`: concurrent ``await trie.weight_sum(ws)`` calls, batched.
+
+Each particle of an SMC run awaits its own prefix weights; the shared
+`genlm.backend.batching.AutoBatcher` gathers the concurrent requests into one
+``batch_weight_sum`` (or ``batch_weight_max``) call that runs on a worker thread,
+so the event loop keeps scheduling particles meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from genlm.backend.batching import AutoBatcher
+from genlm.backend.trie.base import TokenCharacterTrie, check_weights_shape
+
+_BACKENDS = ("sequential", "parallel")
+
+
+class _Request:
+    """One caller's weights; hashed by identity, since arrays are not hashable by value."""
+
+    __slots__ = ("ws",)
+
+    def __init__(self, ws: Any):
+        self.ws = ws
+
+
+class AsyncTokenCharacterTrie:
+    """Asynchronous, auto-batched front end of a (sequential or parallel) trie.
+
+    Args:
+        trie: the `TokenCharacterTrie` or `ParallelTokenCharacterTrie` doing the work.
+        batch_size: most distributions per batched call.
+        timeout: longest wait (seconds) for a batch to fill while the loop stays busy.
+    """
+
+    def __init__(self, trie: TokenCharacterTrie, batch_size: int = 64, timeout: float = 0.02):
+        self.trie = trie
+        self._batchers = {
+            name: AutoBatcher(
+                self._batch_function(name), batch_size, timeout, name=f"genlm-trie-{name}"
+            )
+            for name in ("sum", "max")
+        }
+
+    @classmethod
+    def from_vocab(
+        cls, vocab: Sequence[Any], backend: str = "parallel", **kwargs: Any
+    ) -> AsyncTokenCharacterTrie:
+        """Build the trie for ``vocab`` (``backend`` "sequential" or "parallel") and wrap it.
+
+        ``kwargs`` go to the trie (e.g. ``device`` for the parallel one).
+        """
+        if backend == "sequential":
+            trie = TokenCharacterTrie(vocab, **kwargs)
+        elif backend == "parallel":
+            from genlm.backend.trie.parallel import ParallelTokenCharacterTrie
+
+            trie = ParallelTokenCharacterTrie(vocab, **kwargs)
+        else:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        return cls(trie)
+
+    def _batch_function(self, name: str):
+        def process(requests: list[_Request]) -> np.ndarray:
+            method = getattr(self.trie, f"batch_weight_{name}")
+            return method([request.ws for request in requests])
+
+        return process
+
+    async def weight_sum(self, ws: Any) -> np.ndarray:
+        """`TokenCharacterTrie.weight_sum`, batched with concurrent calls."""
+        return await self._submit("sum", ws)
+
+    async def weight_max(self, ws: Any) -> np.ndarray:
+        """`TokenCharacterTrie.weight_max`, batched with concurrent calls."""
+        return await self._submit("max", ws)
+
+    async def _submit(self, name: str, ws: Any) -> np.ndarray:
+        # Bad input fails its own caller here, not the whole batch it would have joined.
+        shape = tuple(ws.shape) if hasattr(ws, "shape") else np.shape(ws)
+        check_weights_shape(shape, len(self.trie.decode), batched=False)
+        return await self._batchers[name].submit(_Request(ws))
+
+    def start(self) -> None:
+        """Start the worker threads now rather than on the first request."""
+        for batcher in self._batchers.values():
+            batcher.run_sync(lambda: None)
+
+    async def cleanup(self) -> None:
+        """Drop queued requests and stop the worker threads (they restart on demand)."""
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Synchronous `cleanup`."""
+        for batcher in self._batchers.values():
+            batcher.close()
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Sizes of the batches run so far (sums and maxima), for monitoring."""
+        return self._batchers["sum"].batch_sizes + self._batchers["max"].batch_sizes

@@ -1,0 +1,133 @@
+"""`ParallelTokenCharacterTrie`: the trie's weight functions as torch sparse kernels.
+
+The structure is the one of `TokenCharacterTrie`; on top of it a reachability
+matrix ``M[node, leaf]`` (1 when the leaf is in the node's subtree) is kept in
+CSR form, one row per node. Columns are leaves in node order, so each row's
+columns are one contiguous, sorted run (preorder numbering makes every subtree a
+contiguous id range) and weights are permuted to leaf order by one gather.
+
+- sums: ``M @ W`` (CSR rows are what torch's CPU sparse kernels parallelise over,
+  and one distribution costs one sparse matrix-vector product);
+- maxima: ``scatter_reduce`` with ``"amax"`` of the gathered weights onto rows.
+
+A batch of B distributions is one kernel call for either. Results are returned
+as float32 numpy arrays (one device-to-host copy per call, whatever the batch
+size), so callers get the same types from both tries.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from genlm.backend.trie.base import TokenCharacterTrie, check_weights_shape
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ParallelTokenCharacterTrie(TokenCharacterTrie):
+    """`TokenCharacterTrie` computing its weights with torch on ``device``.
+
+    Args:
+        decode: the vocabulary (see `TokenCharacterTrie`).
+        device: ``"cpu"``, ``"cuda"`` (or ``"cuda:N"``), or None for cuda when available.
+
+    Raises:
+        ValueError: unknown device, or cuda requested but unavailable.
+    """
+
+    def __init__(self, decode: Sequence[Any], device: str | None = None):
+        self.device = _resolve_device(device)
+        super().__init__(decode)
+        self._build_reachability()
+
+    def _build_reachability(self) -> None:
+        import torch
+
+        leaf_nodes = np.flatnonzero(self._position >= 0)
+        first = np.searchsorted(leaf_nodes, np.arange(self.num_nodes))
+        last = np.searchsorted(leaf_nodes, np.arange(self.num_nodes) + self._subtree_size)
+        counts = last - first
+        crow = np.zeros(self.num_nodes + 1, np.int64)
+        np.cumsum(counts, out=crow[1:])
+        nnz = int(crow[-1])
+        columns = np.arange(nnz, dtype=np.int64) - np.repeat(crow[:-1] - first, counts)
+        rows = np.repeat(np.arange(self.num_nodes, dtype=np.int64), counts)
+        device = self.device
+        self.leaf_order = torch.as_tensor(self._position[leaf_nodes], device=device)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+            self.M = torch.sparse_csr_tensor(
+                torch.as_tensor(crow, device=device),
+                torch.as_tensor(columns, device=device),
+                torch.ones(nnz, dtype=torch.float32, device=device),
+                size=(self.num_nodes, len(leaf_nodes)),
+                check_invariants=False,  # valid by construction
+            )
+        self._columns = self.M.col_indices()
+        self._rows = torch.as_tensor(rows, device=device)
+
+    def _tensor(self, ws: Any, batched: bool) -> torch.Tensor:
+        """Validated float32 ``[B, V]`` tensor on the trie's device, columns in leaf order."""
+        import torch
+
+        if batched and isinstance(ws, (list, tuple)):
+            rows = [self._tensor(w, batched=False)[0] for w in ws]
+            if not rows:
+                return torch.empty((0, len(self.decode)), device=self.device)
+            return torch.stack(rows)
+        if not isinstance(ws, torch.Tensor):
+            ws = torch.from_numpy(np.asarray(ws, dtype=np.float32))
+        check_weights_shape(tuple(ws.shape), len(self.decode), batched)
+        ws = ws.detach().to(device=self.device, dtype=torch.float32)
+        ws = ws if batched else ws[None]
+        return ws.index_select(1, self.leaf_order)
+
+    def _sum(self, ws: torch.Tensor) -> np.ndarray:
+        if ws.shape[0] == 1:
+            out = (self.M @ ws[0])[None]
+        else:
+            out = (self.M @ ws.T).T
+        return out.cpu().numpy()
+
+    def _max(self, ws: torch.Tensor) -> np.ndarray:
+        import torch
+
+        out = torch.full((ws.shape[0], self.num_nodes), -torch.inf, device=self.device)
+        index = self._rows.expand(ws.shape[0], -1)
+        out.scatter_reduce_(1, index, ws.index_select(1, self._columns), "amax")
+        return out.cpu().numpy()
+
+    def weight_sum(self, ws: Any) -> np.ndarray:
+        """Per node, the sum of ``ws`` over the positions below it (float32; NaN propagates)."""
+        return self._sum(self._tensor(ws, batched=False))[0]
+
+    def weight_max(self, ws: Any) -> np.ndarray:
+        """Per node, the max of ``ws`` over the positions below it (float32; NaN propagates)."""
+        return self._max(self._tensor(ws, batched=False))[0]
+
+    def batch_weight_sum(self, ws: Any) -> np.ndarray:
+        """`weight_sum` of B distributions in one sparse matmul -> ``[B, num_nodes]``."""
+        return self._sum(self._tensor(ws, batched=True))
+
+    def batch_weight_max(self, ws: Any) -> np.ndarray:
+        """`weight_max` of B distributions in one scatter-reduce -> ``[B, num_nodes]``."""
+        return self._max(self._tensor(ws, batched=True))
+
+
+def _resolve_device(device: Any) -> str:
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    name = str(device)
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or None, got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return name

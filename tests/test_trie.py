@@ -1,0 +1,234 @@
+"""Token-character tries checked against brute force over random vocabularies."""
+
+import shutil
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from genlm.backend import ParallelTokenCharacterTrie, Token, TokenCharacterTrie
+
+TRIES = [TokenCharacterTrie, ParallelTokenCharacterTrie]
+
+
+def random_vocab(seed, size=150):
+    """Tokens over a small alphabet (so prefixes are shared), with the empty token, all
+    single bytes of the alphabet, and some byte strings repeated under distinct ids."""
+    rng = np.random.default_rng(seed)
+    strings = [b"", *(bytes([c]) for c in b"abc\x00\xff")]
+    while len(strings) < size:
+        if strings and rng.random() < 0.1:
+            strings.append(strings[int(rng.integers(len(strings)))])  # duplicate bytes
+        else:
+            strings.append(bytes(rng.choice(list(b"abc\x00\xff"), int(rng.integers(1, 7)))))
+    order = rng.permutation(len(strings))
+    return [Token(int(i), strings[j]) for i, j in enumerate(order)]
+
+
+def symbols(entry):
+    if isinstance(entry, bytes):
+        return list(entry)
+    try:
+        return list(entry)
+    except TypeError:
+        return [entry]
+
+
+def brute_force(trie, vocab, ws, reduce):
+    """For every node, reduce ``ws`` over the entries whose symbols start with its prefix
+    (a leaf: its own entry only)."""
+    leaf_position = {int(leaf): int(pos) for pos, leaf in trie.idx_to_leaf}
+    seqs = [symbols(entry) for entry in vocab]
+    out = np.empty(trie.num_nodes)
+    for node in range(trie.num_nodes):
+        if node in leaf_position:
+            out[node] = ws[leaf_position[node]]
+            continue
+        prefix = trie.node2prefix[node]
+        below = [ws[j] for j, seq in enumerate(seqs) if seq[: len(prefix)] == prefix]
+        out[node] = reduce(below) if below else (-np.inf if reduce is max else 0.0)
+    return out
+
+
+def np_max(values):
+    return np.max(values)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_structure_matches_the_distinct_prefixes(seed):
+    vocab = random_vocab(seed)
+    trie = TokenCharacterTrie(vocab)
+    expected_prefixes = {tuple(e[:k]) for e in map(list, vocab) for k in range(len(e) + 1)}
+    leaves = {int(leaf) for leaf in trie.idx_to_leaf[:, 1]}
+    internal = [n for n in range(trie.num_nodes) if n not in leaves]
+    assert {tuple(trie.node2prefix[n]) for n in internal} == expected_prefixes
+    assert len(internal) == len(expected_prefixes)  # one node per distinct prefix
+    assert trie.num_nodes == len(expected_prefixes) + len(vocab)  # plus one leaf per position
+    assert trie.root == 0 and trie.node2prefix[0] == []
+    for pos, leaf in trie.idx_to_leaf:
+        token = vocab[pos]
+        assert trie.leaf2word[leaf] == (bytes(token), token.token_id)
+        assert trie.word2leaf[(bytes(token), token.token_id)] == leaf
+        assert trie.node2prefix[leaf] == list(token)
+    for node, kids in enumerate(trie.children):
+        assert list(trie.jump[node]) == sorted(kids.values())
+        for key, child in kids.items():
+            assert child > node  # preorder: parents before children
+            if child in leaves:
+                assert key[0] is None and trie.idx_to_leaf[key[1], 1] == child
+            else:
+                assert trie.node2prefix[child] == trie.node2prefix[node] + [key]
+    position = {node: i for i, node in enumerate(trie.ordering)}
+    assert all(
+        position[child] < position[node]
+        for node in range(trie.num_nodes)
+        for child in trie.children[node].values()
+    )
+
+
+@pytest.mark.parametrize("trie_class", TRIES)
+@pytest.mark.parametrize("seed", range(3))
+def test_weights_match_brute_force(trie_class, seed):
+    vocab = random_vocab(seed)
+    trie = trie_class(vocab)
+    rng = np.random.default_rng(100 + seed)
+    batch = rng.random((3, len(vocab)))
+    batch[1] = np.log(batch[1])  # negative weights for max
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for ws in batch:
+        np.testing.assert_allclose(trie.weight_sum(ws), brute_force(trie, vocab, ws, sum), **tol)
+        np.testing.assert_allclose(trie.weight_max(ws), brute_force(trie, vocab, ws, np_max), **tol)
+    sums = np.stack([brute_force(trie, vocab, ws, sum) for ws in batch])
+    maxs = np.stack([brute_force(trie, vocab, ws, np_max) for ws in batch])
+    for given in (batch, list(batch), torch.tensor(batch), [torch.tensor(w) for w in batch]):
+        assert trie.batch_weight_sum(given).shape == (3, trie.num_nodes)
+        np.testing.assert_allclose(trie.batch_weight_sum(given), sums, **tol)
+        np.testing.assert_allclose(trie.batch_weight_max(given), maxs, **tol)
+    single = torch.tensor(batch[0], dtype=torch.float32)
+    np.testing.assert_allclose(trie.weight_sum(single), sums[0], **tol)
+    assert isinstance(trie.weight_sum(single), np.ndarray)
+
+
+def test_sequential_and_parallel_agree_on_a_larger_vocabulary():
+    vocab = random_vocab(7, size=3000)
+    ws = torch.softmax(torch.randn(len(vocab), generator=torch.Generator().manual_seed(0)), 0)
+    sequential, parallel = TokenCharacterTrie(vocab), ParallelTokenCharacterTrie(vocab, "cpu")
+    np.testing.assert_allclose(
+        parallel.weight_sum(ws), sequential.weight_sum(ws), rtol=1e-5, atol=1e-7
+    )
+    np.testing.assert_allclose(parallel.weight_max(ws), sequential.weight_max(ws), rtol=1e-6)
+    assert sequential.weight_sum(ws)[sequential.root] == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_nan_weights_propagate_to_every_ancestor(trie_class):
+    vocab = [Token(0, b"ab"), Token(1, b"ac"), Token(2, b"b")]
+    trie = trie_class(vocab)
+    ws = np.array([np.nan, 0.5, 0.25])
+    leaves = {int(leaf) for leaf in trie.idx_to_leaf[:, 1]}
+    ancestors = {
+        n
+        for n in range(trie.num_nodes)
+        if n not in leaves and trie.node2prefix[n] in ([], [97], [97, 98])
+    }
+    expected = ancestors | {trie.word2leaf[(b"ab", 0)]}
+    assert len(expected) == 4
+    for result in (trie.weight_sum(ws), trie.weight_max(ws)):
+        assert {int(n) for n in np.flatnonzero(np.isnan(result))} == expected
+
+
+def test_plain_bytes_warn_once_and_use_their_bytes_as_keys():
+    with pytest.warns(DeprecationWarning, match="plain bytes") as record:
+        trie = TokenCharacterTrie([b"cat", b"cats", b"dog"])
+    assert len([w for w in record if w.category is DeprecationWarning]) == 1
+    assert set(trie.word2leaf) == {b"cat", b"cats", b"dog"}
+    np.testing.assert_allclose(trie.weight_sum([1.0, 2.0, 4.0])[trie.root], 7.0)
+
+
+def test_mixed_vocabulary_with_an_end_of_sequence_object():
+    eos = object()
+    vocab = [Token(0, b"ab"), Token(1, b"a"), eos, "ab", ("x", 97)]
+    trie = TokenCharacterTrie(vocab)
+    assert trie.word2leaf[eos] == trie.idx_to_leaf[2, 1]
+    assert trie.node2prefix[trie.word2leaf[eos]] == [eos]
+    assert trie.children[trie.root][eos] in trie.children[trie.root].values()
+    assert trie.node2prefix[trie.word2leaf["ab"]] == ["a", "b"]  # str: its characters
+    ws = np.array([1.0, 2.0, 4.0, 8.0, 16.0])
+    np.testing.assert_allclose(trie.weight_sum(ws), brute_force(trie, vocab, ws, sum))
+    np.testing.assert_allclose(
+        ParallelTokenCharacterTrie(vocab, "cpu").weight_sum(ws), brute_force(trie, vocab, ws, sum)
+    )
+    assert trie.node2prefix[trie.children[trie.root][97]] == [97]  # byte edges are ints
+
+
+def test_empty_vocabulary_has_only_the_root():
+    trie = TokenCharacterTrie([])
+    assert trie.num_nodes == 1
+    assert trie.weight_sum(np.zeros(0)).tolist() == [0.0]
+    assert trie.weight_max(np.zeros(0)).tolist() == [-np.inf]
+
+
+def test_deprecated_mass_sum_names():
+    vocab = random_vocab(1, size=30)
+    trie = TokenCharacterTrie(vocab)
+    ws = np.random.default_rng(0).random(len(vocab))
+    with pytest.warns(DeprecationWarning, match="weight_sum"):
+        np.testing.assert_allclose(trie.mass_sum(ws), trie.weight_sum(ws))
+    with pytest.warns(DeprecationWarning, match="batch_weight_sum"):
+        np.testing.assert_allclose(trie.batch_mass_sum([ws]), trie.batch_weight_sum([ws]))
+
+
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_bad_weights_are_rejected(trie_class):
+    trie = trie_class([Token(0, b"a"), Token(1, b"b")])
+    for bad in (np.ones(3), np.ones((1, 2)), torch.ones(1)):
+        with pytest.raises(ValueError, match="length 2"):
+            trie.weight_sum(bad)
+        with pytest.raises(ValueError, match="length 2"):
+            trie.weight_max(bad)
+    for bad in (np.ones(2), np.ones((2, 3))):
+        with pytest.raises(ValueError, match=r"\[B, 2\]"):
+            trie.batch_weight_sum(bad)
+    with pytest.raises(ValueError, match="length 2"):
+        trie.batch_weight_max([np.ones(2), np.ones(5)])
+
+
+def test_duplicate_entries_are_rejected():
+    with pytest.raises(ValueError, match="duplicate"):
+        TokenCharacterTrie([Token(0, b"a"), Token(1, b"b"), Token(0, b"a")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match="duplicate"):
+            TokenCharacterTrie([b"a", b"a"])
+    with pytest.raises(TypeError, match="hashable"):
+        TokenCharacterTrie([["a"]])
+
+
+def test_devices():
+    vocab = [Token(0, b"a")]
+    for device in ("gpu", "cpu:0", "cuda:x", 3):
+        with pytest.raises(ValueError, match="device"):
+            ParallelTokenCharacterTrie(vocab, device=device)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            ParallelTokenCharacterTrie(vocab, device="cuda")
+        assert ParallelTokenCharacterTrie(vocab).device == "cpu"
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` binary not installed")
+def test_visualize_renders_with_dot():
+    import graphviz
+
+    vocab = [Token(0, b"cat"), Token(1, b"cats"), Token(2, b"dog"), Token(3, b"d\\g\n")]
+    trie = TokenCharacterTrie(vocab)
+    graph = trie.visualize(trie.weight_sum([0.4, 0.1, 0.3, 0.2]))
+    assert isinstance(graph, graphviz.Digraph)
+    svg = graph.pipe(format="svg").decode()
+    assert svg.lstrip().startswith("<?xml") and "</svg>" in svg
+    assert "End&#45;of&#45;Token (ID: 1)" in svg or "End-of-Token (ID: 1)" in svg
+    assert "doublecircle" in graph.source and "0.5" in svg
+    bundle = TokenCharacterTrie(vocab).visualize()._repr_mimebundle_(include=["image/svg+xml"])
+    assert "<svg" in bundle["image/svg+xml"]  # what Jupyter displays
+    with pytest.raises(ValueError, match="one weight per node"):
+        trie.visualize(np.ones(3))

@@ -1,0 +1,114 @@
+"""AsyncTokenCharacterTrie: concurrent awaits batched, results equal to the direct calls."""
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from genlm.backend import (
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    Token,
+    TokenCharacterTrie,
+)
+
+VOCAB = [Token(i, b) for i, b in enumerate([b"", b"a", b"ab", b"abc", b"b", b"ba", b"ab"])]
+
+
+def distributions(n, seed=0):
+    return np.random.default_rng(seed).random((n, len(VOCAB)))
+
+
+def brute_sum(ws):
+    """Sum of ``ws`` over the tokens starting with each prefix, by prefix bytes."""
+    return {
+        bytes(t[:k]): sum(w for u, w in zip(VOCAB, ws, strict=True) if u.startswith(bytes(t[:k])))
+        for t in VOCAB
+        for k in range(len(t) + 1)
+    }
+
+
+@pytest.mark.parametrize("backend", ["sequential", "parallel"])
+async def test_concurrent_calls_form_one_batch_off_the_event_loop(backend):
+    trie = AsyncTokenCharacterTrie.from_vocab(VOCAB, backend=backend)
+    threads = []
+    batch_weight_sum = trie.trie.batch_weight_sum
+
+    def recording(ws):
+        threads.append(threading.get_ident())
+        return batch_weight_sum(ws)
+
+    trie.trie.batch_weight_sum = recording
+    ws = distributions(20)
+    results = await asyncio.gather(*(trie.weight_sum(w) for w in ws))
+    assert trie.batch_sizes == [20]
+    assert threading.get_ident() not in threads
+    inner = trie.trie
+    for w, result in zip(ws, results, strict=True):
+        expected = brute_sum(w)
+        for node, prefix in inner.node2prefix.items():
+            if node not in inner.leaf2word:
+                assert result[node] == pytest.approx(expected[bytes(prefix)], rel=1e-5)
+    maxima = await asyncio.gather(*(trie.weight_max(torch.tensor(w)) for w in ws))
+    np.testing.assert_allclose(np.stack(maxima), inner.batch_weight_max(ws), rtol=1e-6)
+    await trie.cleanup()
+
+
+def test_works_across_successive_event_loops():
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    trie.start()
+    ws = distributions(5)
+
+    async def run():
+        return await asyncio.gather(*(trie.weight_sum(w) for w in ws))
+
+    first, second = asyncio.run(run()), asyncio.run(run())
+    np.testing.assert_allclose(np.stack(first), np.stack(second))
+    np.testing.assert_allclose(np.stack(first), trie.trie.batch_weight_sum(ws))
+    trie.shutdown()
+
+
+async def test_bad_input_fails_only_its_own_caller():
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    good = distributions(3)
+    results = await asyncio.gather(
+        trie.weight_sum(good[0]),
+        trie.weight_sum(np.ones(len(VOCAB) + 1)),
+        trie.weight_max(np.ones((2, len(VOCAB)))),
+        trie.weight_sum(good[1]),
+        return_exceptions=True,
+    )
+    assert isinstance(results[1], ValueError) and isinstance(results[2], ValueError)
+    np.testing.assert_allclose(results[0], trie.trie.weight_sum(good[0]))
+    np.testing.assert_allclose(results[3], trie.trie.weight_sum(good[1]))
+
+
+async def test_a_failing_batch_fails_its_callers_only():
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    real = trie.trie.batch_weight_sum
+    calls = []
+
+    def fail_once(ws):
+        calls.append(len(ws))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(ws)
+
+    trie.trie.batch_weight_sum = fail_once
+    ws = distributions(4)
+    first = await asyncio.gather(*(trie.weight_sum(w) for w in ws), return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in first)
+    second = await asyncio.gather(*(trie.weight_sum(w) for w in ws))
+    np.testing.assert_allclose(np.stack(second), real(ws))
+
+
+def test_from_vocab_backends():
+    assert isinstance(AsyncTokenCharacterTrie.from_vocab(VOCAB).trie, ParallelTokenCharacterTrie)
+    sequential = AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="sequential").trie
+    assert type(sequential) is TokenCharacterTrie
+    parallel = AsyncTokenCharacterTrie.from_vocab(VOCAB, device="cpu").trie
+    assert parallel.device == "cpu"
+    with pytest.raises(ValueError, match="backend"):
+        AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="gpu")
