@@ -9,19 +9,29 @@ import torch
 
 from genlm.backend import ParallelTokenCharacterTrie, Token, TokenCharacterTrie
 
-TRIES = [TokenCharacterTrie, ParallelTokenCharacterTrie]
+
+def sparse_parallel_trie(vocab):
+    """A parallel trie computing through its sparse matrix (the CUDA path), here on CPU."""
+    trie = ParallelTokenCharacterTrie(vocab, device="cpu")
+    trie.sparse_kernels = True
+    return trie
 
 
-def random_vocab(seed, size=150):
+TRIES = [TokenCharacterTrie, ParallelTokenCharacterTrie, sparse_parallel_trie]
+
+
+def random_vocab(seed, size=150, stem=b""):
     """Tokens over a small alphabet (so prefixes are shared), with the empty token, all
-    single bytes of the alphabet, and some byte strings repeated under distinct ids."""
+    single bytes of the alphabet, and some byte strings repeated under distinct ids.
+    With ``stem``, most tokens start with a prefix of it (long shared prefixes)."""
     rng = np.random.default_rng(seed)
     strings = [b"", *(bytes([c]) for c in b"abc\x00\xff")]
     while len(strings) < size:
         if strings and rng.random() < 0.1:
             strings.append(strings[int(rng.integers(len(strings)))])  # duplicate bytes
         else:
-            strings.append(bytes(rng.choice(list(b"abc\x00\xff"), int(rng.integers(1, 7)))))
+            head = stem[: int(rng.integers(len(stem) + 1))]
+            strings.append(head + bytes(rng.choice(list(b"abc\x00\xff"), int(rng.integers(1, 7)))))
     order = rng.permutation(len(strings))
     return [Token(int(i), strings[j]) for i, j in enumerate(order)]
 
@@ -55,9 +65,10 @@ def np_max(values):
     return np.max(values)
 
 
+@pytest.mark.parametrize("stem", [b"", b"abc\x00abc\x00abc\x00"])
 @pytest.mark.parametrize("seed", range(4))
-def test_structure_matches_the_distinct_prefixes(seed):
-    vocab = random_vocab(seed)
+def test_structure_matches_the_distinct_prefixes(seed, stem):
+    vocab = random_vocab(seed, stem=stem)
     trie = TokenCharacterTrie(vocab)
     expected_prefixes = {tuple(e[:k]) for e in map(list, vocab) for k in range(len(e) + 1)}
     leaves = {int(leaf) for leaf in trie.idx_to_leaf[:, 1]}
@@ -73,6 +84,8 @@ def test_structure_matches_the_distinct_prefixes(seed):
         assert trie.node2prefix[leaf] == list(token)
     for node, kids in enumerate(trie.children):
         assert list(trie.jump[node]) == sorted(kids.values())
+        byte_edges = [key for key in sorted(kids, key=kids.get) if isinstance(key, int)]
+        assert byte_edges == sorted(byte_edges)  # siblings numbered in byte order
         for key, child in kids.items():
             assert child > node  # preorder: parents before children
             if child in leaves:
@@ -90,7 +103,7 @@ def test_structure_matches_the_distinct_prefixes(seed):
 @pytest.mark.parametrize("trie_class", TRIES)
 @pytest.mark.parametrize("seed", range(3))
 def test_weights_match_brute_force(trie_class, seed):
-    vocab = random_vocab(seed)
+    vocab = random_vocab(seed, stem=b"ab\x00cab\xffba" if seed == 2 else b"")
     trie = trie_class(vocab)
     rng = np.random.default_rng(100 + seed)
     batch = rng.random((3, len(vocab)))
@@ -101,7 +114,15 @@ def test_weights_match_brute_force(trie_class, seed):
         np.testing.assert_allclose(trie.weight_max(ws), brute_force(trie, vocab, ws, np_max), **tol)
     sums = np.stack([brute_force(trie, vocab, ws, sum) for ws in batch])
     maxs = np.stack([brute_force(trie, vocab, ws, np_max) for ws in batch])
-    for given in (batch, list(batch), torch.tensor(batch), [torch.tensor(w) for w in batch]):
+    strided = np.asfortranarray(batch)  # rows that are not contiguous
+    for given in (
+        batch,
+        list(batch),
+        strided,
+        batch.astype(np.float32),
+        torch.tensor(batch),
+        [torch.tensor(w) for w in batch],
+    ):
         assert trie.batch_weight_sum(given).shape == (3, trie.num_nodes)
         np.testing.assert_allclose(trie.batch_weight_sum(given), sums, **tol)
         np.testing.assert_allclose(trie.batch_weight_max(given), maxs, **tol)
@@ -110,14 +131,19 @@ def test_weights_match_brute_force(trie_class, seed):
     assert isinstance(trie.weight_sum(single), np.ndarray)
 
 
-def test_sequential_and_parallel_agree_on_a_larger_vocabulary():
+@pytest.mark.parametrize("parallel_class", TRIES[1:])
+def test_sequential_and_parallel_agree_on_a_larger_vocabulary(parallel_class):
     vocab = random_vocab(7, size=3000)
     ws = torch.softmax(torch.randn(len(vocab), generator=torch.Generator().manual_seed(0)), 0)
-    sequential, parallel = TokenCharacterTrie(vocab), ParallelTokenCharacterTrie(vocab, "cpu")
+    sequential, parallel = TokenCharacterTrie(vocab), parallel_class(vocab)
     np.testing.assert_allclose(
         parallel.weight_sum(ws), sequential.weight_sum(ws), rtol=1e-5, atol=1e-7
     )
     np.testing.assert_allclose(parallel.weight_max(ws), sequential.weight_max(ws), rtol=1e-6)
+    batch = torch.stack([ws, ws.flip(0)])
+    np.testing.assert_allclose(
+        parallel.batch_weight_sum(batch), sequential.batch_weight_sum(batch), rtol=1e-5, atol=1e-7
+    )
     assert sequential.weight_sum(ws)[sequential.root] == pytest.approx(1.0, abs=1e-6)
 
 
@@ -162,11 +188,13 @@ def test_mixed_vocabulary_with_an_end_of_sequence_object():
     assert trie.node2prefix[trie.children[trie.root][97]] == [97]  # byte edges are ints
 
 
-def test_empty_vocabulary_has_only_the_root():
-    trie = TokenCharacterTrie([])
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_empty_vocabulary_has_only_the_root(trie_class):
+    trie = trie_class([])
     assert trie.num_nodes == 1
     assert trie.weight_sum(np.zeros(0)).tolist() == [0.0]
     assert trie.weight_max(np.zeros(0)).tolist() == [-np.inf]
+    assert trie.batch_weight_sum(np.zeros((2, 0))).tolist() == [[0.0], [0.0]]
 
 
 def test_deprecated_mass_sum_names():
@@ -201,6 +229,10 @@ def test_duplicate_entries_are_rejected():
         warnings.simplefilter("ignore", DeprecationWarning)
         with pytest.raises(ValueError, match="duplicate"):
             TokenCharacterTrie([b"a", b"a"])
+    with pytest.raises(ValueError, match="duplicate"):
+        TokenCharacterTrie([Token(5, b"x"), Token(0, b"a"), Token(1, b"a"), Token(0, b"a")])
+    with pytest.raises(ValueError, match="duplicate"):
+        TokenCharacterTrie([Token(0, b"a"), "eos", "eos"])
     with pytest.raises(TypeError, match="hashable"):
         TokenCharacterTrie([["a"]])
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -65,16 +66,31 @@ class OutputCache:
 
 def tensor_nbytes(value: Any) -> int:
     """Bytes held by a tensor/array or a (nested) tuple/list of them."""
+    return sum(nbytes for _, nbytes in storages(value))
+
+
+def storages(value: Any) -> list[tuple[Hashable, int]]:
+    """The memory blocks behind a value: ``(block key, bytes)`` pairs.
+
+    A torch tensor is charged for its whole underlying storage, keyed by the storage's
+    address, so views of one buffer (e.g. rows of a batched KV tensor) are counted once
+    and padding or unused rows are counted too. Other arrays (numpy, MLX) are charged
+    their own size, keyed by object identity.
+    """
     if value is None:
-        return 0
+        return []
     if isinstance(value, tuple | list):
-        return sum(tensor_nbytes(v) for v in value)
+        return [block for item in value for block in storages(item)]
+    storage = getattr(value, "untyped_storage", None)
+    if storage is not None:
+        storage = storage()
+        return [(("storage", value.device, storage.data_ptr()), int(storage.nbytes()))]
     nbytes = getattr(value, "nbytes", None)
-    if nbytes is not None:
-        return int(nbytes)
-    if hasattr(value, "element_size") and hasattr(value, "numel"):
-        return value.element_size() * value.numel()
-    return sys.getsizeof(value)
+    if nbytes is None and hasattr(value, "element_size") and hasattr(value, "numel"):
+        nbytes = value.element_size() * value.numel()
+    if nbytes is None:
+        nbytes = sys.getsizeof(value)
+    return [(("object", id(value)), int(nbytes))]
 
 
 class TokenTrie:
@@ -87,7 +103,15 @@ class TokenTrie:
         parent, token, depth: where the node sits (the root has depth 0, token None).
     """
 
-    __slots__ = ("children", "logprobs", "past_key_values", "parent", "token", "depth", "__weakref__")
+    __slots__ = (
+        "children",
+        "logprobs",
+        "past_key_values",
+        "parent",
+        "token",
+        "depth",
+        "__weakref__",
+    )
 
     def __init__(self, parent: TokenTrie | None = None, token: int | None = None):
         self.children: dict[int, TokenTrie] = {}
@@ -175,36 +199,71 @@ class TokenTrie:
 
 
 class _Budget:
-    """LRU bookkeeping of the nodes holding one kind of value, within a size budget."""
+    """LRU bookkeeping of the nodes holding one kind of value, within a size budget.
 
-    def __init__(self, max_bytes: float, max_entries: float, drop: Callable[[Any], None]):
+    Bytes are counted per memory block (see `storages`): a block shared by several
+    nodes is charged once and released when the last of them lets go of it;
+    ``on_release(value)`` is then called with the value that held it last.
+    """
+
+    def __init__(
+        self,
+        max_bytes: float,
+        max_entries: float,
+        drop: Callable[[Any], None],
+        on_release: Callable[[Any], None] | None = None,
+    ):
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.drop = drop
-        self.entries: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self.on_release = on_release
+        self.entries: OrderedDict[int, tuple[Any, list[Hashable], Any]] = OrderedDict()
+        self.blocks: dict[Hashable, list[int]] = {}  # block key -> [references, bytes]
         self.nbytes = 0
 
     def touch(self, node: Any) -> None:
         if id(node) in self.entries:
             self.entries.move_to_end(id(node))
 
-    def add(self, node: Any, nbytes: int) -> None:
+    def add(self, node: Any, value: Any) -> None:
         self.remove(node)
-        self.entries[id(node)] = (node, nbytes)
-        self.nbytes += nbytes
-        while self.entries and (
-            self.nbytes > self.max_bytes or len(self.entries) > self.max_entries
-        ):
-            _, (oldest, _) = next(iter(self.entries.items()))
-            self.drop(oldest)
+        keys = []
+        for key, nbytes in storages(value):
+            block = self.blocks.get(key)
+            if block is None:
+                block = self.blocks[key] = [0, nbytes]
+                self.nbytes += nbytes
+            block[0] += 1
+            keys.append(key)
+        self.entries[id(node)] = (node, keys, value)
+        self.evict(0)
 
     def remove(self, node: Any) -> None:
         entry = self.entries.pop(id(node), None)
-        if entry is not None:
-            self.nbytes -= entry[1]
+        if entry is None:
+            return
+        released = False
+        for key in entry[1]:
+            block = self.blocks[key]
+            block[0] -= 1
+            if block[0] == 0:
+                del self.blocks[key]
+                self.nbytes -= block[1]
+                released = True
+        if released and self.on_release is not None:
+            self.on_release(entry[2])
+
+    def evict(self, reserve_bytes: int) -> None:
+        """Drop least recently used entries until ``reserve_bytes`` more would fit."""
+        while self.entries and (
+            self.nbytes + reserve_bytes > self.max_bytes or len(self.entries) > self.max_entries
+        ):
+            oldest = next(iter(self.entries.values()))[0]
+            self.drop(oldest)
 
     def clear(self) -> None:
         self.entries.clear()
+        self.blocks.clear()
         self.nbytes = 0
 
 
@@ -213,12 +272,21 @@ class DynamicTokenTrie(TokenTrie):
 
     The budgets are shared by the whole tree (kept on the root): ``max_kv_bytes``
     and ``max_kv_entries`` bound the KV states, ``max_logprobs_bytes`` and
-    ``max_logprobs_entries`` the cached logprobs (``None``: unbounded). Reading a
-    node through `touch` marks it, and its ancestors, as recently used, so a
-    prefix is never evicted before the longer prefixes built on it.
+    ``max_logprobs_entries`` the cached logprobs (``None``: unbounded). Bytes are
+    those of the underlying memory blocks, so views of one batched buffer are
+    charged once (see `storages`). Reading a node through `touch` marks it, and
+    its ancestors, as recently used, so a prefix is never evicted before the longer
+    prefixes built on it. Pinned KV states (``set_past_key_values(kv, pinned=True)``)
+    are outside the budget and stay until replaced or cleared. ``on_kv_release(kv)``
+    is called when a KV memory block is no longer held by any node (e.g. to recycle
+    the buffer).
+
+    Evicting a value detaches the nodes left empty (no value, no children); inside
+    `deferred_pruning` that waits until the block ends, so node references taken
+    in it stay attached.
     """
 
-    __slots__ = ("root", "kv_budget", "logprobs_budget")
+    __slots__ = ("root", "kv_budget", "logprobs_budget", "pinned", "_hold", "_to_prune")
 
     def __init__(
         self,
@@ -229,8 +297,10 @@ class DynamicTokenTrie(TokenTrie):
         max_kv_entries: float | None = None,
         max_logprobs_bytes: float | None = None,
         max_logprobs_entries: float | None = None,
+        on_kv_release: Callable[[Any], None] | None = None,
     ):
         super().__init__(parent, token)
+        self.pinned = False
         if parent is None:
             self.root = self
             inf = float("inf")
@@ -238,12 +308,15 @@ class DynamicTokenTrie(TokenTrie):
                 inf if max_kv_bytes is None else max_kv_bytes,
                 inf if max_kv_entries is None else max_kv_entries,
                 lambda node: node._evict(past_key_values=True),
+                on_kv_release,
             )
             self.logprobs_budget = _Budget(
                 inf if max_logprobs_bytes is None else max_logprobs_bytes,
                 inf if max_logprobs_entries is None else max_logprobs_entries,
                 lambda node: node._evict(past_key_values=False),
             )
+            self._hold = 0
+            self._to_prune: list[DynamicTokenTrie] = []
         else:
             self.root = parent.root
             self.kv_budget = parent.kv_budget
@@ -257,21 +330,30 @@ class DynamicTokenTrie(TokenTrie):
         if logprobs is None:
             self.logprobs_budget.remove(self)
         else:
-            self.logprobs_budget.add(self, tensor_nbytes(logprobs))
+            self.logprobs_budget.add(self, logprobs)
 
-    def set_past_key_values(self, past_key_values: Any) -> None:
+    def set_past_key_values(self, past_key_values: Any, pinned: bool = False) -> None:
+        """Store (or with None, drop) this node's KV state; ``pinned`` keeps it out of the budget."""
         self.past_key_values = past_key_values
-        if past_key_values is None:
+        self.pinned = pinned and past_key_values is not None
+        if past_key_values is None or self.pinned:
             self.kv_budget.remove(self)
         else:
-            self.kv_budget.add(self, tensor_nbytes(past_key_values))
+            self.kv_budget.add(self, past_key_values)
+
+    def make_room(self, kv_bytes: int) -> None:
+        """Evict least recently used KV states until ``kv_bytes`` more fit in the budget."""
+        self.kv_budget.evict(kv_bytes)
 
     def _evict(self, past_key_values: bool) -> None:
         if past_key_values:
             self.set_past_key_values(None)
         else:
             self.set_logprobs(None)
-        self._prune()
+        if self.root._hold:
+            self.root._to_prune.append(self)
+        else:
+            self._prune()
 
     def _prune(self) -> None:
         """Detach empty leaves (no logprobs, no KV, no children) so the tree stays bounded."""
@@ -281,19 +363,35 @@ class DynamicTokenTrie(TokenTrie):
             and not node.children
             and node.logprobs is None
             and node.past_key_values is None
+            and node.parent.children.get(node.token) is node
         ):
             del node.parent.children[node.token]
             node = node.parent
 
-    def touch(self) -> None:
-        """Mark this node and its ancestors as recently used (ancestors first)."""
-        for node in reversed(list(self.path_to_root())):
+    @contextmanager
+    def deferred_pruning(self) -> Iterator[DynamicTokenTrie]:
+        """Within the block, evictions drop values but detach no node (done on exit)."""
+        root = self.root
+        root._hold += 1
+        try:
+            yield root
+        finally:
+            root._hold -= 1
+            if not root._hold:
+                pending, root._to_prune = root._to_prune, []
+                for node in pending:
+                    node._prune()
+
+    def touch(self, ancestors: bool = True) -> None:
+        """Mark this node (and by default its ancestors, first) as recently used."""
+        nodes = reversed(list(self.path_to_root())) if ancestors else (self,)
+        for node in nodes:
             self.kv_budget.touch(node)
             self.logprobs_budget.touch(node)
 
     @property
     def kv_nbytes(self) -> int:
-        """Bytes of KV state currently held by the whole tree."""
+        """Bytes of (unpinned) KV state currently held by the whole tree."""
         return self.kv_budget.nbytes
 
     @property
@@ -302,6 +400,9 @@ class DynamicTokenTrie(TokenTrie):
         return self.logprobs_budget.nbytes
 
     def clear_kv_cache(self) -> None:
+        """Drop every KV state of this subtree (pinned ones too) and the nodes left empty."""
         super().clear_kv_cache()
         if self is self.root:
             self.kv_budget.clear()
+        for node in [node for node in self if not node.children]:
+            node._prune()

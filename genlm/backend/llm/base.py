@@ -177,6 +177,9 @@ class MockAsyncLM(AsyncLM):
     process): a stable hash of the prefix picks one of a few fixed random
     log-probability tables and a cyclic shift of it. Cheap enough to serve
     thousands of concurrent requests, for testing code built on `AsyncLM`.
+
+    Returned vectors are views of the shared tables (no copy per request): read
+    them, do not modify them in place.
     """
 
     NUM_TABLES = 8
@@ -185,7 +188,9 @@ class MockAsyncLM(AsyncLM):
         super().__init__(tokenizer)
         rng = np.random.default_rng(0)
         logits = torch.from_numpy(rng.standard_normal((self.NUM_TABLES, self.vocab_size)) * 3)
-        self._tables = torch.log_softmax(logits.float(), dim=-1)
+        tables = torch.log_softmax(logits.float(), dim=-1)
+        # Each table twice in a row: any cyclic shift of it is a contiguous slice.
+        self._tables = torch.cat([tables, tables], dim=1)
         self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-mock")
 
     @classmethod
@@ -198,8 +203,9 @@ class MockAsyncLM(AsyncLM):
     def _logprobs(self, token_ids: tuple[int, ...]) -> torch.Tensor:
         digest = hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=8)
         code = int.from_bytes(digest.digest(), "little")
-        table = self._tables[code % self.NUM_TABLES]
-        return torch.roll(table, (code // self.NUM_TABLES) % self.vocab_size)
+        shift = (code // self.NUM_TABLES) % self.vocab_size
+        start = self.vocab_size - shift  # torch.roll(table, shift) starts here
+        return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size]
 
     def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
         return [self._logprobs(key) for key in keys]

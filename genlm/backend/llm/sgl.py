@@ -61,7 +61,8 @@ class AsyncSGLTransformer(AsyncLM):
             ``shutdown`` and ``tokenizer_manager.tokenizer``).
         cache_size: entries of the logprobs `OutputCache` (0: no cache).
         cache_opts: keyword arguments for `OutputCache`.
-        batch_size, timeout: of the `AutoBatcher`.
+        batch_size: most requests per batch of the `AutoBatcher`.
+        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
     """
 
     def __init__(

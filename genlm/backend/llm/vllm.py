@@ -209,7 +209,9 @@ class AsyncVirtualLM(AsyncLM):
             ``logits_processors``) or an `EngineLogprobsCapture` (``max_logprobs=-1``).
         cache_size: entries of the logprobs `OutputCache` (0: no cache).
         cache_opts: keyword arguments for `OutputCache` (e.g. ``move_to_cpu``).
-        batch_size, timeout: of the `AutoBatcher` shared by logprobs and sampling requests.
+        batch_size: most requests per batch of the `AutoBatcher` (shared by logprobs and
+            sampling requests).
+        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Numba kernels behind the tries: construction and the bottom-up weight passes.
+"""Numba kernels behind the tries: sorting, construction and the bottom-up weight passes.
 
 Nodes are numbered in depth-first preorder, so every child has a larger id than
 its parent and a single reverse sweep over the flat ``parent`` array visits each
@@ -12,43 +12,114 @@ import numpy as np
 from numba import njit
 
 NO_SYMBOL = -1  # symbol code of the root and of leaves
+_RUN = 16  # runs sorted by insertion before merging
+
+
+@njit(cache=True, inline="always")
+def _precedes(flat, prefix_key, starts, lengths, a, b):  # pragma: no cover - compiled
+    """Whether sequence ``a`` sorts strictly before sequence ``b`` (lexicographic order)."""
+    if prefix_key[a] != prefix_key[b]:
+        return prefix_key[a] < prefix_key[b]
+    start_a, start_b = starts[a], starts[b]
+    length_a, length_b = lengths[a], lengths[b]
+    for j in range(min(length_a, length_b)):
+        x, y = flat[start_a + j], flat[start_b + j]
+        if x != y:
+            return x < y
+    return length_a < length_b
+
+
+@njit(cache=True)
+def byte_prefix_keys(flat, starts, lengths):  # pragma: no cover - compiled
+    """Each byte sequence's first 8 bytes as a big-endian integer (zero-padded).
+
+    Keys sort like the sequences wherever they differ, so most comparisons of
+    `sort_sequences` are one integer comparison.
+    """
+    keys = np.zeros(lengths.shape[0], np.uint64)
+    for k in range(lengths.shape[0]):
+        key = np.uint64(0)
+        for j in range(8):
+            key <<= np.uint64(8)
+            if j < lengths[k]:
+                key |= np.uint64(flat[starts[k] + j])
+        keys[k] = key
+    return keys
+
+
+@njit(cache=True)
+def sort_sequences(flat, prefix_key, starts, lengths):  # pragma: no cover - compiled
+    """Stable lexicographic order of the sequences ``flat[starts[k]:starts[k] + lengths[k]]``.
+
+    ``prefix_key`` must order sequences consistently with their symbols (or be all
+    zeros). Bottom-up merge sort over insertion-sorted runs.
+    """
+    n = lengths.shape[0]
+    order = np.arange(n)
+    for lo in range(0, n, _RUN):
+        for i in range(lo + 1, min(lo + _RUN, n)):
+            k = order[i]
+            j = i - 1
+            while j >= lo and _precedes(flat, prefix_key, starts, lengths, k, order[j]):
+                order[j + 1] = order[j]
+                j -= 1
+            order[j + 1] = k
+    source, target = order, np.empty(n, np.int64)
+    width = _RUN
+    while width < n:
+        for lo in range(0, n, 2 * width):
+            mid, hi = min(lo + width, n), min(lo + 2 * width, n)
+            i, j = lo, mid
+            for out in range(lo, hi):
+                if j < hi and (
+                    i >= mid or _precedes(flat, prefix_key, starts, lengths, source[j], source[i])
+                ):
+                    target[out] = source[j]
+                    j += 1
+                else:
+                    target[out] = source[i]
+                    i += 1
+        source, target = target, source
+        width *= 2
+    return source
 
 
 @njit(cache=True)
 def build_preorder(flat, starts, lengths, order):  # pragma: no cover - compiled
-    """Trie of code sequences already sorted lexicographically.
+    """Trie of the sequences ``flat[starts[p]:starts[p] + lengths[p]]`` taken in sorted ``order``.
 
-    ``flat[starts[k]:starts[k] + lengths[k]]`` is the k-th sorted sequence and
-    ``order[k]`` its vocabulary position. Returns ``(parent, symbol, position,
-    leaf_of, size)`` where ``position`` is the vocabulary position of a leaf (-1 for
-    prefix nodes), ``leaf_of[pos]`` the leaf of a position and ``size`` the
-    number of nodes in each subtree (the subtree of ``i`` is ``i .. i + size[i] - 1``).
+    Returns ``(parent, symbol, position, leaf_of, size, repeated)`` where ``position``
+    is the vocabulary position of a leaf (-1 for prefix nodes), ``leaf_of[pos]`` the
+    leaf of a position, ``size`` the number of nodes in each subtree (the subtree of
+    ``i`` is ``i .. i + size[i] - 1``) and ``repeated[k]`` whether the k-th sorted
+    sequence equals the one before it.
     """
     n = lengths.shape[0]
     capacity = 1 + n
     max_len = 0
     for k in range(n):
         capacity += lengths[k]
-        if lengths[k] > max_len:
-            max_len = lengths[k]
+        max_len = max(max_len, lengths[k])
     parent = np.empty(capacity, np.int32)
     symbol = np.empty(capacity, np.int32)
-    position = np.empty(capacity, np.int64)
+    position = np.empty(capacity, np.int32)
     leaf_of = np.empty(n, np.int64)
+    repeated = np.zeros(n, np.bool_)
     path = np.zeros(max_len + 1, np.int64)
     parent[0] = -1
     symbol[0] = NO_SYMBOL
     position[0] = -1
     next_id = 1
+    prev_start, prev_length = 0, 0
     for k in range(n):
-        start = starts[k]
-        length = lengths[k]
+        pos = order[k]
+        start, length = starts[pos], lengths[pos]
         common = 0
         if k > 0:
-            prev = starts[k - 1]
-            limit = min(length, lengths[k - 1])
-            while common < limit and flat[start + common] == flat[prev + common]:
+            limit = min(length, prev_length)
+            while common < limit and flat[start + common] == flat[prev_start + common]:
                 common += 1
+            repeated[k] = common == length and length == prev_length
         for depth in range(common + 1, length + 1):
             parent[next_id] = path[depth - 1]
             symbol[next_id] = flat[start + depth - 1]
@@ -57,36 +128,43 @@ def build_preorder(flat, starts, lengths, order):  # pragma: no cover - compiled
             next_id += 1
         parent[next_id] = path[length]
         symbol[next_id] = NO_SYMBOL
-        position[next_id] = order[k]
-        leaf_of[order[k]] = next_id
+        position[next_id] = pos
+        leaf_of[pos] = next_id
         next_id += 1
+        prev_start, prev_length = start, length
     size = np.ones(next_id, np.int64)
     for i in range(next_id - 1, 0, -1):
         size[parent[i]] += size[i]
-    return parent[:next_id], symbol[:next_id], position[:next_id], leaf_of, size
+    return parent[:next_id], symbol[:next_id], position[:next_id], leaf_of, size, repeated
 
 
 @njit(cache=True)
-def sum_into(parent, source, ws, out):  # pragma: no cover - compiled
-    """``out[node]`` = sum of ``ws`` over the leaves below ``node`` (NaN propagates)."""
-    # Forward pass: leaves read their weight (``source`` = vocabulary position, -1 for
-    # prefix nodes), so writes are sequential; then one reverse sweep adds each node
-    # into its parent, children (larger ids) always before parents.
-    for i in range(parent.shape[0]):
-        s = source[i]
-        value = ws[s]
-        out[i] = value if s >= 0 else 0.0
+def sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no cover - compiled
+    """``out[node]`` = sum of ``ws`` over the leaves below ``node`` (NaN propagates).
+
+    ``acc`` is a float64 work array of ``out``'s length (``out`` itself when float64),
+    so sums are accumulated in float64 whatever the output type. Leaves are
+    scattered in first, in node order (``leaf_nodes`` ascending, ``leaf_positions``
+    their vocabulary positions) so writes stream through memory; the reverse sweep
+    then finishes each node (all its descendants have larger ids) before adding it
+    into its parent.
+    """
+    acc[:] = 0.0
+    for j in range(leaf_nodes.shape[0]):
+        acc[leaf_nodes[j]] = ws[leaf_positions[j]]
     for i in range(parent.shape[0] - 1, 0, -1):
-        out[parent[i]] += out[i]
+        value = acc[i]
+        out[i] = value
+        acc[parent[i]] += value
+    out[0] = acc[0]
 
 
 @njit(cache=True)
-def max_into(parent, source, ws, out):  # pragma: no cover - compiled
+def max_into(parent, leaf_nodes, leaf_positions, ws, out):  # pragma: no cover - compiled
     """``out[node]`` = max of ``ws`` over the leaves below it (NaN propagates, -inf if none)."""
-    for i in range(parent.shape[0]):
-        s = source[i]
-        value = ws[s]
-        out[i] = value if s >= 0 else -np.inf
+    out[:] = -np.inf
+    for j in range(leaf_nodes.shape[0]):
+        out[leaf_nodes[j]] = ws[leaf_positions[j]]
     for i in range(parent.shape[0] - 1, 0, -1):
         value = out[i]
         p = parent[i]

@@ -10,12 +10,13 @@ Symbols: a `Token` or plain ``bytes`` entry is the sequence of its byte values
 elements; anything else (e.g. an end-of-sequence object) is a single symbol, so
 it hangs off the root on its own edge.
 
-Speed: construction sorts the sequences and shares prefixes in one compiled
-pass; nodes are numbered in depth-first preorder (children after parents,
-siblings in sorted order, related nodes adjacent in memory) so both weight
-functions are one reverse sweep over a flat parent array. The per-node Python
-views clients read (`children`, `word2leaf`, `node2prefix`, `jump`, ...) are
-built on first access.
+Speed: construction concatenates the entries' bytes, sorts them and shares
+prefixes in compiled passes (no per-entry Python objects for Token/bytes
+vocabularies); nodes are numbered in depth-first preorder (children after
+parents, siblings in sorted order, related nodes adjacent in memory) so both
+weight functions are one scatter of the leaves plus one reverse sweep over a flat
+parent array. The per-node Python views clients read (`children`, `word2leaf`,
+`node2prefix`, `jump`, ...) are built on first access.
 """
 
 from __future__ import annotations
@@ -52,18 +53,31 @@ class TokenCharacterTrie:
         from genlm.backend.trie import _kernels
 
         self.decode = list(decode)
-        self._keys, flat, lengths, order, self._symbols = _encode(self.decode)
+        flat, lengths, self._symbols, keys = _encode(self.decode)
         starts = np.zeros(len(lengths), np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
-        parent, symbol, position, leaf_of, size = _kernels.build_preorder(
+        if flat.dtype == np.uint8:
+            prefix_key = _kernels.byte_prefix_keys(flat, starts, lengths)
+        else:
+            prefix_key = np.zeros(len(lengths), np.uint64)
+        order = _kernels.sort_sequences(flat, prefix_key, starts, lengths)
+        parent, symbol, position, leaf_of, size, repeated = _kernels.build_preorder(
             flat, starts, lengths, order
         )
+        if keys is not None:  # mixed vocabulary: keys were built along the way
+            _check_unique(keys, range(len(keys)))
+            self.__dict__["_keys"] = keys
+        elif repeated.any():  # Tokens and bytes: only entries with equal bytes can clash
+            same = np.flatnonzero(repeated)
+            candidates = np.unique(order[np.concatenate([same - 1, same])]).tolist()
+            _check_unique([_key(self.decode[p]) for p in candidates], candidates)
         self.root = 0
         self.parent = parent
         self.leaf_of = leaf_of
+        self._leaf_nodes = np.sort(leaf_of).astype(np.int32)
+        self._leaf_positions = position[self._leaf_nodes]
         self._symbol = symbol
         self._position = position
-        self._source = position.astype(np.int32)
         self._subtree_size = size
         self.num_nodes = int(parent.shape[0])
         self.idx_to_leaf = np.stack([np.arange(len(self.decode), dtype=np.int64), leaf_of], axis=1)
@@ -107,6 +121,10 @@ class TokenCharacterTrie:
         return children
 
     @cached_property
+    def _keys(self) -> list[Hashable]:
+        return [_key(item) for item in self.decode]
+
+    @cached_property
     def word2leaf(self) -> dict[Hashable, int]:
         """Entry key -> leaf: ``(bytes, token_id)`` for a Token, the bytes for plain bytes,
         the item itself otherwise."""
@@ -140,20 +158,29 @@ class TokenCharacterTrie:
     # ----------------------------------------------------------------- weights
 
     def _vector(self, ws: Any) -> np.ndarray:
-        """``ws`` as a contiguous float64 numpy vector of length ``len(decode)``."""
+        """``ws`` as a float32/float64 numpy vector of length ``len(decode)`` (no copy if
+        it already is one, e.g. a CPU float32 tensor)."""
         ws = _as_numpy(ws)
         check_weights_shape(ws.shape, len(self.decode), batched=False)
-        # The kernels read ``ws[-1]`` for prefix nodes (and discard it): keep one element.
-        return np.ascontiguousarray(ws) if ws.shape[0] else np.zeros(1)
+        return ws
 
-    def _matrix(self, ws: Any) -> np.ndarray:
-        """A list of vectors or a 2-D array/tensor as a contiguous float64 ``[B, V]`` array."""
+    def _rows(self, ws: Any) -> list[np.ndarray] | np.ndarray:
+        """A list of vectors or a 2-D array/tensor as validated rows (see `_vector`)."""
         if isinstance(ws, (list, tuple)):
-            rows = [self._vector(w) for w in ws]
-            return np.stack(rows) if rows else np.empty((0, max(len(self.decode), 1)))
+            return [self._vector(w) for w in ws]
         ws = _as_numpy(ws)
         check_weights_shape(ws.shape, len(self.decode), batched=True)
-        return np.ascontiguousarray(ws) if ws.shape[1] else np.zeros((ws.shape[0], 1))
+        return ws
+
+    def _sum(self, ws: np.ndarray, out: np.ndarray, acc: np.ndarray) -> None:
+        from genlm.backend.trie._kernels import sum_into
+
+        sum_into(self.parent, self._leaf_nodes, self._leaf_positions, ws, out, acc)
+
+    def _max(self, ws: np.ndarray, out: np.ndarray) -> None:
+        from genlm.backend.trie._kernels import max_into
+
+        max_into(self.parent, self._leaf_nodes, self._leaf_positions, ws, out)
 
     def weight_sum(self, ws: Any) -> np.ndarray:
         """Per node, the sum of ``ws[i]`` over the positions ``i`` below it.
@@ -162,7 +189,9 @@ class TokenCharacterTrie:
         Returns a float64 array of length `num_nodes`; NaN weights propagate to
         every ancestor.
         """
-        return self._run("sum_into", self._vector(ws)[None])[0]
+        out = np.empty(self.num_nodes)
+        self._sum(self._vector(ws), out, out)
+        return out
 
     def weight_max(self, ws: Any) -> np.ndarray:
         """Per node, the max of ``ws[i]`` over the positions below it.
@@ -170,24 +199,29 @@ class TokenCharacterTrie:
         A NaN weight makes every ancestor NaN (as `np.maximum` does); a node with no
         positions below it (only the root of an empty vocabulary) gets ``-inf``.
         """
-        return self._run("max_into", self._vector(ws)[None])[0]
+        out = np.empty(self.num_nodes)
+        self._max(self._vector(ws), out)
+        return out
 
     def batch_weight_sum(self, ws: Any) -> np.ndarray:
-        """`weight_sum` of B distributions (list of vectors or ``[B, V]``) -> ``[B, num_nodes]``."""
-        return self._run("sum_into", self._matrix(ws))
+        """`weight_sum` of B distributions (list of vectors or ``[B, V]``) -> ``[B, num_nodes]``.
+
+        float32 results (accumulated in float64): half the memory traffic of float64,
+        which is what a batch's time goes to.
+        """
+        rows = self._rows(ws)
+        out = np.empty((len(rows), self.num_nodes), np.float32)
+        acc = np.empty(self.num_nodes)
+        for row, row_out in zip(rows, out, strict=True):
+            self._sum(row, row_out, acc)
+        return out
 
     def batch_weight_max(self, ws: Any) -> np.ndarray:
-        """`weight_max` of B distributions -> ``[B, num_nodes]``."""
-        return self._run("max_into", self._matrix(ws))
-
-    def _run(self, kernel: str, ws: np.ndarray) -> np.ndarray:
-        # One compiled sweep per row; measured faster than one kernel looping over rows.
-        from genlm.backend.trie import _kernels
-
-        sweep = getattr(_kernels, kernel)
-        out = np.empty((ws.shape[0], self.num_nodes), np.float64)
-        for row, row_out in zip(ws, out, strict=True):
-            sweep(self.parent, self._source, row, row_out)
+        """`weight_max` of B distributions -> float32 ``[B, num_nodes]``."""
+        rows = self._rows(ws)
+        out = np.empty((len(rows), self.num_nodes), np.float32)
+        for row, row_out in zip(rows, out, strict=True):
+            self._max(row, row_out)
         return out
 
     def mass_sum(self, p_llm: Any) -> np.ndarray:
@@ -238,54 +272,67 @@ def check_weights_shape(shape: tuple[int, ...], vocab_size: int, batched: bool) 
 
 
 def _as_numpy(ws: Any) -> np.ndarray:
-    """A numpy float64 copy/view of a numpy array, torch tensor (any device) or sequence."""
+    """A float32 or float64 numpy view (or copy) of a numpy array, torch tensor (any
+    device) or sequence; float32/float64 CPU inputs are not copied."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(ws, torch.Tensor):
-        return ws.detach().to(device="cpu", dtype=torch.float64).numpy()
-    return np.asarray(ws, dtype=np.float64)
+        ws = ws.detach()
+        if ws.dtype not in (torch.float32, torch.float64):
+            ws = ws.to(torch.float64)
+        return ws.cpu().numpy()
+    ws = np.asarray(ws)
+    return ws if ws.dtype in (np.float32, np.float64) else ws.astype(np.float64)
 
 
-def _encode(decode: list[Any]) -> tuple[list[Hashable], np.ndarray, np.ndarray, np.ndarray, list]:
-    """Keys, and the entries' symbol codes sorted lexicographically.
+def _encode(decode: list[Any]) -> tuple[np.ndarray, np.ndarray, list, list[Hashable] | None]:
+    """The entries' symbol codes, concatenated in vocabulary order.
 
-    Returns ``(keys, flat, lengths, order, symbols)``: ``flat`` concatenates the
-    sorted code sequences, ``lengths`` their lengths, ``order[k]`` the position of
-    the k-th sorted entry, and code ``256 + j`` stands for ``symbols[j]``.
+    Returns ``(flat, lengths, symbols, keys)``: ``flat`` holds bytes (uint8) when every
+    entry is a `Token` or ``bytes``, else int32 codes where ``256 + j`` stands for
+    ``symbols[j]``; ``keys`` is None for Token/bytes vocabularies (built lazily) and the
+    `word2leaf` keys otherwise.
     """
+    types = set(map(type, decode))
+    if types <= {Token, bytes}:
+        if bytes in types:
+            _warn_plain_bytes(sum(type(item) is bytes for item in decode))
+        lengths = np.fromiter(map(len, decode), np.int64, len(decode))
+        return np.frombuffer(b"".join(decode), np.uint8), lengths, [], None
     keys: list[Hashable] = []
-    sequences: list[bytes | list[int]] = []
+    sequences: list[Any] = []
     codes: dict[Hashable, int] = {}
     symbols: list[Any] = []
     plain_bytes = 0
     for item in decode:
-        if isinstance(item, Token):
-            raw = bytes(item)
-            keys.append((raw, item.token_id))
-            sequences.append(raw)
-        elif isinstance(item, (bytes, bytearray)):
-            raw = bytes(item)
-            keys.append(raw)
-            sequences.append(raw)
-            plain_bytes += 1
+        keys.append(_key(item))
+        if isinstance(item, (bytes, bytearray)):
+            plain_bytes += not isinstance(item, Token)
+            sequences.append(np.frombuffer(bytes(item), np.uint8))
         else:
-            keys.append(item)
-            sequences.append(_symbol_codes(item, codes, symbols))
+            sequences.append(np.asarray(_symbol_codes(item, codes, symbols), np.int64))
     if plain_bytes:
-        warnings.warn(
-            f"TokenCharacterTrie got {plain_bytes} plain bytes entries; pass "
-            "genlm.backend.Token(token_id, bytes) objects instead (plain bytes are deprecated)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    _check_unique(keys)
-    width = 1 if not symbols else 4
-    sort_keys = sequences if width == 1 else _wide(sequences)
-    order = sorted(range(len(sort_keys)), key=sort_keys.__getitem__)
-    joined = b"".join([sort_keys[k] for k in order])
-    dtype = np.uint8 if width == 1 else ">u4"
-    flat = np.frombuffer(joined, dtype=dtype).astype(np.int32)
-    lengths = np.fromiter((len(sort_keys[k]) // width for k in order), np.int64, len(order))
-    return keys, flat, lengths, np.asarray(order, dtype=np.int64), symbols
+        _warn_plain_bytes(plain_bytes)
+    lengths = np.fromiter(map(len, sequences), np.int64, len(sequences))
+    flat = np.concatenate([*sequences, np.zeros(0, np.int64)]).astype(np.int32)
+    return flat, lengths, symbols, keys
+
+
+def _key(item: Any) -> Hashable:
+    """`word2leaf` key of a vocabulary entry."""
+    if isinstance(item, Token):
+        return (bytes(item), item.token_id)
+    if isinstance(item, (bytes, bytearray)):
+        return bytes(item)
+    return item
+
+
+def _warn_plain_bytes(count: int) -> None:
+    warnings.warn(
+        f"TokenCharacterTrie got {count} plain bytes entries; pass "
+        "genlm.backend.Token(token_id, bytes) objects instead (plain bytes are deprecated)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
 
 
 def _symbol_codes(item: Any, codes: dict[Hashable, int], symbols: list[Any]) -> list[int]:
@@ -308,28 +355,12 @@ def _symbol_codes(item: Any, codes: dict[Hashable, int], symbols: list[Any]) -> 
     return out
 
 
-def _wide(sequences: list[bytes | list[int]]) -> list[bytes]:
-    """Big-endian uint32 encodings, which sort like the code sequences themselves."""
-    byte_entries = [i for i, seq in enumerate(sequences) if isinstance(seq, bytes)]
-    joined = b"".join([sequences[i] for i in byte_entries])
-    wide_bytes = np.frombuffer(joined, dtype=np.uint8).astype(">u4").tobytes()
-    out = [b""] * len(sequences)
-    offset = 0
-    for i in byte_entries:
-        end = offset + 4 * len(sequences[i])
-        out[i] = wide_bytes[offset:end]
-        offset = end
-    for i, seq in enumerate(sequences):
-        if not isinstance(seq, bytes):
-            out[i] = np.asarray(seq, dtype=">u4").tobytes()
-    return out
-
-
-def _check_unique(keys: list[Hashable]) -> None:
+def _check_unique(keys: list[Hashable], positions: Iterable[int]) -> None:
+    """Raise `ValueError` if two of ``keys`` (entries at ``positions``) are equal."""
     if len(set(keys)) == len(keys):
         return
     seen: dict[Hashable, int] = {}
-    for position, key in enumerate(keys):
+    for position, key in zip(positions, keys, strict=True):
         if key in seen:
             raise ValueError(
                 f"duplicate vocabulary entry {key!r} at positions {seen[key]} and {position}; "

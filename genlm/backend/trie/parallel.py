@@ -6,19 +6,22 @@ CSR form, one row per node. Columns are leaves in node order, so each row's
 columns are one contiguous, sorted run (preorder numbering makes every subtree a
 contiguous id range) and weights are permuted to leaf order by one gather.
 
-- sums: ``M @ W`` (CSR rows are what torch's CPU sparse kernels parallelise over,
-  and one distribution costs one sparse matrix-vector product);
+- sums: ``M @ W`` (one sparse matrix product for a whole batch);
 - maxima: ``scatter_reduce`` with ``"amax"`` of the gathered weights onto rows.
 
-A batch of B distributions is one kernel call for either. Results are returned
-as float32 numpy arrays (one device-to-host copy per call, whatever the batch
-size), so callers get the same types from both tries.
+That is the path on CUDA, where the matrix is built with the trie. On CPU the
+compiled sweep of `TokenCharacterTrie` is several times faster than torch's sparse
+kernels (measured in ``benchmark/bench_trie.py``), so it is used instead and the
+matrix is only built if ``M`` is read or `sparse_kernels` is switched on. Results
+are float32 numpy arrays either way (one device-to-host copy per call), so callers
+get the same types from both tries.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +39,12 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         decode: the vocabulary (see `TokenCharacterTrie`).
         device: ``"cpu"``, ``"cuda"`` (or ``"cuda:N"``), or None for cuda when available.
 
+    Attributes:
+        sparse_kernels: whether weights go through the sparse matrix ``M`` with torch
+            (the default on CUDA); on CPU the compiled sweep of `TokenCharacterTrie`
+            is several times faster than torch's sparse kernels, so it is the default
+            there. Results are float32 either way.
+
     Raises:
         ValueError: unknown device, or cuda requested but unavailable.
     """
@@ -43,9 +52,14 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     def __init__(self, decode: Sequence[Any], device: str | None = None):
         self.device = _resolve_device(device)
         super().__init__(decode)
-        self._build_reachability()
+        self.sparse_kernels = self.device != "cpu"
+        if self.sparse_kernels:
+            self._reachability  # noqa: B018 - precompute the matrix next to the model
 
-    def _build_reachability(self) -> None:
+    @cached_property
+    def _reachability(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(M, rows, leaf_order)``: the CSR matrix, the row of each of its entries, and
+        the vocabulary position of each column."""
         import torch
 
         leaf_nodes = np.flatnonzero(self._position >= 0)
@@ -58,18 +72,23 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         columns = np.arange(nnz, dtype=np.int64) - np.repeat(crow[:-1] - first, counts)
         rows = np.repeat(np.arange(self.num_nodes, dtype=np.int64), counts)
         device = self.device
-        self.leaf_order = torch.as_tensor(self._position[leaf_nodes], device=device)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
-            self.M = torch.sparse_csr_tensor(
+            matrix = torch.sparse_csr_tensor(
                 torch.as_tensor(crow, device=device),
                 torch.as_tensor(columns, device=device),
                 torch.ones(nnz, dtype=torch.float32, device=device),
                 size=(self.num_nodes, len(leaf_nodes)),
                 check_invariants=False,  # valid by construction
             )
-        self._columns = self.M.col_indices()
-        self._rows = torch.as_tensor(rows, device=device)
+        leaf_order = torch.as_tensor(self._position[leaf_nodes].astype(np.int64), device=device)
+        return matrix, torch.as_tensor(rows, device=device), leaf_order
+
+    @property
+    def M(self) -> torch.Tensor:
+        """Sparse CSR ``[num_nodes, num_leaves]`` reachability: ``M[node, j]`` is 1 when the
+        j-th leaf (in node order) is below ``node``."""
+        return self._reachability[0]
 
     def _tensor(self, ws: Any, batched: bool) -> torch.Tensor:
         """Validated float32 ``[B, V]`` tensor on the trie's device, columns in leaf order."""
@@ -85,38 +104,45 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         check_weights_shape(tuple(ws.shape), len(self.decode), batched)
         ws = ws.detach().to(device=self.device, dtype=torch.float32)
         ws = ws if batched else ws[None]
-        return ws.index_select(1, self.leaf_order)
+        return ws.index_select(1, self._reachability[2])
 
-    def _sum(self, ws: torch.Tensor) -> np.ndarray:
-        if ws.shape[0] == 1:
-            out = (self.M @ ws[0])[None]
-        else:
-            out = (self.M @ ws.T).T
+    def _sparse_sum(self, ws: torch.Tensor) -> np.ndarray:
+        matrix = self.M
+        out = (matrix @ ws[0])[None] if ws.shape[0] == 1 else (matrix @ ws.T).T
         return out.cpu().numpy()
 
-    def _max(self, ws: torch.Tensor) -> np.ndarray:
+    def _sparse_max(self, ws: torch.Tensor) -> np.ndarray:
         import torch
 
+        matrix, rows, _ = self._reachability
         out = torch.full((ws.shape[0], self.num_nodes), -torch.inf, device=self.device)
-        index = self._rows.expand(ws.shape[0], -1)
-        out.scatter_reduce_(1, index, ws.index_select(1, self._columns), "amax")
+        index = rows.expand(ws.shape[0], -1)
+        out.scatter_reduce_(1, index, ws.index_select(1, matrix.col_indices()), "amax")
         return out.cpu().numpy()
 
     def weight_sum(self, ws: Any) -> np.ndarray:
         """Per node, the sum of ``ws`` over the positions below it (float32; NaN propagates)."""
-        return self._sum(self._tensor(ws, batched=False))[0]
+        if self.sparse_kernels:
+            return self._sparse_sum(self._tensor(ws, batched=False))[0]
+        return self.batch_weight_sum([ws])[0]
 
     def weight_max(self, ws: Any) -> np.ndarray:
         """Per node, the max of ``ws`` over the positions below it (float32; NaN propagates)."""
-        return self._max(self._tensor(ws, batched=False))[0]
+        if self.sparse_kernels:
+            return self._sparse_max(self._tensor(ws, batched=False))[0]
+        return self.batch_weight_max([ws])[0]
 
     def batch_weight_sum(self, ws: Any) -> np.ndarray:
-        """`weight_sum` of B distributions in one sparse matmul -> ``[B, num_nodes]``."""
-        return self._sum(self._tensor(ws, batched=True))
+        """`weight_sum` of B distributions in one kernel call -> float32 ``[B, num_nodes]``."""
+        if self.sparse_kernels:
+            return self._sparse_sum(self._tensor(ws, batched=True))
+        return super().batch_weight_sum(ws)
 
     def batch_weight_max(self, ws: Any) -> np.ndarray:
-        """`weight_max` of B distributions in one scatter-reduce -> ``[B, num_nodes]``."""
-        return self._max(self._tensor(ws, batched=True))
+        """`weight_max` of B distributions in one kernel call -> float32 ``[B, num_nodes]``."""
+        if self.sparse_kernels:
+            return self._sparse_max(self._tensor(ws, batched=True))
+        return super().batch_weight_max(ws)
 
 
 def _resolve_device(device: Any) -> str:

@@ -1,0 +1,491 @@
+"""Language-model throughput on the README's SIS loop, against a hand-written floor.
+
+Each of N particles (an asyncio task) repeatedly awaits ``next_token_logprobs`` on its
+context, samples a token with ``torch.multinomial`` and appends it; tokens/s is the
+number of sampled tokens over wall time. The *floor* is the same model called directly
+in the same run: prefill the prompt once, then one batched ``DynamicCache`` decode step
+(and one batched ``multinomial``) per token. ``ratio`` = library time / floor time.
+
+    python benchmark/bench_lm.py                       # N = 1, 8, 32 (hf backend)
+    python benchmark/bench_lm.py --memory              # 2,000 steps x 32 particles, RSS vs budget
+    python benchmark/bench_lm.py --backend mlx --particles 1 8   # AsyncMlxLM -> lm_mlx.json
+    python benchmark/bench_lm.py --mock                # MockAsyncLM: 1,000 / 10,000 concurrent requests
+
+Defaults: SmolLM2-135M-Instruct (float32, CPU), one torch thread, a 28-token prompt,
+16 tokens per particle, ``batch_size = N``; the best of ``--repeats`` runs is kept for
+both the library and the floor. Results: a table, and benchmark/results/lm.json
+(``lm_memory.json`` for ``--memory``, ``lm_mock.json`` for ``--mock``).
+
+Backends are rows: add one to `BACKENDS` (a function building the `AsyncLM` and, if it
+has one, a hand-written floor) and select it with ``--backend``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PROMPT_TEXT = (
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "clockmaker who repaired every clock in the valley and knew the stories of each family."
+)
+
+
+@dataclass
+class Backend:
+    """How to build a backend's `AsyncLM`, and (optionally) its hand-written floor."""
+
+    make_lm: Callable[[argparse.Namespace, int], Any]
+    floor: Callable[[Any, list[int], int, int, int], tuple[float, float]] | None = None
+
+
+def load_hf(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The float32 model and tokenizer (loaded once per process)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not hasattr(load_hf, "loaded"):
+        path = args.model or str(_default_model_dir())
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        load_hf.loaded = (model, tokenizer)
+    return load_hf.loaded
+
+
+def make_hf_lm(args: argparse.Namespace, n_particles: int) -> Any:
+    from genlm.backend.llm.hf import AsyncTransformer
+
+    model, tokenizer = load_hf(args)
+    batch_size = args.batch_size or n_particles
+    return AsyncTransformer(model, tokenizer, batch_size=batch_size, **_budgets(args))
+
+
+def hf_floor(
+    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+) -> tuple[float, float]:
+    """(wall, CPU) seconds of the hand-written loop: a prefill, then batched DynamicCache steps."""
+    import torch
+    from transformers import DynamicCache
+
+    model = lm.model
+    vocab = lm.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1)
+        cache.batch_repeat_interleave(n_particles)
+        logits = out.logits[:, -1, :vocab].expand(n_particles, -1)
+        tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+        positions = torch.full((n_particles, 1), len(prompt))
+        for _ in range(n_tokens - 1):
+            out = model(
+                input_ids=tokens,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logps = torch.log_softmax(out.logits[:, -1, :vocab], -1)
+            tokens = torch.multinomial(logps.exp(), 1, generator=generator)
+            positions = positions + 1
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def load_mlx(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The mlx-lm model (weights in their stored dtype: float32) and tokenizer, loaded once."""
+    import mlx_lm
+
+    if not hasattr(load_mlx, "loaded"):
+        load_mlx.loaded = mlx_lm.load(args.model or str(_default_model_dir()))
+    return load_mlx.loaded
+
+
+def make_mlx_lm(args: argparse.Namespace, n_particles: int) -> Any:
+    from genlm.backend.llm.mlx import AsyncMlxLM
+
+    model, tokenizer = load_mlx(args)
+    budgets = {k: v for k, v in _budgets(args).items() if k == "max_kv_bytes"}
+    return AsyncMlxLM(model, tokenizer, batch_size=args.batch_size or n_particles, **budgets)
+
+
+def mlx_floor(
+    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+) -> tuple[float, float]:
+    """(wall, CPU) seconds of the hand-written mlx-lm loop: a prefill, then batched KV steps."""
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = lm.model
+    vocab = lm.vocab_size
+    generator = torch.Generator().manual_seed(seed)
+
+    def sample(logits: Any) -> Any:
+        logits = logits[:, -1, :vocab].astype(mx.float32)
+        logps = torch.from_numpy(np.array(logits - mx.logsumexp(logits, -1, keepdims=True)))
+        return torch.multinomial(logps.exp(), 1, generator=generator)
+
+    start, cpu = time.perf_counter(), time.process_time()
+    cache = make_prompt_cache(model)
+    model(mx.array([prompt[:-1]]), cache=cache)  # prefill; its logits are never evaluated
+    logits = model(mx.array([prompt[-1:]]), cache=cache)
+    cache = [type(layer).merge([layer] * n_particles) for layer in cache]
+    tokens = sample(mx.repeat(logits, n_particles, axis=0))
+    for _ in range(n_tokens - 1):
+        tokens = sample(model(mx.array(tokens.numpy()), cache=cache))
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+BACKENDS: dict[str, Backend] = {
+    "hf": Backend(make_lm=make_hf_lm, floor=hf_floor),
+    "mlx": Backend(make_lm=make_mlx_lm, floor=mlx_floor),
+}
+
+
+def _default_model_dir() -> Path:
+    from genlm.backend.models import default_model_path
+
+    return default_model_path()
+
+
+def _budgets(args: argparse.Namespace) -> dict[str, int]:
+    budgets = {}
+    if args.max_kv_mb is not None:
+        budgets["max_kv_bytes"] = int(args.max_kv_mb * 2**20)
+    if args.max_logprobs_mb is not None:
+        budgets["max_logprobs_bytes"] = int(args.max_logprobs_mb * 2**20)
+    return budgets
+
+
+async def sis(lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int) -> int:
+    """The README loop; returns the number of sampled tokens."""
+    import torch
+
+    async def particle(index: int) -> int:
+        generator = torch.Generator().manual_seed(seed + index)
+        ctx = list(prompt)
+        for _ in range(n_tokens):
+            logps = await lm.next_token_logprobs(ctx)
+            ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
+        return len(ctx) - len(prompt)
+
+    return sum(await asyncio.gather(*(particle(i) for i in range(n_particles))))
+
+
+def time_sis(
+    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one SIS run from an empty cache."""
+    lm.clear_cache()
+    gc.collect()
+    start, cpu = time.perf_counter(), time.process_time()
+    sampled = asyncio.run(sis(lm, prompt, n_particles, n_tokens, seed))
+    elapsed = time.perf_counter() - start, time.process_time() - cpu
+    assert sampled == n_particles * n_tokens
+    return elapsed
+
+
+def prompt_ids(lm: Any, n: int) -> list[int]:
+    ids = lm.tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
+    if len(ids) < n:
+        raise ValueError(f"the benchmark prompt has only {len(ids)} tokens, {n} requested")
+    return ids[:n]
+
+
+def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fastest wall time and fastest CPU time over repeated runs."""
+    return min(run[0] for run in runs), min(run[1] for run in runs)
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    backend = BACKENDS[args.backend]
+    rows = []
+    print(
+        f"{'backend':8} {'N':>4} {'tok/s':>8} {'floor tok/s':>12} {'ratio':>6} "
+        f"{'cpu ratio':>9} {'batches':>8}"
+    )
+    for n in args.particles:
+        lm = backend.make_lm(args, n)
+        prompt = prompt_ids(lm, args.prompt_tokens)
+        tokens = n * args.tokens
+        time_sis(lm, prompt, n, 2, seed=0)  # warm-up
+        runs = []
+        floor_runs = []
+        for r in range(args.repeats):  # interleaved, so both see the same machine load
+            runs.append(time_sis(lm, prompt, n, args.tokens, seed=r))
+            if backend.floor is not None:
+                floor_runs.append(backend.floor(lm, prompt, n, args.tokens, r))
+        (wall, cpu), batches = best(runs), len(lm.batcher.batch_sizes)
+        row = {
+            "backend": args.backend,
+            "implementation": f"genlm {args.backend}",
+            "n_particles": n,
+            "tokens": tokens,
+            "seconds": wall,
+            "cpu_seconds": cpu,
+            "tokens_per_s": tokens / wall,
+        }
+        if floor_runs:
+            floor_wall, floor_cpu = best(floor_runs)
+            row.update(
+                floor_seconds=floor_wall,
+                floor_cpu_seconds=floor_cpu,
+                floor_tokens_per_s=tokens / floor_wall,
+                ratio=wall / floor_wall,
+                cpu_ratio=cpu / floor_cpu,
+            )
+        rows.append(row)
+        if floor_runs:
+            rows.append(
+                {
+                    "backend": args.backend,
+                    "implementation": "hand-written floor",
+                    "n_particles": n,
+                    "tokens": tokens,
+                    "seconds": floor_wall,
+                    "cpu_seconds": floor_cpu,
+                    "tokens_per_s": tokens / floor_wall,
+                }
+            )
+        print(
+            f"{args.backend:8} {n:>4} {row['tokens_per_s']:>8.1f} "
+            f"{row.get('floor_tokens_per_s', float('nan')):>12.1f} "
+            f"{row.get('ratio', float('nan')):>6.2f} {row.get('cpu_ratio', float('nan')):>9.2f} "
+            f"{batches:>8}"
+        )
+        del lm
+        gc.collect()
+    name = "lm" if args.backend == "hf" else f"lm_{args.backend}"  # one result file per backend
+    return {
+        "benchmark": name,
+        "setup": {
+            "model": args.model or "SmolLM2-135M-Instruct (float32)",
+            "prompt_tokens": args.prompt_tokens,
+            "tokens_per_particle": args.tokens,
+            "repeats": args.repeats,
+            "statistic": "best of repeats (library and floor runs interleaved)",
+            "torch_threads": torch.get_num_threads(),
+            "batch_size": args.batch_size or "N",
+            "load_average_1min": os.getloadavg()[0],
+            "machine": f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}",
+            "torch": torch.__version__,
+        },
+        "rows": rows,
+        "plots": [
+            {
+                "x": "n_particles",
+                "y": "tokens_per_s",
+                "series": "implementation",
+                "title": f"SIS loop throughput, {args.backend} (SmolLM2-135M, CPU, 1 thread)",
+                "xlabel": "particles",
+                "ylabel": "sampled tokens / s",
+                "logx": True,
+                "file": f"bench-{name.replace('_', '-')}-throughput.png",
+            }
+        ],
+    }
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``--steps`` SIS steps with ``--memory-particles`` particles; peak RSS vs the budgets."""
+    import torch
+
+    n = args.memory_particles
+    lm = BACKENDS[args.backend].make_lm(args, n)
+    prompt = prompt_ids(lm, args.prompt_tokens)
+    time_sis(lm, prompt, n, 4, seed=0)  # warm-up: allocator, kernels
+    lm.clear_cache()
+    gc.collect()
+    baseline = _rss_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # reset the peak (VmHWM) to the current RSS
+    max_accounted = 0
+
+    async def run() -> None:
+        nonlocal max_accounted
+        generators = [torch.Generator().manual_seed(i) for i in range(n)]
+
+        async def step(ctx: list[int], index: int) -> list[int]:
+            logps = await lm.next_token_logprobs(ctx)
+            return ctx + [torch.multinomial(logps.exp(), 1, generator=generators[index]).item()]
+
+        contexts = [list(prompt)] * n
+        for done in range(args.steps):
+            if done and done % args.reset_every == 0:
+                contexts = [list(prompt)] * n
+            contexts = list(await asyncio.gather(*(step(c, i) for i, c in enumerate(contexts))))
+            max_accounted = max(max_accounted, lm.cache.kv_nbytes)
+
+    start = time.perf_counter()
+    asyncio.run(run())
+    elapsed = time.perf_counter() - start
+    peak = _rss_bytes("VmHWM")
+    kv_budget = lm.max_kv_bytes
+    logprobs_budget = lm.max_logprobs_bytes
+    row = {
+        "backend": args.backend,
+        "particles": n,
+        "steps": args.steps,
+        "reset_every": args.reset_every,
+        "max_context_tokens": args.prompt_tokens + args.reset_every,
+        "seconds": elapsed,
+        "tokens_per_s": n * args.steps / elapsed,
+        "kv_budget_mb": kv_budget / 2**20,
+        "logprobs_budget_mb": logprobs_budget / 2**20,
+        "baseline_rss_mb": baseline / 2**20,
+        "peak_rss_mb": peak / 2**20,
+        "peak_growth_mb": (peak - baseline) / 2**20,
+        "max_accounted_kv_mb": max_accounted / 2**20,
+        "growth_over_kv_budget": (peak - baseline) / kv_budget,
+        "growth_over_both_budgets": (peak - baseline) / (kv_budget + logprobs_budget),
+    }
+    for key, value in row.items():
+        print(f"{key:26} {value:.3f}" if isinstance(value, float) else f"{key:26} {value}")
+    return {
+        "benchmark": "lm_memory",
+        "setup": {
+            "what": (
+                f"{n} particles x {args.steps} SIS steps; every {args.reset_every} steps all "
+                f"contexts restart from the {args.prompt_tokens}-token prompt (so contexts stay "
+                f"<= {args.prompt_tokens + args.reset_every} tokens); peak RSS (VmHWM, reset after "
+                "warm-up) minus RSS after warm-up"
+            ),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "rows": [row],
+    }
+
+
+def mock_concurrency(args: argparse.Namespace) -> dict[str, Any]:
+    """Wall time for C concurrent ``next_token_logprobs`` calls on distinct prefixes (MockAsyncLM)."""
+    import statistics
+
+    from genlm.backend.llm.base import MockAsyncLM
+    from genlm.backend.models import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model or str(_default_model_dir()))
+
+    async def serve(lm: MockAsyncLM, count: int) -> int:
+        results = await asyncio.gather(*(lm.next_token_logprobs([1, i]) for i in range(count)))
+        return sum(len(r) == lm.vocab_size for r in results)
+
+    rows = []
+    print(f"{'concurrent':>10} {'served':>7} {'min ms':>8} {'median ms':>10} {'target ms':>10}")
+    for count, target in ((1_000, 100.0), (10_000, None)):
+        times, served = [], 0
+        for _ in range(args.repeats):
+            lm = MockAsyncLM(tokenizer)  # fresh: no output is cached between repeats
+            start = time.perf_counter()
+            served = asyncio.run(serve(lm, count))
+            times.append(1000 * (time.perf_counter() - start))
+        row = {
+            "concurrent_requests": count,
+            "served": served,
+            "min_ms": min(times),
+            "median_ms": statistics.median(times),
+            "target_ms": target,
+        }
+        rows.append(row)
+        print(
+            f"{count:>10} {served:>7} {row['min_ms']:>8.1f} {row['median_ms']:>10.1f} "
+            f"{'' if target is None else target:>10}"
+        )
+    return {
+        "benchmark": "lm_mock",
+        "setup": {
+            "what": "C tasks each await MockAsyncLM.next_token_logprobs on a distinct prefix "
+            "(SmolLM2 tokenizer, 49,152 tokens, default batch_size and timeout); "
+            "wall time of one asyncio.run, fresh LM per repeat",
+            "repeats": args.repeats,
+            "load_average_1min": os.getloadavg()[0],
+        },
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default="hf")
+    parser.add_argument("--model", help="model dir / id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--tokens", type=int, default=16, help="tokens sampled per particle")
+    parser.add_argument("--prompt-tokens", type=int, default=28)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, help="library batch size (default: N)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--max-kv-mb", type=float, help="KV budget (default: the backend's; 512 with --memory)"
+    )
+    parser.add_argument(
+        "--max-logprobs-mb",
+        type=float,
+        help="logprobs budget (default: the backend's; 64 with --memory)",
+    )
+    parser.add_argument("--memory", action="store_true", help="run the long memory test instead")
+    parser.add_argument(
+        "--mock", action="store_true", help="time 1,000 and 10,000 concurrent MockAsyncLM requests"
+    )
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--memory-particles", type=int, default=32)
+    parser.add_argument("--reset-every", type=int, default=100)
+    parser.add_argument("--no-json", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.memory:
+        args.max_kv_mb = 512 if args.max_kv_mb is None else args.max_kv_mb
+        args.max_logprobs_mb = 64 if args.max_logprobs_mb is None else args.max_logprobs_mb
+    if args.mock:
+        result = mock_concurrency(args)
+    elif args.memory:
+        result = memory(args)
+    else:
+        result = throughput(args)
+    if not args.no_json:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        path = RESULTS_DIR / f"{result['benchmark']}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+        if result.get("plots"):
+            try:
+                sys.path.insert(0, str(Path(__file__).resolve().parent))
+                from plots import plot_results
+
+                plot_results(result["benchmark"])
+            except ImportError as error:
+                print(f"plots skipped: {error}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""`AsyncMlxLM`: the `AsyncLM` interface on an mlx-lm model (Apple silicon, or Linux CPU).
+
+Requests are auto-batched by the shared `AutoBatcher`. A batch runs as mlx-lm's own
+batch generator does: each row's cached KV state is merged into one left-padded batch
+cache (``KVCache.merge``), the new tokens but the last are right-padded and prefilled
+(``prepare``/``finalize`` move the padding to the left), and one more forward pass on
+every row's last token gives the next-token logits. The batch cache handles the
+attention mask and the RoPE offset of each row. Each row's KV state is then extracted
+into a `DynamicTokenTrie` node, so a later request only runs the tokens past its deepest
+cached prefix; at most ``cache_size`` KV states are kept, evicting the least recently used.
+
+mlx streams belong to the thread that created them, so every MLX graph is built and
+evaluated on the batcher's single worker thread (the blocking calls go through
+`AutoBatcher.run_sync` too); the model's weights are evaluated up front.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from genlm.backend.batching import AutoBatcher
+from genlm.backend.cache import DynamicTokenTrie
+from genlm.backend.llm.base import AsyncLM
+
+MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
+
+
+def _import_mlx() -> Any:
+    """Import and return ``mlx.core``, with an install hint when mlx or mlx-lm is missing."""
+    try:
+        import mlx.core as mx
+        import mlx_lm  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"AsyncMlxLM needs the mlx and mlx-lm packages: {MLX_INSTALL_HINT}"
+        ) from error
+    return mx
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer inside an mlx-lm ``TokenizerWrapper`` (or ``tokenizer`` itself).
+
+    Written against mlx-lm 0.32.2, whose wrapper keeps it in the private ``_tokenizer``
+    attribute and has no public accessor.
+    """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def _prefix_cache_supported(model: Any) -> bool:
+    """Whether every layer of the model keeps a plain, full-history ``KVCache``.
+
+    Only those states can be cut out of a batch and extended later by any request
+    sharing the prefix; sliding-window, quantized or recurrent caches cannot.
+    """
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+
+
+class AsyncMlxLM(AsyncLM):
+    """Asynchronous, auto-batched mlx-lm model with a prefix cache of KV states.
+
+    Args:
+        mlx_lm_model: a model from ``mlx_lm.load``.
+        tokenizer: its tokenizer (mlx-lm's ``TokenizerWrapper`` or the Hugging Face one).
+        batch_size: most requests per forward pass.
+        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
+        prefill_step_size: most tokens per row fed to the model in one prefill pass.
+        cache_size: most prefixes whose KV state (and logprobs) are kept, LRU (0: none).
+        max_kv_bytes: optional cap on the bytes of cached KV state, LRU.
+    """
+
+    def __init__(
+        self,
+        mlx_lm_model: Any,
+        tokenizer: Any,
+        batch_size: int = 5,
+        timeout: float | None = 0.001,
+        prefill_step_size: int = 2048,
+        cache_size: int = 400,
+        max_kv_bytes: float | None = None,
+    ):
+        mx = _import_mlx()
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
+        if cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        super().__init__(_hf_tokenizer(tokenizer))
+        self.mlx_tokenizer = tokenizer
+        self.model = mlx_lm_model
+        self.prefill_step_size = prefill_step_size
+        self.cache_size = cache_size
+        self.max_kv_bytes = max_kv_bytes
+        mx.eval(mlx_lm_model.parameters())
+        self.prefix_caching = _prefix_cache_supported(mlx_lm_model)
+        if not self.prefix_caching:
+            warnings.warn(
+                f"{type(mlx_lm_model).__module__}: the model's cache layers cannot be reused "
+                "across requests; prefix (KV) caching is disabled and every request runs "
+                "its whole prefix.",
+                stacklevel=2,
+            )
+        self.cache = self._new_trie()
+        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-mlx")
+
+    @classmethod
+    def from_name(cls, model_name: str, **kwargs: Any) -> AsyncMlxLM:
+        """Load ``model_name`` (a local directory or hub id) with ``mlx_lm.load``.
+
+        The weights keep the dtype they are stored in; ``kwargs`` go to the constructor.
+        """
+        _import_mlx()
+        import mlx_lm
+
+        model, tokenizer = mlx_lm.load(model_name)
+        return cls(model, tokenizer, **kwargs)
+
+    def _new_trie(self) -> DynamicTokenTrie:
+        return DynamicTokenTrie(
+            max_kv_entries=self.cache_size,
+            max_kv_bytes=self.max_kv_bytes,
+            max_logprobs_entries=self.cache_size,
+        )
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token log-probabilities after ``token_ids``, batched with concurrent requests."""
+        return await self.batcher.submit(self.validate_token_ids(token_ids))
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Blocking `next_token_logprobs` (uses the cache, no auto-batching)."""
+        ids = self.validate_token_ids(token_ids)
+        return self.batcher.run_sync(self._process_batch, [ids])[0]
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Blocking next-token log-probabilities for several prefixes, in one batch."""
+        keys = [self.validate_token_ids(ids) for ids in token_ids_list]
+        unique = list(dict.fromkeys(keys))
+        results = self.batcher.run_sync(self._process_batch, unique)
+        by_key = dict(zip(unique, results, strict=True))
+        return torch.stack([by_key[key] for key in keys])
+
+    def walk_cache(
+        self, token_ids: Sequence[int]
+    ) -> tuple[DynamicTokenTrie, int, list[Any] | None, int]:
+        """Follow ``token_ids`` down the prefix tree.
+
+        Returns ``(node, next_token_index, past, base)``: the deepest node reached, the
+        number of tokens it covers, and the KV state (one mlx-lm ``KVCache`` per layer)
+        of the deepest node on that path holding one, covering ``token_ids[:base]``
+        (``None`` and 0 when there is none).
+        """
+        node, next_token_index = self.cache.walk(token_ids)
+        kv_node = self._deepest_kv_node(node)
+        if kv_node is None:
+            return node, next_token_index, None, 0
+        return node, next_token_index, kv_node.past_key_values, kv_node.depth
+
+    @staticmethod
+    def _deepest_kv_node(node: DynamicTokenTrie) -> DynamicTokenTrie | None:
+        return next((n for n in node.path_to_root() if n.past_key_values is not None), None)
+
+    def cache_kv(self, prompt_tokens: Sequence[int]) -> DynamicTokenTrie:
+        """Compute the KV state of ``prompt_tokens`` and pin it (never evicted until `clear_cache`)."""
+        ids = self.validate_token_ids(prompt_tokens)
+        if not self.prefix_caching:
+            raise RuntimeError(
+                "cache_kv needs prefix caching, which is disabled for this model's cache layers"
+            )
+        return self.batcher.run_sync(self._cache_kv, ids)
+
+    def _cache_kv(self, ids: tuple[int, ...]) -> DynamicTokenTrie:
+        node, depth = self.cache.walk(ids)
+        if depth == len(ids) and node.past_key_values is not None:
+            node.set_past_key_values(node.past_key_values, pinned=True)
+            return node
+        (logprobs,), (past,) = self._forward([ids], keep_kv=True)
+        node = self.cache.extend_cache(0, ids, None)
+        node.set_logprobs(logprobs)
+        node.set_past_key_values(past, pinned=True)
+        return node
+
+    def clear_cache(self) -> None:
+        """Forget every cached KV state and logprobs (pinned ones included)."""
+        self.cache = self._new_trie()
+
+    def reset_async_queries(self) -> None:
+        """Drop queued requests (after an aborted run); their callers get ``CancelledError``."""
+        self.batcher.reset()
+
+    def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
+        """Answer distinct prefixes from the cache or one batched forward pass (worker thread)."""
+        results: list[torch.Tensor | None] = [None] * len(keys)
+        missing = []
+        for i, ids in enumerate(keys):
+            node, depth = self.cache.walk(ids)
+            if depth == len(ids) and node.logprobs is not None:
+                node.touch()
+                results[i] = node.logprobs
+            else:
+                missing.append(i)
+        if missing:
+            rows = [keys[i] for i in missing]
+            keep_kv = self.prefix_caching and self.cache_size > 0
+            logprobs, pasts = self._forward(rows, keep_kv)
+            for i, ids, row_logprobs, past in zip(missing, rows, logprobs, pasts, strict=True):
+                results[i] = row_logprobs
+                self._store(ids, row_logprobs, past)
+        return results
+
+    def _store(self, ids: tuple[int, ...], logprobs: torch.Tensor, past: list[Any] | None) -> None:
+        if self.cache_size == 0:
+            return
+        node = self.cache.extend_cache(0, ids, None)
+        node.set_logprobs(logprobs)
+        if past is not None and node.past_key_values is None:
+            node.set_past_key_values(past)
+
+    def _forward(
+        self, rows: list[tuple[int, ...]], keep_kv: bool
+    ) -> tuple[list[torch.Tensor], list[list[Any] | None]]:
+        """Next-token logprobs of each row, reusing cached prefixes; with ``keep_kv`` also
+        each row's whole KV state (one ``KVCache`` per layer)."""
+        mx = _import_mlx()
+        starts = [self._start(ids) for ids in rows]
+        if all(hasattr(layer, "merge") for layer in starts[0][0]):
+            groups = [list(range(len(rows)))]
+        else:
+            groups = [[i] for i in range(len(rows))]
+        logprobs: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
+        pasts: list[list[Any] | None] = [None] * len(rows)
+        for group in groups:
+            cache = self._batch_cache([starts[i][0] for i in group])
+            group_logprobs = self._run(mx, cache, [starts[i][1] for i in group])
+            kept = []
+            if keep_kv:
+                kept = [[layer.extract(j) for layer in cache] for j in range(len(group))]
+            mx.eval(group_logprobs, [[(c.keys, c.values) for c in row] for row in kept])
+            array = np.array(group_logprobs)
+            for j, i in enumerate(group):
+                logprobs[i] = torch.from_numpy(array[j].copy())
+                if keep_kv:
+                    pasts[i] = kept[j]
+        return logprobs, pasts
+
+    def _start(self, ids: tuple[int, ...]) -> tuple[list[Any], list[int]]:
+        """A row's starting cache (its deepest cached prefix, else empty) and the tokens to run."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        if self.prefix_caching:
+            # Look only above the last token: it always runs, so its logits come out.
+            kv_node = self._deepest_kv_node(self.cache.walk(ids[:-1])[0])
+            if kv_node is not None:
+                kv_node.touch()
+                return kv_node.past_key_values, list(ids[kv_node.depth :])
+        return make_prompt_cache(self.model), list(ids)
+
+    @staticmethod
+    def _batch_cache(row_caches: list[list[Any]]) -> list[Any]:
+        """One batch cache per layer, merging the rows' states (left-padded to a common length)."""
+        if len(row_caches) == 1 and not hasattr(row_caches[0][0], "merge"):
+            return row_caches[0]  # a fresh single-row cache that cannot be merged
+        return [type(layers[0]).merge(list(layers)) for layers in zip(*row_caches, strict=True)]
+
+    def _run(self, mx: Any, cache: list[Any], new_tokens: list[list[int]]) -> Any:
+        """Prefill every row's new tokens but the last, then return ``[B, V]`` next-token logprobs."""
+        heads = [tokens[:-1] for tokens in new_tokens]
+        lengths = [len(head) for head in heads]
+        width = max(lengths)
+        if width > 0:
+            padding = [width - length for length in lengths]
+            tokens = mx.array([head + [0] * pad for head, pad in zip(heads, padding, strict=True)])
+            if max(padding) > 0:
+                for layer in cache:
+                    layer.prepare(lengths=lengths, right_padding=padding)
+            for start in range(0, width, self.prefill_step_size):
+                self.model(tokens[:, start : start + self.prefill_step_size], cache=cache)
+                mx.eval([layer.state for layer in cache])
+            if max(padding) > 0:
+                for layer in cache:
+                    layer.finalize()
+        last = mx.array([[row[-1]] for row in new_tokens])
+        logits = self.model(last, cache=cache)[:, -1, :].astype(mx.float32)
+        vocab_size = self.vocab_size
+        if logits.shape[-1] < vocab_size:
+            raise RuntimeError(
+                f"the model has {logits.shape[-1]} output logits, fewer than the "
+                f"{vocab_size} tokens of its tokenizer"
+            )
+        logits = logits[:, :vocab_size]
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)

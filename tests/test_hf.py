@@ -1,0 +1,409 @@
+"""AsyncTransformer on the real default model (SmolLM2-135M, float32, CPU).
+
+Every answer is checked against an independent plain forward of the whole prefix
+(`reference`), never against the cache under test.
+"""
+
+import asyncio
+import warnings
+
+import pytest
+import torch
+
+from genlm.backend.llm.hf import AsyncTransformer
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_tokenizer):
+    return smollm2_tokenizer.encode("The old clockmaker opened his shop and said")
+
+
+@pytest.fixture
+def lm(hf_model, smollm2_tokenizer):
+    return AsyncTransformer(hf_model, smollm2_tokenizer, batch_size=16)
+
+
+def reference(model, ids, vocab_size):
+    """Plain forward of the whole prefix, no cache, renormalized over the tokenizer's vocabulary."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(ids)])).logits[0, -1, :vocab_size]
+        return torch.log_softmax(logits.float(), -1)
+
+
+def assert_close(lm, ids, got):
+    expected = reference(lm.model, ids, lm.vocab_size)
+    assert got.shape == expected.shape == (len(lm.byte_vocab),)
+    assert got.dtype == torch.float32
+    diff = (got - expected).abs().max().item()
+    assert diff <= TOL, f"max abs diff {diff} for a prefix of {len(ids)} tokens"
+
+
+class ForwardLog:
+    """Wraps a model's forward to record the shape of every ``input_ids``."""
+
+    def __init__(self, model, monkeypatch, fail_times=0):
+        self.shapes = []
+        self.fail_times = fail_times
+        inner = model.forward
+
+        def forward(*args, **kwargs):
+            self.shapes.append(tuple(kwargs["input_ids"].shape))
+            if self.fail_times:
+                self.fail_times -= 1
+                raise RuntimeError("forward failed on purpose")
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", forward)
+
+    @property
+    def tokens(self):
+        return sum(rows * length for rows, length in self.shapes)
+
+
+def test_uncached_is_the_plain_forward(lm, prompt):
+    got = lm.next_token_logprobs_uncached(prompt)
+    assert_close(lm, prompt, got)
+    assert torch.logsumexp(got, 0).item() == pytest.approx(0.0, abs=1e-4)
+
+
+def test_sync_answers_match_before_and_after_caching(lm, prompt):
+    first = lm.next_token_logprobs_sync(prompt)
+    assert_close(lm, prompt, first)
+    assert torch.equal(lm.next_token_logprobs_sync(prompt), first)  # logprobs cache hit
+    longer = prompt + [1000, 2000]
+    assert_close(lm, longer, lm.next_token_logprobs_sync(longer))
+
+
+async def test_mixed_length_batch_matches_uncached(lm, prompt, monkeypatch):
+    short, full = prompt[:6], prompt
+    lm.batch_next_token_logprobs_sync([short, full])  # KV for two different past lengths
+    queries = [
+        full + [450],  # past 9, 1 new token
+        short + [17],  # past 6, 1 new token: padded against the row above
+        prompt[:3],  # its KV comes from below (a slice of a longer prefix's)
+        [5],  # nothing cached: past 0, padded in the 1-new-token group
+        full + [450, 451, 452],  # past 9, 3 new tokens
+        short + [17, 18, 19],  # past 6, 3 new tokens: padded
+        prompt[:2] + [3, 4, 5, 6],  # past 2 (from below), 4 new tokens
+        short,  # logprobs cache hit
+        full + [450],  # duplicate
+    ]
+    log = ForwardLog(lm.model, monkeypatch)
+    results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
+    assert sorted(log.shapes) == [(1, 4), (2, 3), (4, 1)]
+    for ids, got in zip(queries, results, strict=True):
+        assert_close(lm, ids, got)
+    assert lm.batcher.batch_sizes == [len(set(map(tuple, queries)))]
+
+
+async def test_extending_by_one_token_runs_only_that_token(lm, prompt, monkeypatch):
+    await lm.next_token_logprobs(prompt)
+    log = ForwardLog(lm.model, monkeypatch)
+    children = [prompt + [t] for t in (11, 12, 13, 14)]
+    results = await asyncio.gather(*(lm.next_token_logprobs(c) for c in children))
+    assert log.shapes == [(4, 1)]  # one batched forward of 4 rows x 1 new token
+    grandchild = children[2] + [99]
+    node, next_index, past, base = lm.walk_cache(grandchild)
+    assert next_index == base == len(grandchild) - 1
+    assert past.shape[-2] == next_index
+    results.append(await lm.next_token_logprobs(grandchild))
+    assert log.shapes[-1] == (1, 1)
+    for ids, got in zip(children + [grandchild], results, strict=True):
+        assert_close(lm, ids, got)
+
+
+async def test_particle_loop_matches_uncached_at_every_step(lm, prompt):
+    contexts = {}
+
+    async def particle(index):
+        generator = torch.Generator().manual_seed(index)
+        ctx = list(prompt)
+        for _ in range(5):
+            logps = await lm.next_token_logprobs(ctx)
+            contexts[tuple(ctx)] = logps
+            ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
+
+    await asyncio.gather(*(particle(i) for i in range(4)))
+    for ids, got in contexts.items():
+        assert_close(lm, ids, got)
+
+
+async def test_tiny_kv_budget_evicts_and_stays_correct(hf_model, smollm2_tokenizer, prompt):
+    budget = 600_000  # about a dozen tokens of KV: forces eviction every step
+    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=budget, max_logprobs_bytes=0)
+    seen = []
+
+    async def particle(index):
+        generator = torch.Generator().manual_seed(index)
+        ctx = list(prompt)
+        for _ in range(4):
+            logps = await lm.next_token_logprobs(ctx)
+            seen.append((tuple(ctx), logps))
+            assert lm.kv_nbytes <= budget
+            ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
+
+    await asyncio.gather(*(particle(i) for i in range(3)))
+    for ids, got in seen:
+        assert_close(lm, ids, got)
+    # an evicted prefix is recomputed transparently
+    assert_close(lm, seen[0][0], lm.next_token_logprobs_sync(seen[0][0]))
+
+
+async def test_budget_bounds_kv_in_a_longer_run(hf_model, smollm2_tokenizer, prompt):
+    budget = 8 << 20
+    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=budget)
+    peak = 0
+
+    async def particle(index):
+        nonlocal peak
+        ctx = list(prompt) + [index]
+        for step in range(12):
+            await lm.next_token_logprobs(ctx)
+            peak = max(peak, lm.kv_nbytes)
+            ctx = ctx + [100 + step]
+
+    await asyncio.gather(*(particle(i) for i in range(8)))
+    assert 0 < peak <= budget
+
+
+def test_after_clear_kv_cache_and_clear_cache(lm, prompt):
+    ids = prompt + [300]
+    lm.next_token_logprobs_sync(ids)
+    lm.clear_kv_cache()
+    assert lm.kv_nbytes == 0
+    assert lm.walk_cache(ids + [5])[1] == 0
+    assert_close(lm, ids + [5], lm.next_token_logprobs_sync(ids + [5]))
+    assert_close(lm, ids, lm.next_token_logprobs_sync(ids))  # logprobs survived
+    lm.clear_cache()
+    assert lm.kv_nbytes == 0 and not lm.cache.children
+    assert_close(lm, ids, lm.next_token_logprobs_sync(ids))
+
+
+def test_cache_kv_pins_the_prompt(hf_model, smollm2_tokenizer, prompt, monkeypatch):
+    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=400_000)
+    lm.cache_kv(prompt)
+    for token in range(5):  # traffic that evicts everything unpinned
+        lm.next_token_logprobs_sync([token + 40, token + 41, token + 42])
+    node, next_index, past, base = lm.walk_cache(prompt + [77])
+    assert (next_index, base) == (len(prompt), len(prompt))
+    lm.clear_cache()
+    lm.cache_kv(prompt)
+    log = ForwardLog(lm.model, monkeypatch)
+    extended = lm.next_token_logprobs_sync(prompt + [77])
+    again = lm.next_token_logprobs_sync(prompt + [78])
+    assert log.shapes == [(1, 1), (1, 1)]  # the pinned prompt is never rerun
+    assert_close(lm, prompt + [77], extended)
+    assert_close(lm, prompt + [78], again)
+    lm.clear_kv_cache()
+    assert lm.walk_cache(prompt + [77])[1] == 0
+
+
+def test_add_query_and_batch_evaluate_queries(lm, prompt):
+    queries = [prompt, prompt + [3], prompt]
+    assert [lm.add_query(q) for q in queries] == [0, 1, 2]
+    results = lm.batch_evaluate_queries()
+    assert len(results) == 3 and torch.equal(results[0], results[2])
+    for ids, got in zip(queries, results, strict=True):
+        assert_close(lm, ids, got)
+    assert lm.batch_evaluate_queries() == []
+    batch = lm.batch_next_token_logprobs_sync([prompt[:4], prompt[:5]])
+    assert batch.shape == (2, lm.vocab_size)
+    assert_close(lm, prompt[:5], batch[1])
+
+
+@pytest.mark.parametrize(
+    "bad, error, needle",
+    [
+        ([], ValueError, "empty"),
+        ([1, 2, 10**9], ValueError, "1000000000"),
+        ([1, -3], ValueError, "-3"),
+        ([1, 2.5], TypeError, "2.5"),
+        (["7"], TypeError, "'7'"),
+    ],
+)
+async def test_bad_input_fails_before_model_work(lm, monkeypatch, bad, error, needle):
+    log = ForwardLog(lm.model, monkeypatch)
+    for call in (lm.next_token_logprobs_sync, lm.next_token_logprobs_uncached, lm.cache_kv):
+        with pytest.raises(error, match=needle):
+            call(bad)
+    with pytest.raises(error, match=needle):
+        await lm.next_token_logprobs(bad)
+    assert log.shapes == []
+
+
+async def test_a_failed_batch_reaches_every_caller_and_the_next_batch_works(
+    lm, prompt, monkeypatch
+):
+    ForwardLog(lm.model, monkeypatch, fail_times=1)
+    queries = [prompt + [t] for t in range(3)]
+    outcomes = await asyncio.gather(
+        *(lm.next_token_logprobs(q) for q in queries), return_exceptions=True
+    )
+    assert all(isinstance(o, RuntimeError) and "on purpose" in str(o) for o in outcomes)
+    results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
+    for ids, got in zip(queries, results, strict=True):
+        assert_close(lm, ids, got)
+
+
+async def test_a_cancelled_caller_does_not_disturb_the_others(lm, prompt):
+    tasks = [asyncio.create_task(lm.next_token_logprobs(prompt + [t])) for t in range(4)]
+    await asyncio.sleep(0)
+    tasks[1].cancel()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(done[1], asyncio.CancelledError)
+    for t in (0, 2, 3):
+        assert_close(lm, prompt + [t], done[t])
+    lm.reset_async_queries()
+    assert_close(lm, prompt + [9], await lm.next_token_logprobs(prompt + [9]))
+
+
+class PaddedHead(torch.nn.Module):
+    """A model whose output layer has extra rows beyond the tokenizer (with huge logits)."""
+
+    def __init__(self, model, extra):
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+        weight = model.get_output_embeddings().weight
+        self.head = torch.nn.Linear(weight.shape[1], weight.shape[0] + extra, bias=False)
+        self.extra = extra
+
+    def get_input_embeddings(self):
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        padding = torch.full((*out.logits.shape[:-1], self.extra), 50.0)
+        out.logits = torch.cat([out.logits, padding], dim=-1)
+        return out
+
+
+async def test_padded_output_rows_are_dropped_and_renormalized(hf_model, smollm2_tokenizer, prompt):
+    lm = AsyncTransformer(PaddedHead(hf_model, extra=64), smollm2_tokenizer)
+    results = await asyncio.gather(
+        lm.next_token_logprobs(prompt), lm.next_token_logprobs(prompt + [8])
+    )
+    results.append(lm.next_token_logprobs_uncached(prompt))
+    for ids, got in zip([prompt, prompt + [8], prompt], results, strict=True):
+        assert got.shape == (len(lm.byte_vocab),)
+        expected = reference(hf_model, ids, lm.vocab_size)
+        assert (got - expected).abs().max().item() <= TOL
+
+
+async def test_without_kv_reuse_the_fallback_is_still_exact(
+    hf_model, smollm2_tokenizer, prompt, monkeypatch
+):
+    monkeypatch.setattr(AsyncTransformer, "_probe_kv_layout", lambda self: (None, "test"))
+    with pytest.warns(UserWarning, match="KV reuse is off"):
+        lm = AsyncTransformer(hf_model, smollm2_tokenizer)
+    queries = [prompt, prompt + [5], prompt[:4]]
+    results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
+    for ids, got in zip(queries, results, strict=True):
+        assert_close(lm, ids, got)
+    with pytest.raises(NotImplementedError, match="KV reuse"):
+        lm.cache_kv(prompt + [1, 2])
+
+
+async def test_eager_attention_uses_an_additive_mask(default_model_dir, smollm2_tokenizer, prompt):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    lm = AsyncTransformer(model, smollm2_tokenizer)
+    lm.next_token_logprobs_sync(prompt[:5])
+    queries = [prompt, prompt[:5] + [9], prompt[:5] + [9, 10, 11], prompt[:2] + [3, 4, 5, 6]]
+    results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
+    for ids, got in zip(queries, results, strict=True):
+        assert_close(lm, ids, got)
+
+
+def test_lora_switching(default_model_dir, smollm2_tokenizer, prompt, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    adapted = peft.get_peft_model(model, config).eval()
+    adapted.save_pretrained(tmp_path / "lora")
+    ids = prompt + [42]
+    with_lora = reference(adapted, ids, len(smollm2_tokenizer))
+    with adapted.disable_adapter():
+        base = reference(adapted, ids, len(smollm2_tokenizer))
+    assert (with_lora - base).abs().max().item() > 1e-2  # the adapter changes the answer
+
+    lm = AsyncTransformer(adapted.unload(), smollm2_tokenizer)  # the base model, LoRA removed
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.set_lora(lora_name="missing")
+    assert torch.allclose(lm.next_token_logprobs_sync(ids), base, atol=TOL)
+    lm.add_new_lora(tmp_path / "lora", lora_name="mine")
+    assert torch.allclose(lm.next_token_logprobs_sync(ids), base, atol=TOL)  # loaded, not active
+    lm.set_lora(lora_name="mine")
+    assert torch.allclose(lm.next_token_logprobs_sync(ids), with_lora, atol=TOL)
+    assert torch.allclose(lm.next_token_logprobs_uncached(ids), with_lora, atol=TOL)
+    lm.clear_lora()
+    assert torch.allclose(lm.next_token_logprobs_sync(ids), base, atol=TOL)
+
+
+def test_bitsandbytes_8bit_loads_and_agrees_on_the_top_token(
+    default_model_dir, hf_model, smollm2_tokenizer
+):
+    pytest.importorskip("bitsandbytes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = AsyncTransformer.from_name(default_model_dir, bitsandbytes_opts={"load_in_8bit": True})
+        assert type(lm.model.model.layers[0].mlp.up_proj).__name__ == "Linear8bitLt"
+        for text in ["The capital of France is", "One, two, three,", "def hello():"]:
+            ids = smollm2_tokenizer.encode(text)
+            expected = reference(hf_model, ids, lm.vocab_size).argmax().item()
+            assert lm.next_token_logprobs_sync(ids).argmax().item() == expected
+
+
+def test_from_name_options(default_model_dir, hf_model, smollm2_tokenizer, monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import genlm.backend.models as models
+
+    loaded_tokenizers = []
+    monkeypatch.setattr(
+        models,
+        "load_tokenizer",
+        lambda model_id: loaded_tokenizers.append(model_id) or smollm2_tokenizer,
+    )
+    calls = []
+
+    def record(path, **kwargs):
+        calls.append((path, kwargs))
+        return hf_model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", record)
+    lm = AsyncTransformer.from_name(
+        default_model_dir, hf_opts={"torch_dtype": "float32"}, batch_size=3, max_kv_bytes=10
+    )
+    assert calls[-1] == (default_model_dir, {"device_map": "auto", "dtype": torch.float32})
+    assert (lm.batcher.batch_size, lm.max_kv_bytes) == (3, 10)
+    AsyncTransformer.from_name(default_model_dir, hf_opts={"dtype": torch.bfloat16})
+    assert calls[-1][1]["dtype"] is torch.bfloat16
+    AsyncTransformer.from_name(default_model_dir)
+    assert calls[-1][1] == {"device_map": "auto", "dtype": "auto"}
+    with pytest.raises(ValueError, match="float8"):
+        AsyncTransformer.from_name(default_model_dir, hf_opts={"dtype": "float8"})
+    with pytest.raises(ValueError, match="both"):
+        AsyncTransformer.from_name(
+            default_model_dir, hf_opts={"dtype": "float", "torch_dtype": "float"}
+        )
+
+    # a .gguf file: its directory plus gguf_file; the tokenizer comes from the file itself
+    gguf = str(tmp_path / "model.Q4.gguf")
+    AsyncTransformer.from_name(gguf)
+    assert calls[-1][0] == str(tmp_path)
+    assert calls[-1][1]["gguf_file"] == "model.Q4.gguf"
+    assert loaded_tokenizers[-1] == gguf

@@ -1,0 +1,354 @@
+"""AsyncMlxLM on the real default model (MLX CPU build), checked against a plain HF forward.
+
+The reference is an uncached float32 transformers forward of the whole prefix. MLX's
+Linux CPU wheel multiplies matrices with a reference BLAS, so prompts stay short.
+"""
+
+import asyncio
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from genlm.backend.llm.mlx import AsyncMlxLM
+
+HF_TOLERANCE = 5e-4  # MLX vs transformers, both float32
+SELF_TOLERANCE = 1e-4  # batched / cached vs single uncached, same backend
+
+pytestmark = pytest.mark.mlx
+
+
+@pytest.fixture(scope="module")
+def mlx_loaded(default_model_dir):
+    mlx_lm = pytest.importorskip("mlx_lm")
+    return mlx_lm.load(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def lm(mlx_loaded):
+    model, tokenizer = mlx_loaded
+    return AsyncMlxLM(model, tokenizer, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model):
+    """Log-probabilities from one uncached HF forward pass over the whole prefix."""
+    memo = {}
+
+    def logprobs(ids):
+        key = tuple(ids)
+        if key not in memo:
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([key])).logits[0, -1].float()
+            memo[key] = torch.log_softmax(logits, dim=-1)
+        return memo[key]
+
+    return logprobs
+
+
+@pytest.fixture(scope="module")
+def prompts(lm):
+    encode = lm.tokenizer.encode
+    return {
+        "short": encode("Hello", add_special_tokens=False),
+        "mid": encode("The capital of France is", add_special_tokens=False),
+        "long": encode(
+            "Once upon a time, in a land far away, there lived a", add_special_tokens=False
+        ),
+    }
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+class RecordingModel:
+    """Wraps an mlx-lm model: records the shape of every input and can be made to fail."""
+
+    def __init__(self, model):
+        self.inner = model
+        self.shapes = []
+        self.fail = False
+
+    def __call__(self, inputs, *args, **kwargs):
+        self.shapes.append(tuple(inputs.shape))
+        if self.fail:
+            raise RuntimeError("injected model failure")
+        return self.inner(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_loads_float32_weights_and_the_configs_rope_theta(lm, default_model_dir):
+    from mlx.utils import tree_flatten
+
+    config = json.loads((Path(default_model_dir) / "config.json").read_text())
+    assert lm.model.args.rope_theta == config["rope_theta"]
+    dtypes = {str(p.dtype) for _, p in tree_flatten(lm.model.parameters())}
+    assert dtypes == {"mlx.core.float32"}
+    assert not type(lm.tokenizer).__module__.startswith("mlx_lm")  # the HF tokenizer itself
+    assert lm.prefix_caching
+
+
+async def test_single_request_matches_hf(lm, prompts, reference):
+    lm.clear_cache()
+    ids = prompts["long"]
+    logps = await lm.next_token_logprobs(ids)
+    assert logps.shape == (len(lm.byte_vocab),)
+    assert logps.dtype == torch.float32
+    assert torch.logsumexp(logps, 0).item() == pytest.approx(0.0, abs=1e-4)
+    assert max_diff(logps, reference(ids)) <= HF_TOLERANCE
+    lm.clear_cache()
+    assert max_diff(lm.next_token_logprobs_sync(ids), reference(ids)) <= HF_TOLERANCE
+
+
+async def test_batched_mixed_lengths_match_hf_and_single_requests(lm, mlx_loaded, reference):
+    lm.clear_cache()
+    rows = [[504], [504, 3458, 282], list(range(400, 406)), list(range(700, 708))]
+    results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+    assert lm.batcher.batch_sizes[-1] == len(rows)
+    single = AsyncMlxLM(*mlx_loaded, cache_size=0)
+    for ids, logps in zip(rows, results, strict=True):
+        assert max_diff(logps, reference(ids)) <= HF_TOLERANCE, ids
+        assert max_diff(logps, single.next_token_logprobs_sync(ids)) <= SELF_TOLERANCE, ids
+
+
+async def test_cached_prefixes_run_only_the_new_tokens_and_match_hf(mlx_loaded, prompts, reference):
+    model = RecordingModel(mlx_loaded[0])
+    lm = AsyncMlxLM(model, mlx_loaded[1], batch_size=8)
+    base = prompts["mid"]
+    await lm.next_token_logprobs(base)
+    assert lm.walk_cache(base)[3] == len(base)
+
+    rows = [base + [330], base + [330, 5099], base + [28], prompts["short"]]
+    model.shapes.clear()
+    results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+    assert lm.batcher.batch_sizes[-1] == len(rows)
+    # A prefill pass over the tokens before each row's last, then one pass on the last tokens.
+    assert model.shapes == [(len(rows), 1), (len(rows), 1)]
+    for ids, logps in zip(rows, results, strict=True):
+        assert max_diff(logps, reference(ids)) <= HF_TOLERANCE, ids
+        node, next_index, past, depth = lm.walk_cache(ids)
+        assert (next_index, depth, len(past)) == (len(ids), len(ids), len(mlx_loaded[0].layers))
+        assert node.logprobs is not None
+
+    model.shapes.clear()
+    again = await lm.next_token_logprobs(rows[1])
+    assert model.shapes == []  # answered from the cache
+    assert torch.equal(again, results[1])
+
+
+async def test_identical_prefixes_in_a_batch_run_once(lm, prompts):
+    lm.clear_cache()
+    ids = prompts["mid"]
+    a, b, c = await asyncio.gather(*(lm.next_token_logprobs(ids) for _ in range(3)))
+    assert lm.batcher.batch_sizes[-1] == 1
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_cache_is_bounded_by_cache_size_and_evicts_least_recently_used(mlx_loaded, reference):
+    lm = AsyncMlxLM(*mlx_loaded, cache_size=2)
+    rows = [[500 + i, 17] for i in range(4)]
+    for ids in rows:
+        lm.next_token_logprobs_sync(ids)
+    kv_nodes = [n for n in lm.cache if n.past_key_values is not None]
+    logprob_nodes = [n for n in lm.cache if n.logprobs is not None]
+    assert len(kv_nodes) == 2 and len(logprob_nodes) == 2
+    assert lm.walk_cache(rows[0])[2] is None  # the oldest was evicted
+    assert lm.walk_cache(rows[3])[3] == 2
+    assert max_diff(lm.next_token_logprobs_sync(rows[0]), reference(rows[0])) <= HF_TOLERANCE
+
+
+def test_cache_kv_pins_a_prompt_until_clear_cache(mlx_loaded, prompts, reference):
+    lm = AsyncMlxLM(*mlx_loaded, cache_size=1)
+    prompt = prompts["mid"]
+    node = lm.cache_kv(prompt)
+    assert node.past_key_values is not None and node.depth == len(prompt)
+    for i in range(3):
+        lm.next_token_logprobs_sync([600 + i, 5])
+    assert lm.walk_cache(prompt + [28])[3] == len(prompt)
+    ids = prompt + [28]
+    assert max_diff(lm.next_token_logprobs_sync(ids), reference(ids)) <= HF_TOLERANCE
+    lm.clear_cache()
+    assert lm.walk_cache(prompt) == (lm.cache, 0, None, 0)
+
+
+async def test_bad_input_is_rejected_before_any_model_work(lm):
+    batches = len(lm.batcher.batch_sizes)
+    vocab = len(lm.byte_vocab)
+    for call in (lm.next_token_logprobs_sync, lm.next_token_logprobs):
+
+        async def run(ids, call=call):
+            result = call(ids)
+            return await result if asyncio.iscoroutine(result) else result
+
+        with pytest.raises(ValueError, match="empty"):
+            await run([])
+        with pytest.raises(ValueError, match=str(vocab + 5)):
+            await run([1, vocab + 5])
+        with pytest.raises(ValueError, match="-1"):
+            await run([-1])
+        with pytest.raises(TypeError, match="1.5"):
+            await run([1, 1.5])
+    with pytest.raises(ValueError, match="empty"):
+        lm.cache_kv([])
+    assert len(lm.batcher.batch_sizes) == batches
+
+
+async def test_a_failing_batch_reaches_every_caller_and_later_requests_work(mlx_loaded, reference):
+    model = RecordingModel(mlx_loaded[0])
+    lm = AsyncMlxLM(model, mlx_loaded[1], batch_size=8)
+    model.fail = True
+    rows = [[300], [301, 302], [303]]
+    results = await asyncio.gather(
+        *(lm.next_token_logprobs(ids) for ids in rows), return_exceptions=True
+    )
+    assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results)
+    assert not any(n.logprobs is not None for n in lm.cache)
+    model.fail = False
+    logps = await lm.next_token_logprobs(rows[1])
+    assert max_diff(logps, reference(rows[1])) <= HF_TOLERANCE
+
+
+async def test_a_cancelled_caller_does_not_disturb_the_others(lm, reference):
+    lm.clear_cache()
+    rows = [[310, 311], [312], [313, 314, 315]]
+    tasks = [asyncio.create_task(lm.next_token_logprobs(ids)) for ids in rows]
+    await asyncio.sleep(0)
+    tasks[1].cancel()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(done[1], asyncio.CancelledError)
+    for i in (0, 2):
+        assert max_diff(done[i], reference(rows[i])) <= HF_TOLERANCE
+
+
+async def test_reset_async_queries_drops_queued_requests(lm, reference):
+    tasks = [asyncio.create_task(lm.next_token_logprobs([320 + i])) for i in range(3)]
+    await asyncio.sleep(0)  # queued, not yet flushed
+    lm.reset_async_queries()
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(d, asyncio.CancelledError) for d in done)
+    assert max_diff(await lm.next_token_logprobs([321]), reference([321])) <= HF_TOLERANCE
+
+
+async def test_sample_is_seeded_stops_at_eos_and_follows_the_model(lm, prompts, reference):
+    prompt = prompts["mid"]
+    greedy = []
+    for _ in range(3):
+        greedy.append(int(reference(prompt + greedy).argmax()))
+    assert await lm.sample(prompt, 3, eos_token_ids=[], temperature=1e-4) == greedy
+    stop = greedy[1]
+    expected = greedy[: greedy.index(stop)]
+    assert await lm.sample(prompt, 3, eos_token_ids=[stop], temperature=1e-4) == expected
+    first = await lm.sample(prompt, 3, eos_token_ids=[], seed=7)
+    assert len(first) == 3
+    assert await lm.sample(prompt, 3, eos_token_ids=[], seed=7) == first
+
+
+def tiny_llama(vocab_size, layer_types, sliding_window=None, cache_class=None):
+    """A small random-weight mlx-lm llama (optionally with a custom cache layer class)."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=len(layer_types),
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
+    model = llama.Model(args)
+    if cache_class is not None:
+        model.make_cache = lambda: [cache_class() for _ in layer_types]
+    return model
+
+
+def uncached_logprobs(model, ids):
+    import mlx.core as mx
+
+    logits = model(mx.array([ids]))[0, -1]
+    return torch.from_numpy(np.array(logits - mx.logsumexp(logits)))
+
+
+async def test_unreusable_cache_layers_warn_once_and_disable_prefix_caching(smollm2_tokenizer):
+    pytest.importorskip("mlx_lm")
+    model = tiny_llama(len(smollm2_tokenizer), ["sliding_attention", "full_attention"], 4)
+    with pytest.warns(UserWarning, match="prefix .KV. caching is disabled"):
+        lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
+    assert not lm.prefix_caching
+    rows = [list(range(1, 8)), [8], [9, 10, 11], list(range(1, 10))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows[:3]))
+        second = await lm.next_token_logprobs(rows[3])  # extends rows[0]: no KV to reuse
+    assert lm.batcher.batch_sizes[0] == 3
+    assert lm.walk_cache(rows[3])[2] is None
+    for ids, logps in zip(rows, [*first, second], strict=True):
+        assert max_diff(logps, uncached_logprobs(model, ids)) <= SELF_TOLERANCE, ids
+    with pytest.raises(RuntimeError, match="prefix caching"):
+        lm.cache_kv(rows[0])
+
+
+async def test_cache_layers_without_merge_run_row_by_row(smollm2_tokenizer):
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import ConcatenateKVCache
+
+    layers = ["full_attention", "full_attention"]
+    model = tiny_llama(len(smollm2_tokenizer), layers, cache_class=ConcatenateKVCache)
+    with pytest.warns(UserWarning):
+        lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
+    rows = [[1, 2, 3], [4], [5, 6]]
+    results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+    for ids, logps in zip(rows, results, strict=True):
+        assert max_diff(logps, uncached_logprobs(model, ids)) <= SELF_TOLERANCE, ids
+
+
+def test_load_model_by_name_mlx(default_model_dir, reference):
+    pytest.importorskip("mlx_lm")
+    from genlm.backend.llm import load_model_by_name
+
+    lm = load_model_by_name(default_model_dir, backend="mlx", llm_opts={"cache_size": 3})
+    assert isinstance(lm, AsyncMlxLM) and lm.cache_size == 3
+    assert max_diff(lm.next_token_logprobs_sync([504, 17]), reference([504, 17])) <= HF_TOLERANCE
+
+
+def test_constructor_rejects_bad_options(mlx_loaded):
+    with pytest.raises(ValueError, match="prefill_step_size"):
+        AsyncMlxLM(*mlx_loaded, prefill_step_size=0)
+    with pytest.raises(ValueError, match="cache_size"):
+        AsyncMlxLM(*mlx_loaded, cache_size=-1)
+
+
+def test_prefill_in_small_steps_matches_hf(mlx_loaded, prompts, reference):
+    lm = AsyncMlxLM(*mlx_loaded, prefill_step_size=3)
+    rows = [prompts["long"], prompts["mid"]]
+    for ids, logps in zip(rows, lm.batch_next_token_logprobs_sync(rows), strict=True):
+        assert max_diff(logps, reference(ids)) <= HF_TOLERANCE
+
+
+def test_module_imports_without_mlx_and_use_names_the_extra():
+    code = (
+        "import sys\n"
+        "sys.modules['mlx'] = sys.modules['mlx.core'] = sys.modules['mlx_lm'] = None\n"
+        "from genlm.backend.llm.mlx import AsyncMlxLM\n"
+        "try:\n"
+        "    AsyncMlxLM.from_name('anything')\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert "genlm-backend[mlx]" in out
