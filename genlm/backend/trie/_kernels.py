@@ -160,11 +160,49 @@ def sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no co
 
 
 @njit(cache=True)
-def max_into(parent, leaf_nodes, leaf_positions, ws, out):  # pragma: no cover - compiled
-    """``out[node]`` = max of ``ws`` over the leaves below it (NaN propagates, -inf if none)."""
-    out[:] = -np.inf
+def batch_sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no cover
+    """`sum_into` for the K rows of ``ws`` (``[K, V]``) at once, into ``out`` (``[K, nodes]``).
+
+    ``acc`` is a float64 ``[nodes, >= K]`` work array: the K sums of a node sit side
+    by side, so one sweep updates them together (SIMD lanes) and the K independent
+    dependency chains overlap, instead of K sweeps each waiting on its own chain.
+    """
+    lanes = ws.shape[0]
+    for i in range(parent.shape[0]):
+        for k in range(lanes):
+            acc[i, k] = 0.0
     for j in range(leaf_nodes.shape[0]):
-        out[leaf_nodes[j]] = ws[leaf_positions[j]]
+        node, position = leaf_nodes[j], leaf_positions[j]
+        for k in range(lanes):
+            acc[node, k] = ws[k, position]
+    for i in range(parent.shape[0] - 1, 0, -1):
+        p = parent[i]
+        for k in range(lanes):
+            value = acc[i, k]
+            out[k, i] = value
+            acc[p, k] += value
+    for k in range(lanes):
+        out[k, 0] = acc[0, k]
+
+
+@njit(cache=True)
+def max_into(parent, leaf_nodes, leaf_positions, ws, out):  # pragma: no cover - compiled
+    """``out[node]`` = max of ``ws`` over the leaves below it (NaN propagates, -inf if none).
+
+    Without NaNs the sweep is a branch-free ``max`` (a compare-and-branch mispredicts
+    often enough to cost 3x); with any NaN a slower sweep propagates it upwards.
+    """
+    out[:] = -np.inf
+    has_nan = False
+    for j in range(leaf_nodes.shape[0]):
+        value = ws[leaf_positions[j]]
+        has_nan |= value != value
+        out[leaf_nodes[j]] = value
+    if not has_nan:
+        for i in range(parent.shape[0] - 1, 0, -1):
+            p = parent[i]
+            out[p] = max(out[p], out[i])
+        return
     for i in range(parent.shape[0] - 1, 0, -1):
         value = out[i]
         p = parent[i]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.trie.base import TokenCharacterTrie, check_weights_shape
+from genlm.backend.trie.base import SUM_LANES, TokenCharacterTrie, check_weights_shape
 
 _BACKENDS = ("sequential", "parallel")
 
@@ -66,9 +66,16 @@ class AsyncTokenCharacterTrie:
         return cls(trie)
 
     def _batch_function(self, name: str):
-        def process(requests: list[_Request]) -> np.ndarray:
+        def process(requests: list[_Request]) -> list[np.ndarray]:
+            # Chunks of SUM_LANES rows: each result block stays a few MB, which the
+            # allocator recycles between batches instead of faulting in fresh pages.
             method = getattr(self.trie, f"batch_weight_{name}")
-            return method([request.ws for request in requests])
+            ws = [request.ws for request in requests]
+            return [
+                row
+                for start in range(0, len(ws), SUM_LANES)
+                for row in method(ws[start : start + SUM_LANES])
+            ]
 
         return process
 
