@@ -123,10 +123,7 @@ class AsyncLM(ABC):
         Stops at the first token in ``eos_token_ids`` (not included) or after
         ``max_tokens`` tokens. The same ``seed`` gives the same tokens.
         """
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_sampling_args(max_tokens, temperature)
         context = list(self.validate_token_ids(prompt_token_ids))
         eos = set(eos_token_ids)
         generator = torch.Generator()
@@ -170,7 +167,58 @@ class AsyncLM(ABC):
         )
 
 
-class MockAsyncLM(AsyncLM):
+def check_sampling_args(max_tokens: int, temperature: float) -> None:
+    """Raise ValueError for a negative ``max_tokens`` or a non-positive ``temperature``."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+class BatchedAsyncLM(AsyncLM):
+    """An `AsyncLM` whose requests all go through one `AutoBatcher`.
+
+    Subclasses create ``self.batcher = AutoBatcher(self._process_batch, ...)`` and
+    implement `_process_batch`; this class routes the public calls through it (the
+    blocking ones run on the batcher's worker thread too, so they never race a batch).
+    """
+
+    batcher: AutoBatcher
+
+    @abstractmethod
+    def _process_batch(self, keys: list[Hashable]) -> Sequence[Any]:
+        """The answers for ``keys`` (token-id tuples), in order, for one batch."""
+
+    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Next-token log-probabilities after ``token_ids``, batched with concurrent calls."""
+        return await self.batcher.submit(self.validate_token_ids(token_ids))
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Blocking `next_token_logprobs` (a batch of one)."""
+        return self._run_batch([self.validate_token_ids(token_ids)])[0]
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Blocking next-token log-probabilities for several prefixes, in one batch: ``[B, V]``."""
+        keys = [self.validate_token_ids(token_ids) for token_ids in token_ids_list]
+        if not keys:
+            return torch.empty(0, self.vocab_size)
+        return torch.stack(self._run_batch(keys))
+
+    def _run_batch(self, keys: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """`_process_batch` on the distinct ``keys`` (worker thread, blocking), in ``keys`` order."""
+        distinct = list(dict.fromkeys(keys))
+        results = self.batcher.run_sync(self._process_batch, distinct)
+        by_key = dict(zip(distinct, results, strict=True))
+        return [by_key[key] for key in keys]
+
+    def reset_async_queries(self) -> None:
+        """Drop queued requests (after an aborted run); their callers get CancelledError."""
+        self.batcher.reset()
+
+
+class MockAsyncLM(BatchedAsyncLM):
     """A stand-in LM with pseudo-random next-token distributions.
 
     The distribution is a pure function of ``token_ids`` (the same in every
@@ -210,12 +258,6 @@ class MockAsyncLM(AsyncLM):
     def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
         return [self._logprobs(key) for key in keys]
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
-        return await self.batcher.submit(self.validate_token_ids(token_ids))
-
     def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Blocking `next_token_logprobs` (computed in the calling thread: it is cheap)."""
         return self._logprobs(self.validate_token_ids(token_ids))
-
-    def reset_async_queries(self) -> None:
-        """Drop queued requests (after an aborted run)."""
-        self.batcher.reset()

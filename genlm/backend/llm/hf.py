@@ -57,7 +57,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import DynamicTokenTrie
-from genlm.backend.llm.base import AsyncLM
+from genlm.backend.llm.base import BatchedAsyncLM
 
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
@@ -199,7 +199,7 @@ def _normalize_dtype(opts: dict[str, Any]) -> None:
         opts["dtype"] = _DTYPE_NAMES[name]
 
 
-class AsyncTransformer(AsyncLM):
+class AsyncTransformer(BatchedAsyncLM):
     """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
 
     Returned log-probability vectors are shared with the cache (a row of a batch's
@@ -294,21 +294,6 @@ class AsyncTransformer(AsyncLM):
 
     # -- public API ---------------------------------------------------------------------------
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Next-token log-probabilities after ``token_ids`` (auto-batched with concurrent calls)."""
-        return await self.batcher.submit(self.validate_token_ids(token_ids))
-
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Blocking `next_token_logprobs` (uses and fills the cache, runs alone)."""
-        ids = self.validate_token_ids(token_ids)
-        return self.batcher.run_sync(self._process_batch, [ids])[0]
-
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """Blocking next-token log-probabilities for several prefixes, in one batch: ``[B, V]``."""
-        return torch.stack(self._evaluate([self.validate_token_ids(ids) for ids in token_ids_list]))
-
     def next_token_logprobs_uncached(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
         ids = self.validate_token_ids(token_ids)
@@ -344,7 +329,7 @@ class AsyncTransformer(AsyncLM):
     def batch_evaluate_queries(self) -> list[torch.Tensor]:
         """Evaluate every queued prefix in one batch (blocking); empties the queue."""
         queries, self._queries = self._queries, []
-        return self._evaluate(queries) if queries else []
+        return self._run_batch(queries) if queries else []
 
     def clear_cache(self) -> None:
         """Forget all cached logprobs and KV (pinned prompts included)."""
@@ -356,7 +341,7 @@ class AsyncTransformer(AsyncLM):
 
     def reset_async_queries(self) -> None:
         """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
-        self.batcher.reset()
+        super().reset_async_queries()
         self._queries = []
 
     @property
@@ -419,12 +404,6 @@ class AsyncTransformer(AsyncLM):
     def _reset_trie(self) -> None:
         self.cache = self._new_trie()
         self._pool.free.clear()
-
-    def _evaluate(self, queries: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        distinct = list(dict.fromkeys(queries))
-        results = self.batcher.run_sync(self._process_batch, distinct)
-        by_key = dict(zip(distinct, results, strict=True))
-        return [by_key[q] for q in queries]
 
     def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
         results: list[Any] = [None] * len(keys)

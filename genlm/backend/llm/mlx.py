@@ -25,7 +25,7 @@ import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import DynamicTokenTrie
-from genlm.backend.llm.base import AsyncLM
+from genlm.backend.llm.base import BatchedAsyncLM
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
 
@@ -64,7 +64,7 @@ def _prefix_cache_supported(model: Any) -> bool:
     return all(type(layer) is KVCache for layer in make_prompt_cache(model))
 
 
-class AsyncMlxLM(AsyncLM):
+class AsyncMlxLM(BatchedAsyncLM):
     """Asynchronous, auto-batched mlx-lm model with a prefix cache of KV states.
 
     Args:
@@ -129,25 +129,6 @@ class AsyncMlxLM(AsyncLM):
             max_logprobs_entries=self.cache_size,
         )
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Next-token log-probabilities after ``token_ids``, batched with concurrent requests."""
-        return await self.batcher.submit(self.validate_token_ids(token_ids))
-
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Blocking `next_token_logprobs` (uses the cache, no auto-batching)."""
-        ids = self.validate_token_ids(token_ids)
-        return self.batcher.run_sync(self._process_batch, [ids])[0]
-
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """Blocking next-token log-probabilities for several prefixes, in one batch."""
-        keys = [self.validate_token_ids(ids) for ids in token_ids_list]
-        unique = list(dict.fromkeys(keys))
-        results = self.batcher.run_sync(self._process_batch, unique)
-        by_key = dict(zip(unique, results, strict=True))
-        return torch.stack([by_key[key] for key in keys])
-
     def walk_cache(
         self, token_ids: Sequence[int]
     ) -> tuple[DynamicTokenTrie, int, list[Any] | None, int]:
@@ -191,10 +172,6 @@ class AsyncMlxLM(AsyncLM):
     def clear_cache(self) -> None:
         """Forget every cached KV state and logprobs (pinned ones included)."""
         self.cache = self._new_trie()
-
-    def reset_async_queries(self) -> None:
-        """Drop queued requests (after an aborted run); their callers get ``CancelledError``."""
-        self.batcher.reset()
 
     def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
         """Answer distinct prefixes from the cache or one batched forward pass (worker thread)."""

@@ -10,14 +10,12 @@ sglang is imported only when an engine is built.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from genlm.backend.batching import AutoBatcher
-from genlm.backend.cache import OutputCache
-from genlm.backend.llm.base import AsyncLM
+from genlm.backend.llm.engine import EngineLM
 
 SGL_INSTALL_HINT = "pip install 'genlm-backend[sgl]'"
 
@@ -53,7 +51,7 @@ def row_from_meta_info(meta_info: dict[str, Any], width: int) -> torch.Tensor:
     return row
 
 
-class AsyncSGLTransformer(AsyncLM):
+class AsyncSGLTransformer(EngineLM):
     """An SGLang ``Engine`` behind the `AsyncLM` interface.
 
     Args:
@@ -73,12 +71,11 @@ class AsyncSGLTransformer(AsyncLM):
         batch_size: int = 20,
         timeout: float | None = 0.02,
     ):
-        super().__init__(engine_tokenizer(sgl_model))
         self.sgl_model = sgl_model
-        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-sgl")
+        super().__init__(
+            engine_tokenizer(sgl_model), cache_size, cache_opts, batch_size, timeout, "genlm-sgl"
+        )
         self._all_token_ids = list(range(self.vocab_size))
-        self._closed = False
 
     @classmethod
     def from_name(
@@ -102,10 +99,6 @@ class AsyncSGLTransformer(AsyncLM):
         engine = sglang.Engine(model_path=model_id, base_gpu_id=gpu_id, **(engine_opts or {}))
         return cls(engine, **kwargs)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} used after cleanup(): the engine is gone")
-
     def _process_batch(self, keys: list[Hashable]) -> torch.Tensor:
         """One ``generate`` call: the ``[B, V]`` next-token log-probabilities of ``keys``."""
         self._check_open()
@@ -125,66 +118,10 @@ class AsyncSGLTransformer(AsyncLM):
         )
         return torch.log_softmax(rows, dim=-1)
 
-    def _cached(self, key: tuple[int, ...]) -> torch.Tensor | None:
-        if self.cache is not None and key in self.cache:
-            return self.cache[key]
-        return None
-
-    def _store(self, key: tuple[int, ...], logprobs: torch.Tensor) -> None:
-        if self.cache is not None:
-            self.cache[key] = logprobs.clone()
-
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Next-token log-probabilities, auto-batched with concurrent requests (cached)."""
-        self._check_open()
-        key = self.validate_token_ids(token_ids)
-        cached = self._cached(key)
-        if cached is not None:
-            return cached
-        logprobs = await self.batcher.submit(key)
-        self._store(key, logprobs)
-        return logprobs
-
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Blocking `next_token_logprobs` (consults and fills the cache)."""
-        self._check_open()
-        key = self.validate_token_ids(token_ids)
-        cached = self._cached(key)
-        if cached is not None:
-            return cached
-        logprobs = self.batcher.run_sync(self._process_batch, [key])[0]
-        self._store(key, logprobs)
-        return logprobs
-
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """One engine call for all prefixes, bypassing the cache: a ``[B, V]`` tensor."""
-        self._check_open()
-        keys = [self.validate_token_ids(token_ids) for token_ids in token_ids_list]
-        if not keys:
-            return torch.empty(0, self.vocab_size)
-        return self.batcher.run_sync(self._process_batch, keys)
-
-    def clear_cache(self) -> None:
-        """Forget cached log-probabilities."""
-        if self.cache is not None:
-            self.cache.clear()
-
     def clear_kv_cache(self) -> None:
         """Empty SGLang's prefix (radix) KV cache."""
         self._check_open()
         self.batcher.run_sync(self.sgl_model.flush_cache)
 
-    def reset_async_queries(self) -> None:
-        """Drop queued requests (after an aborted run); their callers get CancelledError."""
-        self.batcher.reset()
-
-    def cleanup(self) -> None:
-        """Shut the engine down. Idempotent; other calls then raise RuntimeError."""
-        if self._closed:
-            return
-        self._closed = True
-        self.batcher.close()
-        self.clear_cache()
+    def _shutdown_engine(self) -> None:
         self.sgl_model.shutdown()

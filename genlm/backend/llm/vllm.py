@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from genlm.backend.batching import AutoBatcher
-from genlm.backend.cache import OutputCache
-from genlm.backend.llm.base import AsyncLM
+from genlm.backend.llm.base import check_sampling_args
+from genlm.backend.llm.engine import EngineLM
 
 VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
 # The engine-side logits processor, named so that vLLM loads it in its own processes.
@@ -199,7 +198,7 @@ class _SampleRequest:
     nonce: int | None  # makes unseeded requests distinct, so they are never merged
 
 
-class AsyncVirtualLM(AsyncLM):
+class AsyncVirtualLM(EngineLM):
     """A vLLM engine behind the `AsyncLM` interface.
 
     Args:
@@ -223,16 +222,15 @@ class AsyncVirtualLM(AsyncLM):
         batch_size: int = 20,
         timeout: float | None = 0.02,
     ):
-        super().__init__(llm_engine.get_tokenizer())
         self.llm_engine = llm_engine
         self.logprobs_capture = logprobs_capture
-        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-vllm")
+        super().__init__(
+            llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
+        )
         self.lora_ids: dict[str, int] = {}
         self._lora_paths: dict[str, str] = {}
         self._active_lora: tuple[str, int, str] | None = None
         self._nonces = itertools.count()
-        self._closed = False
 
     @classmethod
     def from_name(
@@ -261,10 +259,6 @@ class AsyncVirtualLM(AsyncLM):
         logprobs_capture = CAPTURES[capture]()
         llm = vllm.LLM(model=model_name, **engine_options(engine_opts, logprobs_capture))
         return cls(llm, logprobs_capture, **kwargs)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} used after cleanup(): the engine is gone")
 
     @property
     def underlying_model(self) -> Any:
@@ -324,49 +318,6 @@ class AsyncVirtualLM(AsyncLM):
             answers[request] = tokens[: stops[0]] if stops else tokens
         return [answers[key] for key in keys]
 
-    def _logprobs_batch(self, keys: list[tuple[int, ...]]) -> torch.Tensor:
-        results = self._process_batch(keys)
-        return torch.stack(results) if results else torch.empty(0, self.vocab_size)
-
-    def _cached(self, key: tuple[int, ...]) -> torch.Tensor | None:
-        if self.cache is not None and key in self.cache:
-            return self.cache[key]
-        return None
-
-    def _store(self, key: tuple[int, ...], logprobs: torch.Tensor) -> None:
-        if self.cache is not None:
-            self.cache[key] = logprobs.clone()
-
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Next-token log-probabilities, auto-batched with concurrent requests (cached)."""
-        self._check_open()
-        key = self.validate_token_ids(token_ids)
-        cached = self._cached(key)
-        if cached is not None:
-            return cached
-        logprobs = await self.batcher.submit(key)
-        self._store(key, logprobs)
-        return logprobs
-
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Blocking `next_token_logprobs` (consults and fills the cache)."""
-        self._check_open()
-        key = self.validate_token_ids(token_ids)
-        cached = self._cached(key)
-        if cached is not None:
-            return cached
-        logprobs = self.batcher.run_sync(self._logprobs_batch, [key])[0]
-        self._store(key, logprobs)
-        return logprobs
-
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """One engine call for all prefixes, bypassing the cache: a ``[B, V]`` tensor."""
-        self._check_open()
-        keys = [self.validate_token_ids(token_ids) for token_ids in token_ids_list]
-        return self.batcher.run_sync(self._logprobs_batch, keys)
-
     async def sample(
         self,
         prompt_token_ids: Sequence[int],
@@ -381,10 +332,7 @@ class AsyncVirtualLM(AsyncLM):
         ``max_tokens``; the same ``seed`` gives the same tokens.
         """
         self._check_open()
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        check_sampling_args(max_tokens, temperature)
         prompt = self.validate_token_ids(prompt_token_ids)
         if max_tokens == 0:
             return []
@@ -422,33 +370,6 @@ class AsyncVirtualLM(AsyncLM):
         self._active_lora = None
         self.clear_cache()
 
-    def clear_cache(self) -> None:
-        """Forget cached log-probabilities."""
-        if self.cache is not None:
-            self.cache.clear()
-
-    def reset_async_queries(self) -> None:
-        """Drop queued requests (after an aborted run); their callers get CancelledError."""
-        self.batcher.reset()
-
-    def cleanup(self) -> None:
-        """Stop the engine and free its memory. Idempotent; other calls then raise RuntimeError."""
-        if self._closed:
-            return
-        self._closed = True
-        self.batcher.close()
-        self.clear_cache()
+    def _shutdown_engine(self) -> None:
         engine, self.llm_engine = self.llm_engine, None
         shutdown_engine(engine)
-
-    def __enter__(self) -> AsyncVirtualLM:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.cleanup()
-
-    async def __aenter__(self) -> AsyncVirtualLM:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        self.cleanup()
