@@ -3,7 +3,7 @@
 # venv) and the strict docs build. Fails on the first failing step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NO_MKDOCS_2_WARNING=1
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 started=$SECONDS

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.DOTALL | re.MULTILINE)
 
 
@@ -46,3 +47,14 @@ def test_getting_started_runs(default_model_dir, capsys):
     assert len(python_blocks((DOCS / "getting-started.md").read_text())) >= 8
     run_page("getting-started.md")
     assert "P(next token starts with ' a')" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_readme_pattern_runs(default_model_dir):
+    """The README's first example (32 particles on the default model) runs as printed."""
+    block = python_blocks((ROOT / "README.md").read_text())[0]
+    namespace: dict = {"__name__": "readme"}
+    exec(compile(block, "README.md, python block 1", "exec"), namespace)
+    samples, prompt = namespace["samples"], namespace["prompt_ids"]
+    assert len(samples) == 32
+    assert all(len(s) == len(prompt) + 10 and s[: len(prompt)] == prompt for s in samples)
