@@ -224,6 +224,21 @@ def test_bad_weights_are_rejected(trie_class):
         trie.batch_weight_max([np.ones(2), np.ones(5)])
 
 
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_batched_results_into_a_given_array(trie_class):
+    vocab = random_vocab(3)
+    trie = trie_class(vocab)
+    ws = np.random.default_rng(0).random((10, len(vocab)))
+    out = np.full((10, trie.num_nodes), np.nan, np.float32)
+    assert trie.batch_weight_sum(ws, out=out) is out
+    np.testing.assert_allclose(out, trie.batch_weight_sum(ws), rtol=1e-6)
+    assert trie.batch_weight_max(ws, out=out) is out
+    np.testing.assert_array_equal(out, trie.batch_weight_max(ws))
+    for bad in (np.empty((9, trie.num_nodes), np.float32), np.empty((10, trie.num_nodes))):
+        with pytest.raises(ValueError, match="out must be a float32 array"):
+            trie.batch_weight_sum(ws, out=bad)
+
+
 def test_duplicate_entries_are_rejected():
     with pytest.raises(ValueError, match="duplicate"):
         TokenCharacterTrie([Token(0, b"a"), Token(1, b"b"), Token(0, b"a")])

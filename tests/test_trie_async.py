@@ -36,9 +36,9 @@ async def test_concurrent_calls_form_one_batch_off_the_event_loop(backend):
     threads = []
     batch_weight_sum = trie.trie.batch_weight_sum
 
-    def recording(ws):
+    def recording(ws, out=None):
         threads.append(threading.get_ident())
-        return batch_weight_sum(ws)
+        return batch_weight_sum(ws, out=out)
 
     trie.trie.batch_weight_sum = recording
     ws = distributions(20)
@@ -90,11 +90,11 @@ async def test_a_failing_batch_fails_its_callers_only():
     real = trie.trie.batch_weight_sum
     calls = []
 
-    def fail_once(ws):
+    def fail_once(ws, out=None):
         calls.append(len(ws))
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return real(ws)
+        return real(ws, out=out)
 
     trie.trie.batch_weight_sum = fail_once
     ws = distributions(4)
@@ -112,3 +112,19 @@ def test_from_vocab_backends():
     assert parallel.device == "cpu"
     with pytest.raises(ValueError, match="backend"):
         AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="gpu")
+
+
+async def test_results_held_by_callers_are_never_overwritten():
+    """Result blocks are recycled only once no caller holds a row of them."""
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    first_ws, second_ws = distributions(5, seed=1), distributions(5, seed=2)
+    first = await asyncio.gather(*(trie.weight_sum(w) for w in first_ws))
+    kept = [row.copy() for row in first]
+    for _ in range(3):  # later batches, some of whose results are dropped at once
+        await asyncio.gather(*(trie.weight_sum(w) for w in second_ws))
+    for row, copy in zip(first, kept, strict=True):
+        np.testing.assert_array_equal(row, copy)
+    expected = trie.trie.batch_weight_sum(second_ws)
+    again = await asyncio.gather(*(trie.weight_sum(w) for w in second_ws))
+    np.testing.assert_array_equal(np.stack(again), expected)
+    await trie.cleanup()

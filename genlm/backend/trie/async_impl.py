@@ -9,13 +9,14 @@ so the event loop keeps scheduling particles meanwhile.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.trie.base import SUM_LANES, TokenCharacterTrie, check_weights_shape
+from genlm.backend.trie.base import TokenCharacterTrie, check_weights_shape
 
 _BACKENDS = ("sequential", "parallel")
 
@@ -27,6 +28,31 @@ class _Request:
 
     def __init__(self, ws: Any):
         self.ws = ws
+
+
+class _BlockPool:
+    """float32 ``[rows, nodes]`` result blocks, reused once no caller holds a row of one.
+
+    A fresh block of tens of megabytes is served by new zero-filled pages, which can
+    cost as much as computing it; the block of a batch whose results were dropped
+    costs nothing to reuse. At most ``max_bytes`` of blocks are kept.
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20):
+        self.max_bytes = max_bytes
+        self.blocks: list[np.ndarray] = []
+
+    def take(self, rows: int, cols: int) -> np.ndarray:
+        for block in self.blocks:
+            # references: the list, the loop variable and getrefcount's argument; every
+            # row handed to a caller adds one (its base is the block)
+            if block.shape[0] >= rows and block.shape[1] == cols and sys.getrefcount(block) == 3:
+                return block[:rows]
+        block = np.empty((rows, cols), np.float32)
+        self.blocks.append(block)
+        while len(self.blocks) > 1 and sum(b.nbytes for b in self.blocks) > self.max_bytes:
+            self.blocks.pop(0)
+        return block
 
 
 class AsyncTokenCharacterTrie:
@@ -66,16 +92,12 @@ class AsyncTokenCharacterTrie:
         return cls(trie)
 
     def _batch_function(self, name: str):
-        def process(requests: list[_Request]) -> list[np.ndarray]:
-            # Chunks of SUM_LANES rows: each result block stays a few MB, which the
-            # allocator recycles between batches instead of faulting in fresh pages.
+        blocks = _BlockPool()  # one per batcher: each runs one batch at a time
+
+        def process(requests: list[_Request]) -> np.ndarray:
             method = getattr(self.trie, f"batch_weight_{name}")
-            ws = [request.ws for request in requests]
-            return [
-                row
-                for start in range(0, len(ws), SUM_LANES)
-                for row in method(ws[start : start + SUM_LANES])
-            ]
+            out = blocks.take(len(requests), self.trie.num_nodes)
+            return method([request.ws for request in requests], out=out)
 
         return process
 

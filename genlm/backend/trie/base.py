@@ -22,6 +22,7 @@ parent array. The per-node Python views clients read (`children`, `word2leaf`,
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from collections.abc import Hashable, Iterable, Sequence
 from functools import cached_property
@@ -74,6 +75,7 @@ class TokenCharacterTrie:
             same = np.flatnonzero(repeated)
             candidates = np.unique(order[np.concatenate([same - 1, same])]).tolist()
             _check_unique([_key(self.decode[p]) for p in candidates], candidates)
+        self._scratch_arrays: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self.root = 0
         self.parent = parent
         self.leaf_of = leaf_of
@@ -206,35 +208,57 @@ class TokenCharacterTrie:
         self._max(self._vector(ws), out)
         return out
 
-    def batch_weight_sum(self, ws: Any) -> np.ndarray:
+    def batch_weight_sum(self, ws: Any, out: np.ndarray | None = None) -> np.ndarray:
         """`weight_sum` of B distributions (list of vectors or ``[B, V]``) -> ``[B, num_nodes]``.
 
         float32 results (accumulated in float64): half the memory traffic of float64,
-        which is what a batch's time goes to.
+        which is what a batch's time goes to. ``out``: a float32 ``[B, num_nodes]``
+        array to write into instead of allocating one.
         """
         from genlm.backend.trie._kernels import batch_sum_into
 
         rows = self._rows(ws)
-        out = np.empty((len(rows), self.num_nodes), np.float32)
-        acc = np.empty((self.num_nodes, min(len(rows), SUM_LANES)))
+        out = self._output(len(rows), out)
         for start in range(0, len(rows), SUM_LANES):
             chunk = rows[start : start + SUM_LANES]
             if len(chunk) == 1:  # the one-row kernel is faster than one lane of eight
-                self._sum(chunk[0], out[start], np.empty(self.num_nodes))
+                self._sum(chunk[0], out[start], self._scratch((self.num_nodes,)))
                 continue
             chunk = np.stack(chunk) if isinstance(chunk, list) else chunk
+            acc = self._scratch((self.num_nodes, SUM_LANES))
             batch_sum_into(
                 self.parent, self._leaf_nodes, self._leaf_positions, chunk, out[start:], acc
             )
         return out
 
-    def batch_weight_max(self, ws: Any) -> np.ndarray:
-        """`weight_max` of B distributions -> float32 ``[B, num_nodes]``."""
+    def batch_weight_max(self, ws: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """`weight_max` of B distributions -> float32 ``[B, num_nodes]`` (``out``: as in
+        `batch_weight_sum`)."""
         rows = self._rows(ws)
-        out = np.empty((len(rows), self.num_nodes), np.float32)
+        out = self._output(len(rows), out)
         for row, row_out in zip(rows, out, strict=True):
             self._max(row, row_out)
         return out
+
+    def _output(self, num_rows: int, out: np.ndarray | None) -> np.ndarray:
+        """``out`` checked to be a float32 ``[num_rows, num_nodes]`` array, or a new one."""
+        shape = (num_rows, self.num_nodes)
+        if out is None:
+            return np.empty(shape, np.float32)
+        if out.shape != shape or out.dtype != np.float32:
+            raise ValueError(
+                f"out must be a float32 array of shape {shape}, got {out.dtype} {out.shape}"
+            )
+        return out
+
+    def _scratch(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A float64 work array of ``shape``, kept per thread between calls: a fresh
+        multi-megabyte array costs new zero-filled pages on every call."""
+        key = (threading.get_ident(), shape)
+        scratch = self._scratch_arrays.get(key)
+        if scratch is None:
+            scratch = self._scratch_arrays[key] = np.empty(shape)
+        return scratch
 
     def mass_sum(self, p_llm: Any) -> np.ndarray:
         """Deprecated name of `weight_sum`."""

@@ -132,17 +132,25 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
             return self._sparse_max(self._tensor(ws, batched=False))[0]
         return self.batch_weight_max([ws])[0]
 
-    def batch_weight_sum(self, ws: Any) -> np.ndarray:
-        """`weight_sum` of B distributions in one kernel call -> float32 ``[B, num_nodes]``."""
+    def batch_weight_sum(self, ws: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """`weight_sum` of B distributions in one kernel call -> float32 ``[B, num_nodes]``
+        (``out``: an array to write into, as in `TokenCharacterTrie.batch_weight_sum`)."""
         if self.sparse_kernels:
-            return self._sparse_sum(self._tensor(ws, batched=True))
-        return super().batch_weight_sum(ws)
+            return self._into(self._sparse_sum(self._tensor(ws, batched=True)), out)
+        return super().batch_weight_sum(ws, out)
 
-    def batch_weight_max(self, ws: Any) -> np.ndarray:
+    def batch_weight_max(self, ws: Any, out: np.ndarray | None = None) -> np.ndarray:
         """`weight_max` of B distributions in one kernel call -> float32 ``[B, num_nodes]``."""
         if self.sparse_kernels:
-            return self._sparse_max(self._tensor(ws, batched=True))
-        return super().batch_weight_max(ws)
+            return self._into(self._sparse_max(self._tensor(ws, batched=True)), out)
+        return super().batch_weight_max(ws, out)
+
+    def _into(self, result: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return result
+        out = self._output(result.shape[0], out)
+        out[...] = result
+        return out
 
 
 def _resolve_device(device: Any) -> str:
