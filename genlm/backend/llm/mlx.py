@@ -171,6 +171,10 @@ class AsyncMlxLM(BatchedAsyncLM):
 
     def clear_cache(self) -> None:
         """Forget every cached KV state and logprobs (pinned ones included)."""
+        self.batcher.run_sync(self._reset_trie)
+
+    def _reset_trie(self) -> None:
+        # On the worker thread, so a batch never sees the tree swapped under it.
         self.cache = self._new_trie()
 
     def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
