@@ -128,3 +128,11 @@ async def test_results_held_by_callers_are_never_overwritten():
     again = await asyncio.gather(*(trie.weight_sum(w) for w in second_ws))
     np.testing.assert_array_equal(np.stack(again), expected)
     await trie.cleanup()
+
+
+def test_the_weight_kernels_release_the_gil():
+    """So the event loop keeps running while the async trie's worker thread sweeps."""
+    from genlm.backend.trie import _kernels
+
+    for kernel in (_kernels.sum_into, _kernels.batch_sum_into, _kernels.max_into):
+        assert kernel.targetoptions.get("nogil") is True, kernel.__name__

@@ -3,7 +3,9 @@
 Nodes are numbered in depth-first preorder, so every child has a larger id than
 its parent and a single reverse sweep over the flat ``parent`` array visits each
 node after all of its descendants. Compiled code is cached on disk
-(``cache=True``), so the compile cost is paid once per machine.
+(``cache=True``), so the compile cost is paid once per machine. The weight passes
+release the GIL (``nogil=True``): while the async trie's worker thread sweeps, the
+event loop keeps scheduling the particles.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def build_preorder(flat, starts, lengths, order):  # pragma: no cover - compiled
     return parent[:next_id], symbol[:next_id], position[:next_id], leaf_of, size, repeated
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no cover - compiled
     """``out[node]`` = sum of ``ws`` over the leaves below ``node`` (NaN propagates).
 
@@ -159,7 +161,7 @@ def sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no co
     out[0] = acc[0]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def batch_sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no cover
     """`sum_into` for the K rows of ``ws`` (``[K, V]``) at once, into ``out`` (``[K, nodes]``).
 
@@ -185,7 +187,7 @@ def batch_sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma:
         out[k, 0] = acc[0, k]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def max_into(parent, leaf_nodes, leaf_positions, ws, out):  # pragma: no cover - compiled
     """``out[node]`` = max of ``ws`` over the leaves below it (NaN propagates, -inf if none).
 
