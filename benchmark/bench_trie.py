@@ -11,8 +11,10 @@ One torch thread. Distributions are float32 torch tensors (what an LM returns).
 Per-call figures exclude the first (JIT) call, which is reported separately as
 ``first call``: numba compiles once per machine and caches on disk, so on later runs
 that line only loads the cache. Each figure is reported as min and median over
-``--repeats`` runs; batched figures are per distribution. Results: a table, and
-benchmark/results/trie.json.
+``--repeats`` interleaved rounds (each round times every figure once, after an
+untimed call of it); batched
+figures are per distribution. Results: a table, benchmark/results/trie.json and its
+plots in docs/images/.
 """
 
 from __future__ import annotations
@@ -113,16 +115,6 @@ def synthetic_vocab(size: int = 128_000, seed: int = 0) -> list[Token]:
     return [Token(i, s) for i, s in enumerate(strings)]
 
 
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Wall times (ms) of ``repeats`` calls."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
 def summary(times: list[float], per: int = 1) -> dict[str, float]:
     return {"min_ms": min(times) / per, "median_ms": statistics.median(times) / per}
 
@@ -142,65 +134,84 @@ def first_call_ms() -> dict[str, float]:
 
 
 def bench_vocab(name: str, vocab: list[Token], repeats: int) -> list[dict]:
+    """Every figure of both tries on ``vocab``, timed in ``repeats`` interleaved rounds.
+
+    Each round times every figure once, so a slow spell of the host (other tenants'
+    memory traffic swings these figures by up to 2x) spreads over all figures instead
+    of landing on whichever one happened to be running. Every timed call follows an
+    untimed one of the same figure (warm caches, as in a loop of such calls).
+    """
     from genlm.backend.trie import (
         AsyncTokenCharacterTrie,
         ParallelTokenCharacterTrie,
         TokenCharacterTrie,
     )
 
-    rows = []
     gen = torch.Generator().manual_seed(0)
     ws = torch.softmax(torch.randn(len(vocab), generator=gen), 0)
     batch = torch.softmax(torch.randn(BATCH, len(vocab), generator=gen), 1)
     many = list(torch.softmax(torch.randn(CONCURRENT, len(vocab), generator=gen), 1))
-    targets = TARGETS.get(name, {})
-
-    def add(trie_name: str, figure: str, times: list[float], per: int = 1) -> None:
-        row = {"vocab": name, "trie": trie_name, "figure": figure, **summary(times, per)}
-        if figure in targets:
-            row["target_ms"] = targets[figure]
-        rows.append(row)
-
+    loop = asyncio.new_event_loop()
+    figures: list[tuple[str, str, Callable[[], object], int, int]] = []
+    async_tries = []
     for trie_name, make in (
         ("sequential", TokenCharacterTrie),
         ("parallel", lambda v: ParallelTokenCharacterTrie(v, device="cpu")),
     ):
-        add(trie_name, "build", timed(lambda make=make: make(vocab), max(3, repeats // 10)))
         trie = make(vocab)
-        for method in ("weight_sum", "weight_max"):
-            fn = getattr(trie, method)
-            fn(ws)
-            add(trie_name, method, timed(lambda fn=fn: fn(ws), repeats))
-        for method in ("batch_weight_sum", "batch_weight_max"):
-            fn = getattr(trie, method)
-            fn(batch)
-            add(trie_name, method, timed(lambda fn=fn: fn(batch), max(3, repeats // 5)), BATCH)
-
         async_trie = AsyncTokenCharacterTrie(trie, batch_size=CONCURRENT)
+        async_tries.append(async_trie)
 
-        async def gather(async_trie=async_trie) -> None:
-            await asyncio.gather(*(async_trie.weight_sum(w) for w in many))
+        def gather(async_trie=async_trie) -> None:
+            async def run() -> None:
+                await asyncio.gather(*(async_trie.weight_sum(w) for w in many))
 
-        async def run_all() -> list[float]:
-            await gather()
-            times = []
-            for _ in range(max(3, repeats // 5)):
-                start = time.perf_counter()
-                await gather()
-                times.append((time.perf_counter() - start) * 1e3)
-            return times
+            loop.run_until_complete(run())
 
-        add(trie_name, f"async {CONCURRENT} x weight_sum", asyncio.run(run_all()))
+        figures += [
+            (trie_name, "build", lambda make=make: make(vocab), 1, trie.num_nodes),
+            (trie_name, "weight_sum", lambda t=trie: t.weight_sum(ws), 1, trie.num_nodes),
+            (trie_name, "weight_max", lambda t=trie: t.weight_max(ws), 1, trie.num_nodes),
+            (
+                trie_name,
+                "batch_weight_sum",
+                lambda t=trie: t.batch_weight_sum(batch),
+                BATCH,
+                trie.num_nodes,
+            ),
+            (
+                trie_name,
+                "batch_weight_max",
+                lambda t=trie: t.batch_weight_max(batch),
+                BATCH,
+                trie.num_nodes,
+            ),
+            (trie_name, f"async {CONCURRENT} x weight_sum", gather, 1, trie.num_nodes),
+        ]
+    times: list[list[float]] = [[] for _ in figures]
+    for _ in range(repeats):
+        for figure_times, (_, _, fn, _, _) in zip(times, figures, strict=True):
+            fn()  # untimed: the timed call finds the caches as a loop of such calls would
+            start = time.perf_counter()
+            fn()
+            figure_times.append((time.perf_counter() - start) * 1e3)
+    for async_trie in async_tries:
         async_trie.shutdown()
-        for row in rows:
-            if row["trie"] == trie_name:
-                row["nodes"] = trie.num_nodes
+    loop.close()
+
+    targets = TARGETS.get(name, {})
+    rows = []
+    for figure_times, (trie_name, figure, _, per, nodes) in zip(times, figures, strict=True):
+        row = {"vocab": name, "trie": trie_name, "figure": figure, **summary(figure_times, per)}
+        if figure in targets:
+            row["target_ms"] = targets[figure]
+        rows.append({**row, "nodes": nodes})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=30, help="rounds of every figure")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -246,6 +257,10 @@ def main() -> None:
     }
     RESULTS.write_text(json.dumps(report, indent=2))
     print(f"wrote {RESULTS}")
+    from plots import plot_results
+
+    for path in plot_results("trie"):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

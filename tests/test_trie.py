@@ -162,8 +162,17 @@ def test_nan_weights_propagate_to_every_ancestor(trie_class):
     }
     expected = ancestors | {trie.word2leaf[(b"ab", 0)]}
     assert len(expected) == 4
-    for result in (trie.weight_sum(ws), trie.weight_max(ws)):
+    clean = np.array([0.125, 0.5, 0.25])  # a NaN in one batched row stays in its row
+    batch = np.stack([clean, ws, clean])
+    for result in (
+        trie.weight_sum(ws),
+        trie.weight_max(ws),
+        trie.batch_weight_sum(batch)[1],
+        trie.batch_weight_max(batch)[1],
+    ):
         assert {int(n) for n in np.flatnonzero(np.isnan(result))} == expected
+    for method in (trie.batch_weight_sum, trie.batch_weight_max):
+        assert not np.isnan(method(batch)[[0, 2]]).any()
 
 
 def test_plain_bytes_warn_once_and_use_their_bytes_as_keys():

@@ -90,11 +90,12 @@ def sort_sequences(flat, prefix_key, starts, lengths):  # pragma: no cover - com
 def build_preorder(flat, starts, lengths, order):  # pragma: no cover - compiled
     """Trie of the sequences ``flat[starts[p]:starts[p] + lengths[p]]`` taken in sorted ``order``.
 
-    Returns ``(parent, symbol, position, leaf_of, size, repeated)`` where ``position``
-    is the vocabulary position of a leaf (-1 for prefix nodes), ``leaf_of[pos]`` the
-    leaf of a position, ``size`` the number of nodes in each subtree (the subtree of
-    ``i`` is ``i .. i + size[i] - 1``) and ``repeated[k]`` whether the k-th sorted
-    sequence equals the one before it.
+    Returns ``(parent, symbol, position, depth, leaf_of, size, repeated)`` where
+    ``position`` is the vocabulary position of a leaf (-1 for prefix nodes), ``depth``
+    the number of edges from the root, ``leaf_of[pos]`` the leaf of a position,
+    ``size`` the number of nodes in each subtree (the subtree of ``i`` is
+    ``i .. i + size[i] - 1``) and ``repeated[k]`` whether the k-th sorted sequence
+    equals the one before it.
     """
     n = lengths.shape[0]
     capacity = 1 + n
@@ -105,12 +106,14 @@ def build_preorder(flat, starts, lengths, order):  # pragma: no cover - compiled
     parent = np.empty(capacity, np.int32)
     symbol = np.empty(capacity, np.int32)
     position = np.empty(capacity, np.int32)
+    node_depth = np.empty(capacity, np.int32)
     leaf_of = np.empty(n, np.int64)
     repeated = np.zeros(n, np.bool_)
     path = np.zeros(max_len + 1, np.int64)
     parent[0] = -1
     symbol[0] = NO_SYMBOL
     position[0] = -1
+    node_depth[0] = 0
     next_id = 1
     prev_start, prev_length = 0, 0
     for k in range(n):
@@ -126,18 +129,28 @@ def build_preorder(flat, starts, lengths, order):  # pragma: no cover - compiled
             parent[next_id] = path[depth - 1]
             symbol[next_id] = flat[start + depth - 1]
             position[next_id] = -1
+            node_depth[next_id] = depth
             path[depth] = next_id
             next_id += 1
         parent[next_id] = path[length]
         symbol[next_id] = NO_SYMBOL
         position[next_id] = pos
+        node_depth[next_id] = length + 1
         leaf_of[pos] = next_id
         next_id += 1
         prev_start, prev_length = start, length
     size = np.ones(next_id, np.int64)
     for i in range(next_id - 1, 0, -1):
         size[parent[i]] += size[i]
-    return parent[:next_id], symbol[:next_id], position[:next_id], leaf_of, size, repeated
+    return (
+        parent[:next_id],
+        symbol[:next_id],
+        position[:next_id],
+        node_depth[:next_id],
+        leaf_of,
+        size,
+        repeated,
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -162,29 +175,67 @@ def sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no co
 
 
 @njit(cache=True, nogil=True)
-def batch_sum_into(parent, leaf_nodes, leaf_positions, ws, out, acc):  # pragma: no cover
-    """`sum_into` for the K rows of ``ws`` (``[K, V]``) at once, into ``out`` (``[K, nodes]``).
+def batch_sum_into(depth, is_leaf, leaf_rank, ws, out, leaf_ws, stack):  # pragma: no cover
+    """`sum_into` for the K <= 8 rows of ``ws`` (``[K, V]``) at once, into ``out`` (``[K, nodes]``).
 
-    ``acc`` is a float64 ``[nodes, >= K]`` work array: the K sums of a node sit side
-    by side, so one sweep updates them together (SIMD lanes) and the K independent
-    dependency chains overlap, instead of K sweeps each waiting on its own chain.
+    A reverse preorder sweep meets a node's children right before the node, so
+    one running sum per depth (``stack``, float64 ``[max depth + 2, 8]``) replaces
+    a per-node accumulator: ``stack[d + 1]`` holds the finished sum of the children
+    of the node at depth ``d`` being visited, and the sweep touches little memory
+    besides ``out``. The K rows are lanes of one sweep (eight adds, two AVX ops).
+
+    ``leaf_rank[pos]`` is the rank of position ``pos``'s leaf in node order;
+    ``leaf_ws`` (float64 ``[max(V, 1), 8]``) receives the weights in that order, so
+    the sweep reads them as one sequential stream.
     """
     lanes = ws.shape[0]
-    for i in range(parent.shape[0]):
+    for position in range(leaf_rank.shape[0]):
+        rank = leaf_rank[position]
         for k in range(lanes):
-            acc[i, k] = 0.0
-    for j in range(leaf_nodes.shape[0]):
-        node, position = leaf_nodes[j], leaf_positions[j]
-        for k in range(lanes):
-            acc[node, k] = ws[k, position]
-    for i in range(parent.shape[0] - 1, 0, -1):
-        p = parent[i]
-        for k in range(lanes):
-            value = acc[i, k]
-            out[k, i] = value
-            acc[p, k] += value
-    for k in range(lanes):
-        out[k, 0] = acc[0, k]
+            leaf_ws[rank, k] = ws[k, position]
+    stack[:] = 0.0
+    rank = leaf_rank.shape[0] - 1
+    for i in range(depth.shape[0] - 1, -1, -1):
+        d = depth[i]
+        leaf = is_leaf[i]
+        r = max(rank, 0)
+        rank -= leaf
+        # Both loads and a select, not a branch: leaves and prefix nodes interleave
+        # too irregularly for branch prediction. A leaf has no children, so its
+        # ``stack[d + 1]`` is already zero.
+        v0 = leaf_ws[r, 0] if leaf else stack[d + 1, 0]
+        v1 = leaf_ws[r, 1] if leaf else stack[d + 1, 1]
+        v2 = leaf_ws[r, 2] if leaf else stack[d + 1, 2]
+        v3 = leaf_ws[r, 3] if leaf else stack[d + 1, 3]
+        v4 = leaf_ws[r, 4] if leaf else stack[d + 1, 4]
+        v5 = leaf_ws[r, 5] if leaf else stack[d + 1, 5]
+        v6 = leaf_ws[r, 6] if leaf else stack[d + 1, 6]
+        v7 = leaf_ws[r, 7] if leaf else stack[d + 1, 7]
+        for k in range(8):
+            stack[d + 1, k] = 0.0
+        stack[d, 0] += v0
+        stack[d, 1] += v1
+        stack[d, 2] += v2
+        stack[d, 3] += v3
+        stack[d, 4] += v4
+        stack[d, 5] += v5
+        stack[d, 6] += v6
+        stack[d, 7] += v7
+        out[0, i] = v0
+        if lanes > 1:
+            out[1, i] = v1
+        if lanes > 2:
+            out[2, i] = v2
+        if lanes > 3:
+            out[3, i] = v3
+        if lanes > 4:
+            out[4, i] = v4
+        if lanes > 5:
+            out[5, i] = v5
+        if lanes > 6:
+            out[6, i] = v6
+        if lanes > 7:
+            out[7, i] = v7
 
 
 @njit(cache=True, nogil=True)

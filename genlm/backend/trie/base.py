@@ -15,8 +15,9 @@ prefixes in compiled passes (no per-entry Python objects for Token/bytes
 vocabularies); nodes are numbered in depth-first preorder (children after
 parents, siblings in sorted order, related nodes adjacent in memory) so both
 weight functions are one scatter of the leaves plus one reverse sweep over a flat
-parent array. The per-node Python views clients read (`children`, `word2leaf`,
-`node2prefix`, `jump`, ...) are built on first access.
+parent array; batched sums sweep eight distributions together over the nodes'
+depths (see `_kernels.batch_sum_into`). The per-node Python views clients read
+(`children`, `word2leaf`, `node2prefix`, `jump`, ...) are built on first access.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 _BYTE_CODES = 256  # codes below this are byte values; others index `_symbols`
 
 
-SUM_LANES = 8  # distributions summed together by one sweep of `batch_weight_sum`
+SUM_LANES = 8  # distributions summed together by one sweep (the width of `batch_sum_into`)
 
 
 class TokenCharacterTrie:
@@ -65,7 +66,7 @@ class TokenCharacterTrie:
         else:
             prefix_key = np.zeros(len(lengths), np.uint64)
         order = _kernels.sort_sequences(flat, prefix_key, starts, lengths)
-        parent, symbol, position, leaf_of, size, repeated = _kernels.build_preorder(
+        parent, symbol, position, depth, leaf_of, size, repeated = _kernels.build_preorder(
             flat, starts, lengths, order
         )
         if keys is not None:  # mixed vocabulary: keys were built along the way
@@ -81,6 +82,11 @@ class TokenCharacterTrie:
         self.leaf_of = leaf_of
         self._leaf_nodes = np.sort(leaf_of).astype(np.int32)
         self._leaf_positions = position[self._leaf_nodes]
+        self._depth = depth
+        self._max_depth = int(depth.max())
+        self._is_leaf = position >= 0
+        self._leaf_rank = np.empty(len(self.decode), np.int32)
+        self._leaf_rank[self._leaf_positions] = np.arange(len(self.decode), dtype=np.int32)
         self._symbol = symbol
         self._position = position
         self._subtree_size = size
@@ -225,9 +231,10 @@ class TokenCharacterTrie:
                 self._sum(chunk[0], out[start], self._scratch((self.num_nodes,)))
                 continue
             chunk = np.stack(chunk) if isinstance(chunk, list) else chunk
-            acc = self._scratch((self.num_nodes, SUM_LANES))
+            leaf_ws = self._scratch((max(len(self.decode), 1), SUM_LANES))
+            stack = self._scratch((self._max_depth + 2, SUM_LANES))
             batch_sum_into(
-                self.parent, self._leaf_nodes, self._leaf_positions, chunk, out[start:], acc
+                self._depth, self._is_leaf, self._leaf_rank, chunk, out[start:], leaf_ws, stack
             )
         return out
 
@@ -257,7 +264,7 @@ class TokenCharacterTrie:
         key = (threading.get_ident(), shape)
         scratch = self._scratch_arrays.get(key)
         if scratch is None:
-            scratch = self._scratch_arrays[key] = np.empty(shape)
+            scratch = self._scratch_arrays[key] = np.zeros(shape)
         return scratch
 
     def mass_sum(self, p_llm: Any) -> np.ndarray:
