@@ -20,7 +20,11 @@ from genlm.backend.llm.vllm import (  # noqa: E402
     LogitsProcessorCapture,
 )
 
-pytestmark = pytest.mark.vllm
+pytestmark = [
+    pytest.mark.vllm,
+    # vLLM's own modules use a torch.jit API that torch 2.13 deprecated
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the CPU backend
 
