@@ -55,6 +55,8 @@ def test_token_trie_extend_walk_and_clear():
     assert [n.token for n in node.path_to_root()] == [7, 6, 5, None]
     deeper = node.extend_cache(3, [5, 6, 7, 8], None)
     assert deeper.parent is node and deeper.logprobs is None
+    assert deeper.nearest_kv() is node and node.nearest_kv() is node
+    assert root.get_token(5).nearest_kv() is None
     root.clear_kv_cache()
     assert all(n.past_key_values is None for n in root)
     assert node.logprobs == "c"

@@ -181,6 +181,12 @@ class TokenTrie:
             yield node
             node = node.parent
 
+    def nearest_kv(self) -> TokenTrie | None:
+        """This node or its nearest ancestor holding KV (the deepest KV on its path), or None."""
+        return next(
+            (node for node in self.path_to_root() if node.past_key_values is not None), None
+        )
+
     def clear_kv_cache(self) -> None:
         """Drop the KV state of this node and of everything below it."""
         stack = [self]

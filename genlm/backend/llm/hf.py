@@ -415,7 +415,7 @@ class AsyncTransformer(BatchedAsyncLM):
                     node.touch(ancestors=False)
                     results[slot] = node.logprobs
                 else:
-                    rows.append(self._plan(slot, ids))
+                    rows.append(self._plan(slot, ids, node))
             if self._layout is None:
                 self._run_without_kv(rows, results)
             else:
@@ -423,16 +423,10 @@ class AsyncTransformer(BatchedAsyncLM):
                     self._run_group(group, results)
         return results
 
-    def _plan(self, slot: int | None, ids: tuple[int, ...]) -> _Row:
-        """Find the deepest usable KV for ``ids`` and what remains to run."""
-        node, kv_node = self.cache, None
-        for token_id in ids:
-            child = node.children.get(token_id)
-            if child is None:
-                break
-            node = child
-            if child.past_key_values is not None:
-                kv_node = child
+    def _plan(self, slot: int | None, ids: tuple[int, ...], node: DynamicTokenTrie) -> _Row:
+        """Find the deepest usable KV for ``ids`` and what remains to run (``node``: the
+        deepest node on the path of ``ids``, from ``self.cache.walk``)."""
+        kv_node = node.nearest_kv()
         if kv_node is not node and node.depth > 0:
             kv_node = self._kv_below(node) or kv_node
         start = 0 if kv_node is None else min(kv_node.depth, node.depth, len(ids) - 1)
@@ -561,7 +555,7 @@ class AsyncTransformer(BatchedAsyncLM):
                     raise NotImplementedError(
                         f"cache_kv needs KV reuse, which is off for {type(self.model).__name__}"
                     )
-                (kv,) = self._run_group([self._plan(None, ids)], [])
+                (kv,) = self._run_group([self._plan(None, ids, node)], [])
             node = self.cache.extend_cache(0, ids, None)
             node.set_past_key_values(kv.clone(), pinned=True)
 
@@ -569,7 +563,7 @@ class AsyncTransformer(BatchedAsyncLM):
         self, ids: tuple[int, ...]
     ) -> tuple[DynamicTokenTrie, int, torch.Tensor | None, int]:
         with torch.inference_mode():
-            row = self._plan(None, ids)
+            row = self._plan(None, ids, self.cache.walk(ids)[0])
         if row.source is None:
             return self.cache, 0, None, 0
         return row.source, row.start, row.past.clone(), row.source.depth

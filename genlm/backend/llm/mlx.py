@@ -140,14 +140,10 @@ class AsyncMlxLM(BatchedAsyncLM):
         (``None`` and 0 when there is none).
         """
         node, next_token_index = self.cache.walk(token_ids)
-        kv_node = self._deepest_kv_node(node)
+        kv_node = node.nearest_kv()
         if kv_node is None:
             return node, next_token_index, None, 0
         return node, next_token_index, kv_node.past_key_values, kv_node.depth
-
-    @staticmethod
-    def _deepest_kv_node(node: DynamicTokenTrie) -> DynamicTokenTrie | None:
-        return next((n for n in node.path_to_root() if n.past_key_values is not None), None)
 
     def cache_kv(self, prompt_tokens: Sequence[int]) -> DynamicTokenTrie:
         """Compute the KV state of ``prompt_tokens`` and pin it (never evicted until `clear_cache`)."""
@@ -238,7 +234,7 @@ class AsyncMlxLM(BatchedAsyncLM):
 
         if self.prefix_caching:
             # Look only above the last token: it always runs, so its logits come out.
-            kv_node = self._deepest_kv_node(self.cache.walk(ids[:-1])[0])
+            kv_node = self.cache.walk(ids[:-1])[0].nearest_kv()
             if kv_node is not None:
                 kv_node.touch()
                 return kv_node.past_key_values, list(ids[kv_node.depth :])
