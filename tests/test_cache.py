@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from genlm.backend.cache import DynamicTokenTrie, OutputCache, TokenTrie, storages, tensor_nbytes
+from genlm.backend.cache import DynamicTokenTrie, OutputCache, TokenTrie, storages
 
 
 def kv(nbytes):
@@ -70,6 +70,10 @@ def test_views_of_one_tensor_are_one_block():
     buffer = torch.zeros(4, 100)
     rows = [buffer[i] for i in range(4)]
     assert {storages(row)[0] for row in rows} == {storages(buffer)[0]}
+
+    def tensor_nbytes(value):
+        return sum(nbytes for _, nbytes in storages(value))
+
     assert tensor_nbytes(rows[0]) == buffer.nbytes  # a view is charged for its whole buffer
     assert tensor_nbytes((torch.zeros(10), torch.zeros(5))) == 60
     assert tensor_nbytes(np.zeros(8)) == 64

@@ -64,11 +64,6 @@ class OutputCache:
         self._data.clear()
 
 
-def tensor_nbytes(value: Any) -> int:
-    """Bytes held by a tensor/array or a (nested) tuple/list of them."""
-    return sum(nbytes for _, nbytes in storages(value))
-
-
 def storages(value: Any) -> list[tuple[Hashable, int]]:
     """The memory blocks behind a value: ``(block key, bytes)`` pairs.
 
