@@ -67,11 +67,12 @@ def smollm2_vocab() -> list[Token]:
     import gguf
 
     from genlm.backend.models import smollm2_gguf_path
+    from genlm.backend.tokenization.bytes import gpt2_byte_decoder
 
     reader = gguf.GGUFReader(str(smollm2_gguf_path()))
     field = reader.fields["tokenizer.ggml.tokens"]
     strings = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-    byte_of = {chr(c): b for b, c in _gpt2_byte_chars().items()}
+    byte_of = gpt2_byte_decoder()
     vocab = []
     for token_id, text in enumerate(strings):
         if all(ch in byte_of for ch in text):
@@ -79,18 +80,6 @@ def smollm2_vocab() -> list[Token]:
         else:  # special tokens are stored as their text
             vocab.append(Token(token_id, text.encode("utf-8")))
     return vocab
-
-
-def _gpt2_byte_chars() -> dict[int, int]:
-    """GPT-2's byte -> printable code point table."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table = {b: b for b in printable}
-    extra = 256
-    for b in range(256):
-        if b not in table:
-            table[b] = extra
-            extra += 1
-    return table
 
 
 def synthetic_vocab(size: int = 128_000, seed: int = 0) -> list[Token]:
