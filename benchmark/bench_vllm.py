@@ -32,19 +32,14 @@ import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+import bench_lm  # noqa: E402
 from bench_lm import RESULTS_DIR, hf_floor, load_hf, make_hf_lm, prompt_ids, sis  # noqa: E402
 
 
 def time_sis(lm: Any, prompt: list[int], n: int, tokens: int, repeats: int) -> float:
-    asyncio.run(sis(lm, prompt, n, 2, seed=0))  # warm-up
-    best = float("inf")
-    for r in range(repeats):
-        lm.clear_cache()
-        start = time.perf_counter()
-        sampled = asyncio.run(sis(lm, prompt, n, tokens, seed=r + 1))
-        best = min(best, time.perf_counter() - start)
-        assert sampled == n * tokens
-    return best
+    """Best wall seconds of ``repeats`` SIS runs (`bench_lm.time_sis`), after a warm-up."""
+    asyncio.run(sis(lm, prompt, n, 2, seed=0))
+    return min(bench_lm.time_sis(lm, prompt, n, tokens, seed=r + 1)[0] for r in range(repeats))
 
 
 def vllm_floor(vlm: Any, prompt: list[int], n: int, tokens: int, repeats: int) -> float:
@@ -135,22 +130,25 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     print(f"{'measurement':44} {'seconds':>9} {'tok/s':>10} {'ratio':>6}")
-    seconds = time_sis(vlm, prompt, n, args.tokens, args.repeats)
-    floor = vllm_floor(vlm, prompt, n, args.tokens, args.repeats)
-    report(
-        {
-            "name": f"SIS N={n}, vllm (logits-processor capture)",
-            "seconds": seconds,
-            "tokens_per_s": round(n * args.tokens / seconds, 1),
-            "ratio_to_floor": seconds / floor,
-        }
-    )
-    report(
-        {
-            "name": f"  floor: vLLM generate, N={n} x {args.tokens} tokens",
-            "seconds": floor,
-            "tokens_per_s": round(n * args.tokens / floor, 1),
-        }
+
+    def report_sis(name: str, seconds: float, floor_name: str, floor: float) -> None:
+        """The SIS row with its ratio to the floor, then the floor's row."""
+        tokens = n * args.tokens
+        report(
+            {
+                "name": name,
+                "seconds": seconds,
+                "tokens_per_s": round(tokens / seconds, 1),
+                "ratio_to_floor": seconds / floor,
+            }
+        )
+        report({"name": floor_name, "seconds": floor, "tokens_per_s": round(tokens / floor, 1)})
+
+    report_sis(
+        f"SIS N={n}, vllm (logits-processor capture)",
+        time_sis(vlm, prompt, n, args.tokens, args.repeats),
+        f"  floor: vLLM generate, N={n} x {args.tokens} tokens",
+        vllm_floor(vlm, prompt, n, args.tokens, args.repeats),
     )
     first, capture = time_batch(vlm, prompt, n, args.repeats, salt=100)
     report({"name": f"batch of {n} next-token requests, capture", "seconds": capture})
@@ -164,22 +162,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_hf:
         load_hf(argparse.Namespace(model=model))
         hf = make_hf_lm(args, n)
-        seconds = time_sis(hf, prompt, n, args.tokens, args.repeats)
-        floor = min(hf_floor(hf, prompt, n, args.tokens, r)[0] for r in range(args.repeats))
-        report(
-            {
-                "name": f"SIS N={n}, hf (AsyncTransformer)",
-                "seconds": seconds,
-                "tokens_per_s": round(n * args.tokens / seconds, 1),
-                "ratio_to_floor": seconds / floor,
-            }
-        )
-        report(
-            {
-                "name": f"  floor: transformers DynamicCache loop, N={n}",
-                "seconds": floor,
-                "tokens_per_s": round(n * args.tokens / floor, 1),
-            }
+        report_sis(
+            f"SIS N={n}, hf (AsyncTransformer)",
+            time_sis(hf, prompt, n, args.tokens, args.repeats),
+            f"  floor: transformers DynamicCache loop, N={n}",
+            min(hf_floor(hf, prompt, n, args.tokens, r)[0] for r in range(args.repeats)),
         )
         _, hf_batch = time_batch(hf, prompt, n, args.repeats, salt=300)
         report({"name": f"batch of {n} next-token requests, hf", "seconds": hf_batch})
