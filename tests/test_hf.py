@@ -95,7 +95,7 @@ async def test_mixed_length_batch_matches_uncached(lm, prompt, monkeypatch):
     assert sorted(log.shapes) == [(1, 4), (2, 3), (4, 1)]
     for ids, got in zip(queries, results, strict=True):
         assert_close(lm, ids, got)
-    assert lm.batcher.batch_sizes == [len(set(map(tuple, queries)))]
+    assert list(lm.batcher.batch_sizes) == [len(set(map(tuple, queries)))]
 
 
 async def test_extending_by_one_token_runs_only_that_token(lm, prompt, monkeypatch):

@@ -119,14 +119,33 @@ async def test_sample_rejects_bad_arguments(mock_lm):
         await mock_lm.sample([1], max_tokens=-1, eos_token_ids=[])
 
 
-def test_lora_is_not_supported_by_the_mock(mock_lm):
-    for call in (
-        lambda: mock_lm.add_new_lora("x"),
-        lambda: mock_lm.set_lora("x"),
-        mock_lm.clear_lora,
-    ):
-        with pytest.raises(NotImplementedError):
-            call()
+async def test_mock_adapters_are_distinct_deterministic_distributions(smollm2_tokenizer):
+    lm = MockAsyncLM(smollm2_tokenizer)
+    base = lm.next_token_logprobs_sync([5, 6])
+    with pytest.raises(ValueError, match=r"'a'.*add_new_lora"):
+        await lm.next_token_logprobs([5, 6], lora_name="a")
+    lm.add_new_lora("/adapters/a", "a")
+    lm.add_new_lora("/adapters/b", "b")
+    a, b, base_again = await asyncio.gather(
+        lm.next_token_logprobs([5, 6], lora_name="a"),
+        lm.next_token_logprobs([5, 6], lora_name="b"),
+        lm.next_token_logprobs([5, 6]),
+    )
+    assert torch.equal(base, base_again)
+    assert not torch.equal(a, base) and not torch.equal(a, b)
+    other = MockAsyncLM(smollm2_tokenizer)
+    other.add_new_lora("/elsewhere/a", "a")
+    assert torch.equal(a, other.next_token_logprobs_sync([5, 6], lora_name="a"))
+    assert torch.logsumexp(a, 0).item() == pytest.approx(0.0, abs=1e-4)
+    lm.set_lora(lora_name="a")
+    assert torch.equal(lm.next_token_logprobs_sync([5, 6]), a)  # None: the default adapter
+    lm.clear_lora()
+    assert torch.equal(lm.next_token_logprobs_sync([5, 6]), base)
+    lm.remove_lora("a")
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.next_token_logprobs_sync([5, 6], lora_name="a")
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.remove_lora("a")
 
 
 async def test_reset_async_queries_cancels_queued_requests(mock_lm):

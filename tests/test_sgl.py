@@ -34,10 +34,21 @@ class StandInSGLEngine:
         self.flushes = 0
         self.shutdowns = 0
         self.fail_with = None
+        self.lora_paths = []
+        self.loaded_loras = {}
 
-    def generate(self, input_ids, sampling_params, return_logprob, token_ids_logprob):
+    def load_lora_adapter(self, lora_name, lora_path):
+        self.loaded_loras[lora_name] = lora_path
+
+    def unload_lora_adapter(self, lora_name):
+        del self.loaded_loras[lora_name]
+
+    def generate(
+        self, input_ids, sampling_params, return_logprob, token_ids_logprob, lora_path=None
+    ):
         self.threads.append(threading.get_ident())
         self.calls.append((input_ids, sampling_params, return_logprob, token_ids_logprob))
+        self.lora_paths.append(lora_path)
         if self.fail_with is not None:
             raise self.fail_with
         outputs = []
@@ -162,3 +173,26 @@ def test_real_sglang_engine_matches_transformers(default_model_dir, hf_model):
             assert (row - torch.log_softmax(logits, -1)).abs().max().item() <= 1e-3
     finally:
         lm.cleanup()
+
+
+async def test_adapters_are_loaded_into_the_engine_and_chosen_per_request(engine):
+    lm = AsyncSGLTransformer(engine, cache_size=10)
+    with pytest.raises(ValueError, match="'a'.*add_new_lora"):
+        await lm.next_token_logprobs([1, 2], lora_name="a")
+    assert engine.calls == []
+    lm.add_new_lora("/adapters/a", "a")
+    assert engine.loaded_loras == {"a": "/adapters/a"}
+    base, adapted = await asyncio.gather(
+        lm.next_token_logprobs([1, 2]), lm.next_token_logprobs([1, 2], lora_name="a")
+    )
+    assert len(engine.calls) == 1 and engine.lora_paths == [[None, "a"]]
+    await lm.next_token_logprobs([1, 2], lora_name="a")  # cached per adapter
+    assert len(engine.calls) == 1
+    lm.add_new_lora("/adapters/a2", "a")  # replaced: unloaded, reloaded, its rows dropped
+    assert engine.loaded_loras == {"a": "/adapters/a2"}
+    await lm.next_token_logprobs([1, 2], lora_name="a")
+    assert len(engine.calls) == 2
+    lm.remove_lora("a")
+    assert engine.loaded_loras == {}
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.next_token_logprobs_sync([1, 2], lora_name="a")

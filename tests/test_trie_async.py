@@ -43,7 +43,7 @@ async def test_concurrent_calls_form_one_batch_off_the_event_loop(backend):
     trie.trie.batch_weight_sum = recording
     ws = distributions(20)
     results = await asyncio.gather(*(trie.weight_sum(w) for w in ws))
-    assert trie.batch_sizes == [20]
+    assert list(trie.batch_sizes) == [20]
     assert threading.get_ident() not in threads
     inner = trie.trie
     for w, result in zip(ws, results, strict=True):

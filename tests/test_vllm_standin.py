@@ -315,19 +315,29 @@ def test_hash_to_int_is_deterministic_across_processes_and_in_range():
     assert int(out.stdout) == hash_to_int("lora_1")
 
 
-async def test_lora_requests_follow_set_and_clear(engine):
+async def test_lora_requests_are_per_request_and_cached_per_adapter(engine):
     lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), cache_size=10)
-    with pytest.raises(ValueError, match="add_new_lora"):
-        lm.set_lora("/adapters/a", "a")
+    with pytest.raises(ValueError, match="'a'.*add_new_lora"):
+        await lm.next_token_logprobs([1, 2], lora_name="a")
+    assert engine.calls == []
     lm.add_new_lora("/adapters/a", "a")
-    await lm.next_token_logprobs([1, 2])
-    assert engine.calls[-1][2] is None
+    await asyncio.gather(
+        lm.next_token_logprobs([1, 2]), lm.next_token_logprobs([1, 2], lora_name="a")
+    )
+    ((prompts, _, loras),) = engine.calls  # one generate call serves both adapters
+    assert prompts == [(1, 2), (1, 2)]
+    assert loras == [None, FakeLoRARequest("a", hash_to_int("a"), "/adapters/a")]
     lm.set_lora(lora_name="a")
-    await lm.next_token_logprobs([1, 2])  # the cache was cleared: the engine is asked again
-    assert engine.calls[-1][2] == FakeLoRARequest("a", hash_to_int("a"), "/adapters/a")
+    await lm.next_token_logprobs([1, 2])  # the default is now "a": served from a's cache
     lm.clear_lora()
-    await lm.next_token_logprobs([1, 2])
-    assert len(engine.calls) == 3 and engine.calls[-1][2] is None
+    await lm.next_token_logprobs([1, 2])  # the base model's cached row
+    assert len(engine.calls) == 1
+    lm.add_new_lora("/adapters/a2", "a")  # new weights under the same name: a's rows dropped
+    await lm.next_token_logprobs([1, 2], lora_name="a")
+    assert engine.calls[-1][2] == [FakeLoRARequest("a", hash_to_int("a"), "/adapters/a2")]
+    lm.remove_lora("a")
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.next_token_logprobs_sync([1, 2], lora_name="a")
 
 
 async def test_cleanup_is_idempotent_and_later_calls_raise(lm, engine):

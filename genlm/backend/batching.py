@@ -12,7 +12,10 @@ Callers ``await batcher.submit(key)``; the batcher
   batch gathers while the current one computes (torch releases the GIL);
 - delivers a failure to every caller of the failed batch and keeps serving; a
   cancelled caller never disturbs the others;
-- works from successive event loops (``asyncio.run`` twice).
+- works from successive event loops (``asyncio.run`` twice); a second event loop
+  running at the same time (another thread) gets a clear ``RuntimeError``, never a hang;
+- keeps bounded statistics: ``num_batches``, ``num_requests`` and the sizes of the
+  last ``STATS_WINDOW`` batches (``batch_sizes``).
 
 ``process_batch(keys) -> results`` receives distinct keys and returns one result
 per key, in order (a list, or anything indexable such as a ``[B, V]`` tensor).
@@ -21,7 +24,9 @@ per key, in order (a list, or anything indexable such as a ``[B, V]`` tensor).
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +35,8 @@ from typing import Any
 class AutoBatcher:
     """Batch concurrent requests for a synchronous batched function."""
 
+    STATS_WINDOW = 1000
+
     def __init__(
         self,
         process_batch: Callable[[list[Hashable]], Sequence[Any]],
@@ -37,10 +44,16 @@ class AutoBatcher:
         timeout: float | None = 0.02,
         name: str = "genlm-batcher",
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        check_int("batch_size", batch_size, minimum=1)
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not timeout >= 0
+            or timeout == float("inf")
+        ):
+            raise ValueError(
+                f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}"
+            )
         self.process_batch = process_batch
         self.batch_size = batch_size
         self.timeout = timeout
@@ -49,7 +62,9 @@ class AutoBatcher:
         self._executor_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reset_loop_state()
-        self.batch_sizes: list[int] = []
+        self.batch_sizes: deque[int] = deque(maxlen=self.STATS_WINDOW)
+        self.num_batches = 0
+        self.num_requests = 0
 
     def _reset_loop_state(self) -> None:
         self._pending: dict[Hashable, list[asyncio.Future]] = {}
@@ -60,6 +75,17 @@ class AutoBatcher:
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
+        if (
+            loop is not self._loop
+            and self._loop is not None
+            and self._loop.is_running()
+            and (self._pending or self._busy)
+        ):
+            raise RuntimeError(
+                f"{self.name}: this object is already serving requests on another running "
+                "event loop (another thread). Use it from one event loop at a time, or "
+                "create one per thread"
+            )
         if loop is not self._loop:
             # A new event loop (e.g. a second asyncio.run): whatever was queued on the
             # old one can never be delivered, so start afresh.
@@ -109,6 +135,8 @@ class AutoBatcher:
             return
         self._busy = True
         self.batch_sizes.append(len(batch))
+        self.num_batches += 1
+        self.num_requests += len(batch)
         keys = list(batch)
         work = self._loop.run_in_executor(self._get_executor(), self.process_batch, keys)
         work.add_done_callback(lambda done: self._deliver(batch, done))
@@ -184,3 +212,15 @@ class AutoBatcher:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+
+
+def check_int(name: str, value: Any, minimum: int = 0, optional: bool = False) -> None:
+    """Raise ``TypeError`` unless ``value`` is an int (or None, if ``optional``), and
+    ``ValueError`` if it is below ``minimum``; the message names the argument."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

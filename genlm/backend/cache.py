@@ -63,6 +63,11 @@ class OutputCache:
     def clear(self) -> None:
         self._data.clear()
 
+    def discard(self, predicate: Callable[[Hashable], bool]) -> None:
+        """Drop every entry whose key satisfies ``predicate``."""
+        for key in [key for key in self._data if predicate(key)]:
+            del self._data[key]
+
 
 def storages(value: Any) -> list[tuple[Hashable, int]]:
     """The memory blocks behind a value: ``(block key, bytes)`` pairs.
@@ -278,7 +283,9 @@ class DynamicTokenTrie(TokenTrie):
     charged once (see `storages`). Reading a node through `touch` marks it, and
     its ancestors, as recently used, so a prefix is never evicted before the longer
     prefixes built on it. Pinned KV states (``set_past_key_values(kv, pinned=True)``)
-    are outside the budget and stay until replaced or cleared. ``on_kv_release(kv)``
+    are outside the budget and stay until replaced or cleared. A root made with
+    ``share_budgets_with=other_root`` is a separate tree under ``other_root``'s budgets.
+    ``on_kv_release(kv)``
     is called when a KV memory block is no longer held by any node (e.g. to recycle
     the buffer).
 
@@ -299,10 +306,18 @@ class DynamicTokenTrie(TokenTrie):
         max_logprobs_bytes: float | None = None,
         max_logprobs_entries: float | None = None,
         on_kv_release: Callable[[Any], None] | None = None,
+        share_budgets_with: DynamicTokenTrie | None = None,
     ):
         super().__init__(parent, token)
         self.pinned = False
-        if parent is None:
+        if parent is None and share_budgets_with is not None:
+            # Another tree (e.g. one per LoRA adapter) under the same budgets.
+            self.root = self
+            self.kv_budget = share_budgets_with.kv_budget
+            self.logprobs_budget = share_budgets_with.logprobs_budget
+            self._hold = 0
+            self._to_prune = []
+        elif parent is None:
             self.root = self
             inf = float("inf")
             self.kv_budget = _Budget(
@@ -400,10 +415,15 @@ class DynamicTokenTrie(TokenTrie):
         """Bytes of logprobs currently held by the whole tree."""
         return self.logprobs_budget.nbytes
 
+    def clear(self) -> None:
+        """Drop every value of this subtree (KV, pinned KV, logprobs) and its nodes."""
+        for node in self:
+            node.set_logprobs(None)
+            node.set_past_key_values(None)
+        self.children.clear()
+
     def clear_kv_cache(self) -> None:
         """Drop every KV state of this subtree (pinned ones too) and the nodes left empty."""
         super().clear_kv_cache()
-        if self is self.root:
-            self.kv_budget.clear()
         for node in [node for node in self if not node.children]:
             node._prune()

@@ -2,22 +2,36 @@
 
 A backend provides ``next_token_logprobs`` (auto-batched, awaited by many
 particles at once) and ``next_token_logprobs_sync``; this base class adds input
-validation, batched variants, and ancestral sampling on top of them.
+validation, the LoRA adapter registry, batched variants, ancestral sampling and
+the lifecycle (``close``, ``with`` / ``async with``) on top of them.
+
+Adapters are chosen per request (``lora_name=``): every request becomes a `Query`,
+its validated prefix plus the adapter that serves it (``None``: the base model), and
+every cache of every backend is keyed by it, so a base-model row is never served for
+an adapter or the reverse.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence, Set
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.tokenization import decode_vocab
+
+
+class Query(NamedTuple):
+    """One next-token request: a validated prefix and the adapter that serves it."""
+
+    token_ids: tuple[int, ...]
+    lora: str | None = None
 
 
 class AsyncLM(ABC):
@@ -27,22 +41,33 @@ class AsyncLM(ABC):
         tokenizer: the Hugging Face tokenizer object.
         byte_vocab: ``byte_vocab[i]`` is a `Token` with the exact bytes of token ``i``.
         str_vocab: ``str_vocab[i]`` is token ``i`` as a string.
+        default_lora: the adapter that serves ``lora_name=None`` (set by `set_lora`;
+            ``None``: the base model).
     """
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.byte_vocab, self.str_vocab = decode_vocab(tokenizer)
+        self.lora_paths: dict[str, str] = {}
+        self.default_lora: str | None = None
+        self._closed = False
 
     @property
     def vocab_size(self) -> int:
         """Number of tokens: the length of every next-token log-probability vector."""
         return len(self.byte_vocab)
 
+    @property
+    def max_context_length(self) -> int | None:
+        """Longest prefix the model accepts (``None``: no known limit)."""
+        return None
+
     def validate_token_ids(self, token_ids: Any) -> tuple[int, ...]:
         """Check a token-id prefix before any model work and return it as a tuple of ints.
 
-        Raises ``ValueError`` for an empty prefix or an id outside ``[0, vocab_size)``,
-        ``TypeError`` for a non-integer id; both name the offending id.
+        Raises ``ValueError`` for an empty prefix, an id outside ``[0, vocab_size)`` or a
+        prefix longer than the model's context; ``TypeError`` for a non-integer id or an
+        unordered collection (a set or a dict); the message names the offending value.
         """
         if isinstance(token_ids, torch.Tensor | np.ndarray):
             if token_ids.ndim != 1:
@@ -50,6 +75,11 @@ class AsyncLM(ABC):
             token_ids = token_ids.tolist()
         if isinstance(token_ids, str | bytes):
             raise TypeError("token_ids must be a sequence of integer token ids, not a string")
+        if isinstance(token_ids, Set | Mapping):
+            raise TypeError(
+                f"token_ids must be an ordered sequence of token ids, got a "
+                f"{type(token_ids).__name__} (its order is arbitrary): pass a list"
+            )
         try:
             ids = tuple(token_ids)
         except TypeError:
@@ -58,6 +88,12 @@ class AsyncLM(ABC):
             ) from None
         if not ids:
             raise ValueError("token_ids is empty: the model needs at least one token of context")
+        limit = self.max_context_length
+        if limit is not None and len(ids) > limit:
+            raise ValueError(
+                f"token_ids has {len(ids)} tokens, more than the model's context length of "
+                f"{limit} tokens: shorten the prefix"
+            )
         vocab_size = self.vocab_size
         checked = []
         for position, token_id in enumerate(ids):
@@ -74,41 +110,125 @@ class AsyncLM(ABC):
             checked.append(int(token_id))
         return tuple(checked)
 
+    def query(self, token_ids: Any, lora_name: str | None = None) -> Query:
+        """Validate a request before any model work: its prefix and the adapter serving it."""
+        self._check_open()
+        lora = self.resolve_lora(lora_name)
+        return Query(self.validate_token_ids(token_ids), lora)
+
+    def queries(self, token_ids_list: Any, lora_name: str | None = None) -> list[Query]:
+        """`query` for each prefix of a list (all are checked before any model work)."""
+        if isinstance(token_ids_list, str | bytes | Set | Mapping) or not isinstance(
+            token_ids_list, Sequence | torch.Tensor | np.ndarray
+        ):
+            raise TypeError(
+                f"token_ids_list must be a list of token-id prefixes, got "
+                f"{type(token_ids_list).__name__}"
+            )
+        self._check_open()
+        lora = self.resolve_lora(lora_name)
+        return [Query(self.validate_token_ids(ids), lora) for ids in token_ids_list]
+
     @abstractmethod
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Log-probabilities of the next token after ``token_ids`` (1-D, normalized)."""
 
     @abstractmethod
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Blocking `next_token_logprobs`, without auto-batching."""
 
     async def batch_next_token_logprobs(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
-        """Next-token log-probabilities for several prefixes: a ``[B, V]`` tensor."""
-        rows = await asyncio.gather(*(self.next_token_logprobs(ids) for ids in token_ids_list))
+        """Next-token log-probabilities for several prefixes: a ``[B, V]`` tensor (``B`` may be 0)."""
+        queries = self.queries(token_ids_list, lora_name)
+        if not queries:
+            return torch.empty(0, self.vocab_size)
+        rows = await asyncio.gather(
+            *(self.next_token_logprobs(q.token_ids, lora_name=q.lora) for q in queries)
+        )
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `batch_next_token_logprobs`."""
-        return torch.stack([self.next_token_logprobs_sync(ids) for ids in token_ids_list])
+        queries = self.queries(token_ids_list, lora_name)
+        if not queries:
+            return torch.empty(0, self.vocab_size)
+        return torch.stack(
+            [self.next_token_logprobs_sync(q.token_ids, lora_name=q.lora) for q in queries]
+        )
 
     def clear_cache(self) -> None:
         """Forget cached results (no-op for backends without a cache)."""
 
+    # -- LoRA adapters ---------------------------------------------------------------------
+
+    def resolve_lora(self, lora_name: str | None) -> str | None:
+        """The adapter serving a request for ``lora_name`` (``None``: the default adapter).
+
+        Raises ``ValueError`` for a name that was not registered with `add_new_lora`.
+        """
+        if lora_name is None:
+            return self.default_lora
+        if not isinstance(lora_name, str):
+            raise TypeError(
+                f"lora_name must be a str or None, got {type(lora_name).__name__}: {lora_name!r}"
+            )
+        if lora_name not in self.lora_paths:
+            raise self._unknown_lora(lora_name)
+        return lora_name
+
+    def _unknown_lora(self, lora_name: Any) -> ValueError:
+        return ValueError(
+            f"Unknown LoRA adapter {lora_name!r}: register it first with "
+            f"add_new_lora(lora_path, {lora_name!r}) (registered: {sorted(self.lora_paths)})"
+        )
+
     def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
-        """Load a LoRA adapter without activating it."""
-        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+        """Register the LoRA adapter at ``lora_path`` as ``lora_name`` (not made the default).
+
+        Registering a name again replaces its weights and drops its cached results.
+        """
+        self._check_open()
+        if not isinstance(lora_name, str) or not lora_name:
+            raise ValueError(f"lora_name must be a non-empty str, got {lora_name!r}")
+        self._load_lora(str(lora_path), lora_name)
+        self.lora_paths[lora_name] = str(lora_path)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unregister an adapter (``ValueError`` if unknown); later requests naming it fail."""
+        self._check_open()
+        if lora_name not in self.lora_paths:
+            raise self._unknown_lora(lora_name)
+        self._unload_lora(lora_name)
+        del self.lora_paths[lora_name]
+        if self.default_lora == lora_name:
+            self.default_lora = None
 
     def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
-        """Activate a previously added LoRA adapter."""
-        raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+        """Make ``lora_name`` the default adapter (registering ``lora_path`` first if given)."""
+        if lora_path is not None:
+            self.add_new_lora(lora_path, lora_name)
+        self.default_lora = self.resolve_lora(lora_name)
 
     def clear_lora(self) -> None:
-        """Deactivate any LoRA adapter."""
+        """Make the base model the default again (adapters stay registered)."""
+        self.default_lora = None
+
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+        """Load (or replace) an adapter's weights and drop its cached results."""
         raise NotImplementedError(f"{type(self).__name__} does not support LoRA adapters")
+
+    def _unload_lora(self, lora_name: str) -> None:
+        """Free an adapter's weights and cached results."""
+
+    # -- sampling ----------------------------------------------------------------------------
 
     async def sample(
         self,
@@ -117,15 +237,18 @@ class AsyncLM(ABC):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[int]:
         """Ancestral sampling from the model.
 
         Stops at the first token in ``eos_token_ids`` (not included) or after
         ``max_tokens`` tokens. The same ``seed`` gives the same tokens.
         """
-        check_sampling_args(max_tokens, temperature)
-        context = list(self.validate_token_ids(prompt_token_ids))
-        eos = set(eos_token_ids)
+        check_sampling_args(max_tokens, temperature, seed)
+        query = self.query(prompt_token_ids, lora_name)
+        context = list(query.token_ids)
+        eos = set(check_eos_token_ids(eos_token_ids))
         generator = torch.Generator()
         if seed is None:
             generator.seed()
@@ -133,7 +256,7 @@ class AsyncLM(ABC):
             generator.manual_seed(seed)
         generated: list[int] = []
         for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(context)
+            logprobs = await self.next_token_logprobs(context, lora_name=query.lora)
             probs = torch.softmax(logprobs.float().cpu() / temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=generator).item())
             if token in eos:
@@ -149,64 +272,141 @@ class AsyncLM(ABC):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[list[int]]:
         """`sample` for several prompts at once (their steps are batched together)."""
+        check_sampling_args(max_tokens, temperature, seed)
+        queries = self.queries(prompt_token_ids_list, lora_name)
         return list(
             await asyncio.gather(
                 *(
                     self.sample(
-                        prompt,
+                        query.token_ids,
                         max_tokens,
                         eos_token_ids,
                         temperature,
                         None if seed is None else seed + i,
+                        lora_name=query.lora,
                     )
-                    for i, prompt in enumerate(prompt_token_ids_list)
+                    for i, query in enumerate(queries)
                 )
             )
         )
 
+    # -- lifecycle -----------------------------------------------------------------------------
 
-def check_sampling_args(max_tokens: int, temperature: float) -> None:
-    """Raise ValueError for a negative ``max_tokens`` or a non-positive ``temperature``."""
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{type(self).__name__} used after cleanup() or close(): its worker thread "
+                "and engine are gone; create a new one"
+            )
+
+    def close(self) -> None:
+        """Stop worker threads and engines and free caches. Idempotent; later calls raise."""
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+
+    def _close(self) -> None:
+        """What `close` stops (called once)."""
+
+    def __enter__(self) -> AsyncLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncLM:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled or copied: it holds a model, caches and "
+            "a worker thread. Send the model's name instead and load it in the other process "
+            "(genlm.backend.load_model_by_name)"
+        )
+
+
+def check_sampling_args(max_tokens: Any, temperature: Any, seed: Any = None) -> None:
+    """Raise for a ``max_tokens`` that is not an int >= 0, a ``temperature`` that is not a
+    finite number > 0, or a ``seed`` that is not an int."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+
+
+def check_eos_token_ids(eos_token_ids: Any) -> tuple[int, ...]:
+    """The end-of-sequence ids as a tuple of ints (``TypeError`` for anything else)."""
+    if isinstance(eos_token_ids, str | bytes) or not hasattr(eos_token_ids, "__iter__"):
+        raise TypeError(
+            f"eos_token_ids must be a collection of token ids, got {type(eos_token_ids).__name__}"
+        )
+    ids = tuple(eos_token_ids)
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
+            raise TypeError(f"eos token id {token_id!r} is not an integer")
+    return tuple(int(token_id) for token_id in ids)
 
 
 class BatchedAsyncLM(AsyncLM):
     """An `AsyncLM` whose requests all go through one `AutoBatcher`.
 
     Subclasses create ``self.batcher = AutoBatcher(self._process_batch, ...)`` and
-    implement `_process_batch`; this class routes the public calls through it (the
-    blocking ones run on the batcher's worker thread too, so they never race a batch).
+    implement `_process_batch` over `Query` keys; this class routes the public calls
+    through it (the blocking ones run on the batcher's worker thread too, so they never
+    race a batch).
     """
 
     batcher: AutoBatcher
 
     @abstractmethod
-    def _process_batch(self, keys: list[Hashable]) -> Sequence[Any]:
-        """The answers for ``keys`` (token-id tuples), in order, for one batch."""
+    def _process_batch(self, keys: list[Query]) -> Sequence[Any]:
+        """The answers for distinct ``keys``, in order, for one batch."""
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Next-token log-probabilities after ``token_ids``, batched with concurrent calls."""
-        return await self.batcher.submit(self.validate_token_ids(token_ids))
+        return await self.batcher.submit(self.query(token_ids, lora_name))
 
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (a batch of one)."""
-        return self._run_batch([self.validate_token_ids(token_ids)])[0]
+        return self._run_batch([self.query(token_ids, lora_name)])[0]
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Next-token log-probabilities for several prefixes, batched: ``[B, V]``."""
+        queries = self.queries(token_ids_list, lora_name)
+        if not queries:
+            return torch.empty(0, self.vocab_size)
+        return torch.stack(await asyncio.gather(*(self.batcher.submit(q) for q in queries)))
 
     def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
+        self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking next-token log-probabilities for several prefixes, in one batch: ``[B, V]``."""
-        keys = [self.validate_token_ids(token_ids) for token_ids in token_ids_list]
-        if not keys:
+        queries = self.queries(token_ids_list, lora_name)
+        if not queries:
             return torch.empty(0, self.vocab_size)
-        return torch.stack(self._run_batch(keys))
+        return torch.stack(self._run_batch(queries))
 
-    def _run_batch(self, keys: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    def _run_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         """`_process_batch` on the distinct ``keys`` (worker thread, blocking), in ``keys`` order."""
         distinct = list(dict.fromkeys(keys))
         results = self.batcher.run_sync(self._process_batch, distinct)
@@ -217,14 +417,18 @@ class BatchedAsyncLM(AsyncLM):
         """Drop queued requests (after an aborted run); their callers get CancelledError."""
         self.batcher.reset()
 
+    def _close(self) -> None:
+        self.batcher.close()
+
 
 class MockAsyncLM(BatchedAsyncLM):
     """A stand-in LM with pseudo-random next-token distributions.
 
-    The distribution is a pure function of ``token_ids`` (the same in every
-    process): a stable hash of the prefix picks one of a few fixed random
-    log-probability tables and a cyclic shift of it. Cheap enough to serve
-    thousands of concurrent requests, for testing code built on `AsyncLM`.
+    The distribution is a pure function of ``token_ids`` and the adapter (the same in
+    every process): a stable hash of the prefix (and of the adapter's name, for an
+    adapter) picks one of a few fixed random log-probability tables and a cyclic shift
+    of it. Any path registers as an adapter. Cheap enough to serve thousands of
+    concurrent requests, for testing code built on `AsyncLM`.
 
     Returned vectors are views of the shared tables (no copy per request): read
     them, do not modify them in place.
@@ -248,16 +452,23 @@ class MockAsyncLM(BatchedAsyncLM):
 
         return cls(load_tokenizer(model_name), **kwargs)
 
-    def _logprobs(self, token_ids: tuple[int, ...]) -> torch.Tensor:
-        digest = hashlib.blake2b(np.asarray(token_ids, dtype="<i8").tobytes(), digest_size=8)
+    def _logprobs(self, query: Query) -> torch.Tensor:
+        digest = hashlib.blake2b(np.asarray(query.token_ids, dtype="<i8").tobytes(), digest_size=8)
+        if query.lora is not None:
+            digest.update(b"\0lora:" + query.lora.encode("utf-8"))
         code = int.from_bytes(digest.digest(), "little")
         shift = (code // self.NUM_TABLES) % self.vocab_size
         start = self.vocab_size - shift  # torch.roll(table, shift) starts here
         return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size]
 
-    def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
+    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         return [self._logprobs(key) for key in keys]
 
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (computed in the calling thread: it is cheap)."""
-        return self._logprobs(self.validate_token_ids(token_ids))
+        return self._logprobs(self.query(token_ids, lora_name))
+
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+        """Nothing to load: an adapter's distributions derive from its name."""

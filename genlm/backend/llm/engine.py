@@ -1,8 +1,9 @@
 """`EngineLM`: what the backends over an external serving engine (vLLM, SGLang) share.
 
 The engine keeps its own KV cache; on our side there is an optional `OutputCache` of
-log-probabilities in front of the shared `AutoBatcher`, and a closed state: after
-`cleanup` the engine is gone and every call raises `RuntimeError`.
+log-probabilities (keyed by `Query`: prefix and adapter) in front of the shared
+`AutoBatcher`, and a closed state: after `cleanup` (or `close`) the engine is gone and
+every call raises `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
-from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.base import BatchedAsyncLM, Query
 
 
 class EngineLM(BatchedAsyncLM):
@@ -44,69 +45,52 @@ class EngineLM(BatchedAsyncLM):
         super().__init__(tokenizer)
         self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name=name)
-        self._closed = False
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"{type(self).__name__} used after cleanup(): the engine is gone")
 
     def _shutdown_engine(self) -> None:
-        """Stop the engine and free its memory (called once, by `cleanup`)."""
+        """Stop the engine and free its memory (called once, by `close`)."""
         raise NotImplementedError
 
-    async def next_token_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Next-token log-probabilities, auto-batched with concurrent requests (cached)."""
-        self._check_open()
-        key = self.validate_token_ids(token_ids)
-        if self.cache is not None and key in self.cache:
-            return self.cache[key]
-        logprobs = await self.batcher.submit(key)
-        self._store(key, logprobs)
-        return logprobs
-
-    def next_token_logprobs_sync(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Blocking `next_token_logprobs` (consults and fills the cache)."""
-        self._check_open()
-        key = self.validate_token_ids(token_ids)
-        if self.cache is not None and key in self.cache:
-            return self.cache[key]
-        logprobs = self._run_batch([key])[0]
-        self._store(key, logprobs)
-        return logprobs
-
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]]
+    async def next_token_logprobs(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
-        """One engine call for all prefixes, bypassing the cache: a ``[B, V]`` tensor."""
-        self._check_open()
-        return super().batch_next_token_logprobs_sync(token_ids_list)
+        """Next-token log-probabilities, auto-batched with concurrent requests (cached)."""
+        query = self.query(token_ids, lora_name)
+        if self.cache is not None and query in self.cache:
+            return self.cache[query]
+        logprobs = await self.batcher.submit(query)
+        self._store(query, logprobs)
+        return logprobs
 
-    def _store(self, key: tuple[int, ...], logprobs: torch.Tensor) -> None:
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Blocking `next_token_logprobs` (consults and fills the cache)."""
+        query = self.query(token_ids, lora_name)
+        if self.cache is not None and query in self.cache:
+            return self.cache[query]
+        logprobs = self._run_batch([query])[0]
+        self._store(query, logprobs)
+        return logprobs
+
+    def _store(self, query: Query, logprobs: torch.Tensor) -> None:
         if self.cache is not None:
-            self.cache[key] = logprobs.clone()
+            self.cache[query] = logprobs.clone()
 
     def clear_cache(self) -> None:
         """Forget cached log-probabilities."""
         if self.cache is not None:
             self.cache.clear()
 
-    def cleanup(self) -> None:
-        """Stop the engine and free its memory. Idempotent; other calls then raise RuntimeError."""
-        if self._closed:
-            return
-        self._closed = True
+    def _forget_lora_results(self, lora_name: str) -> None:
+        """Drop the cached results of one adapter (its weights were replaced or removed)."""
+        if self.cache is not None:
+            self.cache.discard(lambda query: query.lora == lora_name)
+
+    def _close(self) -> None:
         self.batcher.close()
         self.clear_cache()
         self._shutdown_engine()
 
-    def __enter__(self) -> EngineLM:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.cleanup()
-
-    async def __aenter__(self) -> EngineLM:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        self.cleanup()
+    def cleanup(self) -> None:
+        """Stop the engine and free its memory: `close` under its older name."""
+        self.close()

@@ -39,6 +39,12 @@ Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
   ``max_kv_bytes`` (plus, briefly, evicted KV still being copied from). Prompts
   pinned with `cache_kv` are outside the budget.
 
+LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
+under the same budgets), and rows of several adapters share one forward: peft's
+mixed-adapter batches (``adapter_names=``) add each row's own low-rank update to the
+shared base matmuls (``lora_batching="grouped"`` runs one forward per adapter instead;
+measured slower, see benchmark/bench_lm.py ``--loras``).
+
 Models whose cache is not a plain stack of same-shaped full-attention layers
 (sliding windows, recurrent states, layers on several devices, ...) or whose
 attention is neither ``sdpa`` nor ``eager`` still work, without KV reuse: each
@@ -48,16 +54,21 @@ request then runs its whole prefix.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from genlm.backend.batching import AutoBatcher
+from genlm.backend.batching import AutoBatcher, check_int
 from genlm.backend.cache import DynamicTokenTrie
-from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.base import BatchedAsyncLM, Query
+
+# peft's name for "no adapter" in a mixed-adapter batch.
+BASE_ADAPTER = "__base__"
+LORA_BATCHING = ("mixed", "grouped")
 
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
@@ -90,6 +101,7 @@ class _Row:
 
     slot: int | None
     ids: tuple[int, ...]
+    lora: str | None
     node: DynamicTokenTrie
     start: int
     past: torch.Tensor | None
@@ -213,7 +225,10 @@ class AsyncTransformer(BatchedAsyncLM):
         max_kv_bytes: budget for cached KV states (least recently used evicted first;
             prompts pinned with `cache_kv` are outside it).
         max_logprobs_bytes: budget for cached next-token log-probabilities.
-        max_batch_tokens: most new tokens run in one forward (larger groups are split).
+        max_batch_tokens: most new tokens run in one forward (larger groups are split,
+            a longer prefix is prefilled in chunks).
+        lora_batching: ``"mixed"`` (rows of several LoRA adapters in one forward) or
+            ``"grouped"`` (one forward per adapter).
     """
 
     def __init__(
@@ -225,7 +240,13 @@ class AsyncTransformer(BatchedAsyncLM):
         max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES,
         max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
         max_batch_tokens: int = 4096,
+        lora_batching: str = "mixed",
     ):
+        check_int("max_kv_bytes", max_kv_bytes, optional=True)
+        check_int("max_logprobs_bytes", max_logprobs_bytes, optional=True)
+        check_int("max_batch_tokens", max_batch_tokens, minimum=1)
+        if lora_batching not in LORA_BATCHING:
+            raise ValueError(f"lora_batching must be one of {LORA_BATCHING}, got {lora_batching!r}")
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
         model_vocab = self.model.get_output_embeddings().weight.shape[0]
@@ -237,8 +258,10 @@ class AsyncTransformer(BatchedAsyncLM):
         self.max_kv_bytes = max_kv_bytes
         self.max_logprobs_bytes = max_logprobs_bytes
         self.max_batch_tokens = max_batch_tokens
+        self.lora_batching = lora_batching
         self._pool = _BufferPool()
-        self.cache = self._new_trie()
+        self._peft: Any = None  # the peft model wrapping self.model, once an adapter is loaded
+        self._reset_trie()
         self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-hf")
         self._input_device = self.model.get_input_embeddings().weight.device
         self._layout, reason = self._probe_kv_layout()
@@ -247,9 +270,7 @@ class AsyncTransformer(BatchedAsyncLM):
                 f"KV reuse is off for this model ({reason}): every request runs its whole prefix",
                 stacklevel=2,
             )
-        self._queries: list[tuple[int, ...]] = []
-        self._loras: set[str] = set()
-        self._active_lora: str | None = None
+        self._queries: list[Query] = []
 
     @classmethod
     def from_name(
@@ -294,21 +315,30 @@ class AsyncTransformer(BatchedAsyncLM):
 
     # -- public API ---------------------------------------------------------------------------
 
-    def next_token_logprobs_uncached(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
-        ids = self.validate_token_ids(token_ids)
-        with torch.inference_mode():
-            input_ids = torch.tensor([ids], device=self._input_device)
-            logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
-            return self._logprobs(logits[:, -1])[0]
+    @property
+    def max_context_length(self) -> int | None:
+        """The model's ``max_position_embeddings`` (None if its config has none)."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
+    @property
+    def cache(self) -> DynamicTokenTrie:
+        """The base model's prefix tree (each adapter has its own, under the same budgets)."""
+        return self._roots[None]
+
+    def next_token_logprobs_uncached(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
+        ids, lora = self.query(token_ids, lora_name)
+        return self.batcher.run_sync(self._uncached, ids, lora)
+
+    def cache_kv(self, prompt_tokens: Sequence[int], *, lora_name: str | None = None) -> None:
         """Compute and pin the KV of ``prompt_tokens``: it stays until a cache clear."""
-        ids = self.validate_token_ids(prompt_tokens)
-        self.batcher.run_sync(self._cache_kv, ids)
+        ids, lora = self.query(prompt_tokens, lora_name)
+        self.batcher.run_sync(self._cache_kv, ids, lora)
 
     def walk_cache(
-        self, token_ids: Sequence[int]
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> tuple[DynamicTokenTrie, int, torch.Tensor | None, int]:
         """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
 
@@ -318,12 +348,12 @@ class AsyncTransformer(BatchedAsyncLM):
         ``next_token_index`` is the first token still to run (at most ``len - 1``: the last
         token always runs, to get the logits).
         """
-        ids = self.validate_token_ids(token_ids)
-        return self.batcher.run_sync(self._walk_cache, ids)
+        ids, lora = self.query(token_ids, lora_name)
+        return self.batcher.run_sync(self._walk_cache, ids, lora)
 
-    def add_query(self, token_ids: Sequence[int]) -> int:
+    def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
         """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
-        self._queries.append(self.validate_token_ids(token_ids))
+        self._queries.append(self.query(token_ids, lora_name))
         return len(self._queries) - 1
 
     def batch_evaluate_queries(self) -> list[torch.Tensor]:
@@ -337,7 +367,7 @@ class AsyncTransformer(BatchedAsyncLM):
 
     def clear_kv_cache(self) -> None:
         """Forget all cached KV (pinned prompts included), keep the logprobs."""
-        self.batcher.run_sync(self.cache.clear_kv_cache)
+        self.batcher.run_sync(self._clear_kv)
 
     def reset_async_queries(self) -> None:
         """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
@@ -351,71 +381,79 @@ class AsyncTransformer(BatchedAsyncLM):
 
     # -- LoRA ----------------------------------------------------------------------------------
 
-    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
-        """Load a peft LoRA adapter under ``lora_name`` without activating it."""
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
         try:
             import peft  # noqa: F401
         except ImportError as error:
             raise ImportError(
                 "LoRA adapters need peft: pip install 'genlm-backend[lora]'"
             ) from error
-        self.batcher.run_sync(self._add_lora, str(lora_path), lora_name)
+        self.batcher.run_sync(self._load_adapter, lora_path, lora_name)
 
-    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
-        """Activate the adapter added as ``lora_name`` and clear the caches."""
-        if lora_name not in self._loras:
-            raise ValueError(
-                f"Unknown LoRA adapter {lora_name!r}: load it first with "
-                f"add_new_lora(lora_path, {lora_name!r})"
-            )
-        self.batcher.run_sync(self._switch_lora, lora_name)
+    def _unload_lora(self, lora_name: str) -> None:
+        self.batcher.run_sync(self._delete_adapter, lora_name)
 
-    def clear_lora(self) -> None:
-        """Deactivate any LoRA adapter and clear the caches."""
-        self.batcher.run_sync(self._switch_lora, None)
+    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
+        import peft
 
-    def _add_lora(self, lora_path: str, lora_name: str) -> None:
-        self.model.load_adapter(lora_path, adapter_name=lora_name)
-        self._loras.add(lora_name)
-        self._apply_lora_state()
+        if self._peft is None:
+            self._peft = peft.PeftModel.from_pretrained(
+                self.model, lora_path, adapter_name=lora_name
+            ).eval()
+            return
+        if lora_name in self._peft.peft_config:
+            self._delete_adapter(lora_name)
+        self._peft.load_adapter(lora_path, adapter_name=lora_name)
+        self._peft.eval()
 
-    def _switch_lora(self, lora_name: str | None) -> None:
-        self._active_lora = lora_name
-        if self._loras:
-            self._apply_lora_state()
-        self._reset_trie()
+    def _delete_adapter(self, lora_name: str) -> None:
+        self._peft.delete_adapter(lora_name)
+        root = self._roots.pop(lora_name, None)
+        if root is not None:
+            root.clear()
 
-    def _apply_lora_state(self) -> None:
-        if self._active_lora is None:
-            self.model.disable_adapters()
-        else:
-            self.model.set_adapter(self._active_lora)
-            self.model.enable_adapters()
+    def _forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
+        """The model's forward for rows served by ``loras`` (one adapter name or None per row)."""
+        if self._peft is None:
+            return self.model(**kwargs)
+        names = [BASE_ADAPTER if lora is None else lora for lora in loras]
+        return self._peft(**kwargs, adapter_names=names)
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _new_trie(self) -> DynamicTokenTrie:
-        return DynamicTokenTrie(
+    def _reset_trie(self) -> None:
+        base = DynamicTokenTrie(
             max_kv_bytes=self.max_kv_bytes,
             max_logprobs_bytes=self.max_logprobs_bytes,
             on_kv_release=self._pool.give,
         )
-
-    def _reset_trie(self) -> None:
-        self.cache = self._new_trie()
+        self._roots: dict[str | None, DynamicTokenTrie] = {None: base}
         self._pool.free.clear()
 
-    def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
+    def _root(self, lora: str | None) -> DynamicTokenTrie:
+        """The prefix tree of one adapter (created on first use, under the shared budgets)."""
+        root = self._roots.get(lora)
+        if root is None:
+            root = self._roots[lora] = DynamicTokenTrie(share_budgets_with=self.cache)
+        return root
+
+    def _clear_kv(self) -> None:
+        for root in self._roots.values():
+            root.clear_kv_cache()
+
+    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         results: list[Any] = [None] * len(keys)
-        with torch.inference_mode(), self.cache.deferred_pruning():
+        with torch.inference_mode(), ExitStack() as holds:
+            for lora in {key.lora for key in keys}:
+                holds.enter_context(self._root(lora).deferred_pruning())
             rows = []
-            for slot, ids in enumerate(keys):
-                node, depth = self.cache.walk(ids)
+            for slot, (ids, lora) in enumerate(keys):
+                node, depth = self._root(lora).walk(ids)
                 if depth == len(ids) and node.logprobs is not None:
                     node.touch(ancestors=False)
                     results[slot] = node.logprobs
                 else:
-                    rows.append(self._plan(slot, ids, node))
+                    rows.append(self._plan(slot, ids, lora, node))
             if self._layout is None:
                 self._run_without_kv(rows, results)
             else:
@@ -423,17 +461,20 @@ class AsyncTransformer(BatchedAsyncLM):
                     self._run_group(group, results)
         return results
 
-    def _plan(self, slot: int | None, ids: tuple[int, ...], node: DynamicTokenTrie) -> _Row:
+    def _plan(
+        self, slot: int | None, ids: tuple[int, ...], lora: str | None, node: DynamicTokenTrie
+    ) -> _Row:
         """Find the deepest usable KV for ``ids`` and what remains to run (``node``: the
-        deepest node on the path of ``ids``, from ``self.cache.walk``)."""
+        deepest node on the path of ``ids`` in the tree of adapter ``lora``)."""
         kv_node = node.nearest_kv()
         if kv_node is not node and node.depth > 0:
             kv_node = self._kv_below(node) or kv_node
         start = 0 if kv_node is None else min(kv_node.depth, node.depth, len(ids) - 1)
         if not start or self._layout is None:
-            return _Row(slot, ids, node, 0, None)
+            return _Row(slot, ids, lora, node, 0, None)
         kv_node.touch(ancestors=False)
-        return _Row(slot, ids, node, start, kv_node.past_key_values[:, :, :, :start], kv_node)
+        past = kv_node.past_key_values[:, :, :, :start]
+        return _Row(slot, ids, lora, node, start, past, kv_node)
 
     @staticmethod
     def _kv_below(node: DynamicTokenTrie, limit: int = 256) -> DynamicTokenTrie | None:
@@ -448,12 +489,14 @@ class AsyncTransformer(BatchedAsyncLM):
         return None
 
     def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
-        """Rows with the same number of new tokens, split to respect ``max_batch_tokens``."""
-        by_length: dict[int, list[_Row]] = {}
+        """Rows with the same number of new tokens (and adapter, with ``lora_batching=
+        "grouped"``), split to respect ``max_batch_tokens``."""
+        grouped = self.lora_batching == "grouped"
+        by_length: dict[tuple[int, str | None], list[_Row]] = {}
         for row in rows:
-            by_length.setdefault(row.new_tokens, []).append(row)
+            by_length.setdefault((row.new_tokens, row.lora if grouped else None), []).append(row)
         groups = []
-        for new_tokens, same in by_length.items():
+        for (new_tokens, _), same in by_length.items():
             per_group = max(1, self.max_batch_tokens // new_tokens)
             groups.extend(same[i : i + per_group] for i in range(0, len(same), per_group))
         return groups
@@ -480,19 +523,25 @@ class AsyncTransformer(BatchedAsyncLM):
                 buffer[:, :, i, :, pad:past_length].copy_(row.past)
                 row.past = None
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
-        position_ids = starts[:, None] + torch.arange(new_tokens, device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
-        mask = None
-        if padded or (past_length and new_tokens > 1):
-            mask = self._attention_mask(starts, past_length, new_tokens)
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=_buffer_cache(buffer, past_length),
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
+        loras = [row.lora for row in rows]
+        # A prefix longer than max_batch_tokens (a single row) is prefilled in chunks.
+        for chunk in range(0, new_tokens, self.max_batch_tokens):
+            end = min(new_tokens, chunk + self.max_batch_tokens)
+            past = past_length + chunk
+            mask = None
+            if padded or (past and end - chunk > 1):
+                mask = self._attention_mask(starts + chunk, past, end - chunk)
+            logits = self._forward(
+                loras,
+                input_ids=input_ids[:, chunk:end],
+                attention_mask=mask,
+                position_ids=(starts + chunk)[:, None]
+                + torch.arange(end - chunk, device=self._input_device),
+                past_key_values=_buffer_cache(buffer, past),
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
         logprobs = self._logprobs(logits[:, -1])
         kvs = []
         for i, row in enumerate(rows):
@@ -508,7 +557,10 @@ class AsyncTransformer(BatchedAsyncLM):
             by_length.setdefault(len(row.ids), []).append(row)
         for same in by_length.values():
             input_ids = torch.tensor([row.ids for row in same], device=self._input_device)
-            logits = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
+            loras = [row.lora for row in same]
+            logits = self._forward(
+                loras, input_ids=input_ids, use_cache=False, logits_to_keep=1
+            ).logits
             logprobs = self._logprobs(logits[:, -1])
             for i, row in enumerate(same):
                 self._store(row, logprobs[i], None, results)
@@ -546,26 +598,36 @@ class AsyncTransformer(BatchedAsyncLM):
         """Normalized float32 log-probabilities over the tokenizer's vocabulary (padding dropped)."""
         return torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1)
 
-    def _cache_kv(self, ids: tuple[int, ...]) -> None:
-        with torch.inference_mode(), self.cache.deferred_pruning():
-            node, depth = self.cache.walk(ids)
+    def _uncached(self, ids: tuple[int, ...], lora: str | None) -> torch.Tensor:
+        with torch.inference_mode():
+            input_ids = torch.tensor([ids], device=self._input_device)
+            logits = self._forward(
+                [lora], input_ids=input_ids, use_cache=False, logits_to_keep=1
+            ).logits
+            return self._logprobs(logits[:, -1])[0]
+
+    def _cache_kv(self, ids: tuple[int, ...], lora: str | None) -> None:
+        root = self._root(lora)
+        with torch.inference_mode(), root.deferred_pruning():
+            node, depth = root.walk(ids)
             kv = node.past_key_values if depth == len(ids) else None
             if kv is None:
                 if self._layout is None:
                     raise NotImplementedError(
                         f"cache_kv needs KV reuse, which is off for {type(self.model).__name__}"
                     )
-                (kv,) = self._run_group([self._plan(None, ids, node)], [])
-            node = self.cache.extend_cache(0, ids, None)
+                (kv,) = self._run_group([self._plan(None, ids, lora, node)], [])
+            node = root.extend_cache(0, ids, None)
             node.set_past_key_values(kv.clone(), pinned=True)
 
     def _walk_cache(
-        self, ids: tuple[int, ...]
+        self, ids: tuple[int, ...], lora: str | None
     ) -> tuple[DynamicTokenTrie, int, torch.Tensor | None, int]:
+        root = self._root(lora)
         with torch.inference_mode():
-            row = self._plan(None, ids, self.cache.walk(ids)[0])
+            row = self._plan(None, ids, lora, root.walk(ids)[0])
         if row.source is None:
-            return self.cache, 0, None, 0
+            return root, 0, None, 0
         return row.source, row.start, row.past.clone(), row.source.depth
 
     def _probe_kv_layout(self) -> tuple[_KVLayout | None, str]:

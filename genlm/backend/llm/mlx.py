@@ -17,7 +17,7 @@ evaluated on the batcher's single worker thread (the blocking calls go through
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import DynamicTokenTrie
-from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.base import BatchedAsyncLM, Query
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
 
@@ -173,8 +173,9 @@ class AsyncMlxLM(BatchedAsyncLM):
         # On the worker thread, so a batch never sees the tree swapped under it.
         self.cache = self._new_trie()
 
-    def _process_batch(self, keys: list[Hashable]) -> list[torch.Tensor]:
+    def _process_batch(self, queries: list[Query]) -> list[torch.Tensor]:
         """Answer distinct prefixes from the cache or one batched forward pass (worker thread)."""
+        keys = [query.token_ids for query in queries]
         results: list[torch.Tensor | None] = [None] * len(keys)
         missing = []
         for i, ids in enumerate(keys):

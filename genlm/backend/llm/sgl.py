@@ -10,11 +10,11 @@ sglang is imported only when an engine is built.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 import torch
 
+from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 
 SGL_INSTALL_HINT = "pip install 'genlm-backend[sgl]'"
@@ -99,15 +99,20 @@ class AsyncSGLTransformer(EngineLM):
         engine = sglang.Engine(model_path=model_id, base_gpu_id=gpu_id, **(engine_opts or {}))
         return cls(engine, **kwargs)
 
-    def _process_batch(self, keys: list[Hashable]) -> torch.Tensor:
+    def _process_batch(self, keys: list[Query]) -> torch.Tensor:
         """One ``generate`` call: the ``[B, V]`` next-token log-probabilities of ``keys``."""
         self._check_open()
+        adapters = {}
+        if any(key.lora is not None for key in keys):
+            # SGLang's per-request adapter: the name given to load_lora_adapter, None for base.
+            adapters["lora_path"] = [key.lora for key in keys]
         outputs = self.sgl_model.generate(
-            input_ids=[list(key) for key in keys],
+            input_ids=[list(key.token_ids) for key in keys],
             # temperature 1: SGLang may report temperature-scaled log-probabilities.
             sampling_params={"max_new_tokens": 1, "temperature": 1.0},
             return_logprob=True,
             token_ids_logprob=[self._all_token_ids] * len(keys),
+            **adapters,
         )
         if isinstance(outputs, dict):
             outputs = [outputs]
@@ -117,6 +122,19 @@ class AsyncSGLTransformer(EngineLM):
             [row_from_meta_info(out["meta_info"], self.vocab_size) for out in outputs]
         )
         return torch.log_softmax(rows, dim=-1)
+
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+        """Load the adapter into the engine (``enable_lora`` in ``engine_opts``); a name
+        registered again is unloaded first."""
+        if lora_name in self.lora_paths:
+            self._unload_lora(lora_name)
+        self.batcher.run_sync(
+            lambda: self.sgl_model.load_lora_adapter(lora_name=lora_name, lora_path=lora_path)
+        )
+
+    def _unload_lora(self, lora_name: str) -> None:
+        self.batcher.run_sync(lambda: self.sgl_model.unload_lora_adapter(lora_name=lora_name))
+        self._forget_lora_results(lora_name)
 
     def clear_kv_cache(self) -> None:
         """Empty SGLang's prefix (radix) KV cache."""

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genlm.backend.llm.base import check_sampling_args
+from genlm.backend.llm.base import check_eos_token_ids, check_sampling_args
 from genlm.backend.llm.engine import EngineLM
 
 VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
@@ -196,6 +196,7 @@ class _SampleRequest:
     temperature: float
     seed: int | None
     nonce: int | None  # makes unseeded requests distinct, so they are never merged
+    lora: str | None = None
 
 
 class AsyncVirtualLM(EngineLM):
@@ -227,9 +228,6 @@ class AsyncVirtualLM(EngineLM):
         super().__init__(
             llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
         )
-        self.lora_ids: dict[str, int] = {}
-        self._lora_paths: dict[str, str] = {}
-        self._active_lora: tuple[str, int, str] | None = None
         self._nonces = itertools.count()
 
     @classmethod
@@ -267,22 +265,28 @@ class AsyncVirtualLM(EngineLM):
         self._check_open()
         return self.llm_engine
 
-    def _lora_request(self) -> Any:
-        if self._active_lora is None:
+    def _lora_request(self, lora: str | None) -> Any:
+        """vLLM's ``LoRARequest`` for an adapter (None for the base model)."""
+        if lora is None:
             return None
         _, LoRARequest = vllm_api()
-        return LoRARequest(*self._active_lora)
+        return LoRARequest(lora, hash_to_int(lora), self.lora_paths[lora])
 
-    def _generate(self, prompts: list[tuple[int, ...]], params: list[Any]) -> list[Any]:
+    def _generate(
+        self, prompts: list[tuple[int, ...]], params: list[Any], loras: list[str | None]
+    ) -> list[Any]:
+        kwargs = {}
+        if any(lora is not None for lora in loras):
+            kwargs["lora_request"] = [self._lora_request(lora) for lora in loras]
         return self.llm_engine.generate(
             [{"prompt_token_ids": list(prompt)} for prompt in prompts],
             params,
             use_tqdm=False,
-            lora_request=self._lora_request(),
+            **kwargs,
         )
 
     def _process_batch(self, keys: list[Hashable]) -> list[Any]:
-        """One ``generate`` call for a batch of logprobs keys and `_SampleRequest` keys."""
+        """One ``generate`` call for a batch of `Query` keys and `_SampleRequest` keys."""
         self._check_open()
         SamplingParams, _ = vllm_api()
         logprob_keys = [key for key in keys if not isinstance(key, _SampleRequest)]
@@ -305,7 +309,11 @@ class AsyncVirtualLM(EngineLM):
                 )
                 for request in sample_keys
             ]
-            outputs = self._generate(logprob_keys + [r.prompt for r in sample_keys], params)
+            outputs = self._generate(
+                [key.token_ids for key in logprob_keys] + [r.prompt for r in sample_keys],
+                params,
+                [key.lora for key in logprob_keys] + [r.lora for r in sample_keys],
+            )
             if len(outputs) != len(params):
                 raise RuntimeError(
                     f"vLLM returned {len(outputs)} outputs for {len(params)} requests"
@@ -325,50 +333,47 @@ class AsyncVirtualLM(EngineLM):
         eos_token_ids: Sequence[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[int]:
         """Sample with vLLM's own sampler; concurrent calls share one engine call.
 
         Stops at the first token in ``eos_token_ids`` (not included) or after
         ``max_tokens``; the same ``seed`` gives the same tokens.
         """
-        self._check_open()
-        check_sampling_args(max_tokens, temperature)
-        prompt = self.validate_token_ids(prompt_token_ids)
+        check_sampling_args(max_tokens, temperature, seed)
+        prompt, lora = self.query(prompt_token_ids, lora_name)
+        eos_token_ids = check_eos_token_ids(eos_token_ids)
         if max_tokens == 0:
             return []
         request = _SampleRequest(
             prompt=prompt,
             max_tokens=int(max_tokens),
-            eos_token_ids=tuple(sorted({int(t) for t in eos_token_ids})),
+            eos_token_ids=tuple(sorted(set(eos_token_ids))),
             temperature=float(temperature),
-            seed=seed,
+            seed=None if seed is None else int(seed),
             nonce=next(self._nonces) if seed is None else None,
+            lora=lora,
         )
         return list(await self.batcher.submit(request))
 
-    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
-        """Record a LoRA adapter under a deterministic id (``hash_to_int(lora_name)``); not activated."""
-        self._check_open()
-        self.lora_ids[lora_name] = hash_to_int(lora_name)
-        self._lora_paths[lora_name] = str(lora_path)
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+        """Adapters load lazily, on the first request naming them (``enable_lora=True``);
+        re-registering a name makes the engine drop the weights it holds for it."""
+        if lora_name in self.lora_paths:
+            self.batcher.run_sync(self._forget_engine_lora, lora_name)
+        self._forget_lora_results(lora_name)
 
-    def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
-        """Use the adapter added as ``lora_name`` for later requests (clears the cache)."""
-        self._check_open()
-        if lora_name not in self.lora_ids:
-            raise ValueError(
-                f"LoRA adapter {lora_name!r} was not added: call add_new_lora(lora_path, "
-                f"{lora_name!r}) first (added: {sorted(self.lora_ids)})"
-            )
-        path = self._lora_paths[lora_name] if lora_path is None else str(lora_path)
-        self._active_lora = (lora_name, self.lora_ids[lora_name], path)
-        self.clear_cache()
+    def _unload_lora(self, lora_name: str) -> None:
+        self.batcher.run_sync(self._forget_engine_lora, lora_name)
+        self._forget_lora_results(lora_name)
 
-    def clear_lora(self) -> None:
-        """Go back to the base model (clears the cache)."""
-        self._check_open()
-        self._active_lora = None
-        self.clear_cache()
+    def _forget_engine_lora(self, lora_name: str) -> None:
+        remove_lora = getattr(self.llm_engine, "remove_lora", None) or getattr(
+            getattr(self.llm_engine, "llm_engine", None), "remove_lora", None
+        )
+        if remove_lora is not None:
+            remove_lora(hash_to_int(lora_name))
 
     def _shutdown_engine(self) -> None:
         engine, self.llm_engine = self.llm_engine, None
