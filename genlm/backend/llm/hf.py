@@ -53,6 +53,7 @@ request then runs its whole prefix.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -261,6 +262,8 @@ class AsyncTransformer(BatchedAsyncLM):
         self.lora_batching = lora_batching
         self._pool = _BufferPool()
         self._peft: Any = None  # the peft model wrapping self.model, once an adapter is loaded
+        self._peft_names: dict[str, str] = {}  # adapter name -> its name inside peft
+        self._adapter_ids = itertools.count()
         self._reset_trie()
         self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-hf")
         self._input_device = self.model.get_input_embeddings().weight.device
@@ -394,20 +397,33 @@ class AsyncTransformer(BatchedAsyncLM):
         self.batcher.run_sync(self._delete_adapter, lora_name)
 
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
+        # peft sees its own names: a user's name may hold "." (not a module name), be
+        # "__base__", or be part of peft's "lora_" prefix, which peft misreads.
         import peft
 
+        if lora_name in self._peft_names:
+            self._delete_adapter(lora_name)
+        peft_name = f"genlm{next(self._adapter_ids)}"
         if self._peft is None:
             self._peft = peft.PeftModel.from_pretrained(
-                self.model, lora_path, adapter_name=lora_name
+                self.model, lora_path, adapter_name=peft_name
             ).eval()
-            return
-        if lora_name in self._peft.peft_config:
-            self._delete_adapter(lora_name)
-        self._peft.load_adapter(lora_path, adapter_name=lora_name)
-        self._peft.eval()
+        else:
+            self._peft.load_adapter(lora_path, adapter_name=peft_name)
+            self._peft.eval()
+        self._peft_names[lora_name] = peft_name
 
     def _delete_adapter(self, lora_name: str) -> None:
-        self._peft.delete_adapter(lora_name)
+        peft_name = self._peft_names.pop(lora_name)
+        if not self._peft_names:
+            # peft cannot serve with no adapter left: restore the plain model (in place).
+            self._peft.unload()
+            self._peft = None
+        else:
+            with warnings.catch_warnings():
+                # Which adapter peft calls "active" is moot: every forward names its adapters.
+                warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
+                self._peft.delete_adapter(peft_name)
         root = self._roots.pop(lora_name, None)
         if root is not None:
             root.clear()
@@ -416,7 +432,7 @@ class AsyncTransformer(BatchedAsyncLM):
         """The model's forward for rows served by ``loras`` (one adapter name or None per row)."""
         if self._peft is None:
             return self.model(**kwargs)
-        names = [BASE_ADAPTER if lora is None else lora for lora in loras]
+        names = [BASE_ADAPTER if lora is None else self._peft_names[lora] for lora in loras]
         return self._peft(**kwargs, adapter_names=names)
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------

@@ -1,0 +1,192 @@
+"""Per-request LoRA adapters on AsyncTransformer (peft), on the real default model.
+
+Two peft adapters with non-zero B matrices are created and saved here; every adapter row
+is checked against a plain forward of a model with that adapter merged into its weights
+(`merge_and_unload`), every base row against the plain base model.
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+from genlm.backend.llm.hf import AsyncTransformer
+
+peft = pytest.importorskip("peft")
+pytestmark = [
+    pytest.mark.slow,
+    # peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+TOL = 1e-4
+
+
+def load_base(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(default_model_dir, tmp_path_factory):
+    """Two saved adapters on q/v projections, randomly initialised (B != 0)."""
+    root = tmp_path_factory.mktemp("adapters")
+    dirs = {}
+    for name, seed in [("a", 1), ("b", 2)]:
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(
+            r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
+        peft.get_peft_model(load_base(default_model_dir), config).save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def references(default_model_dir, adapter_dirs):
+    """``references[name](ids)``: a plain forward of the merged model (``None``: the base)."""
+    models = {None: load_base(default_model_dir)}
+    for name, path in adapter_dirs.items():
+        adapted = peft.PeftModel.from_pretrained(load_base(default_model_dir), path)
+        models[name] = adapted.merge_and_unload().eval()
+
+    def make(model):
+        def forward(ids):
+            with torch.inference_mode():
+                logits = model(input_ids=torch.tensor([list(ids)])).logits[0, -1]
+                return torch.log_softmax(logits.float(), -1)
+
+        return forward
+
+    return {name: make(model) for name, model in models.items()}
+
+
+@pytest.fixture(scope="module")
+def base_model(default_model_dir):
+    """One model for every LM here: adding adapters wraps it in place, removing them all
+    unwraps it, so each test leaves it plain."""
+    return load_base(default_model_dir)
+
+
+@pytest.fixture
+def lm(base_model, smollm2_tokenizer, adapter_dirs):
+    lm = AsyncTransformer(base_model, smollm2_tokenizer, batch_size=32)
+    for name, path in adapter_dirs.items():
+        lm.add_new_lora(path, name)
+    yield lm
+    for name in list(lm.lora_paths):
+        lm.remove_lora(name)
+    lm.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_tokenizer):
+    return smollm2_tokenizer.encode("The old clockmaker opened his shop and said")
+
+
+def check(references, lora, ids, got):
+    expected = references[lora](ids)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    diff = (got - expected).abs().max().item()
+    assert diff <= TOL, f"adapter {lora!r}: max abs diff {diff} for {len(ids)} tokens"
+
+
+def test_the_adapters_change_the_answer(references, prompt):
+    assert (references["a"](prompt) - references[None](prompt)).abs().max() > 1e-1
+    assert (references["a"](prompt) - references["b"](prompt)).abs().max() > 1e-1
+
+
+def test_uncached_and_sync_rows_equal_the_merged_model(lm, references, prompt):
+    for lora in (None, "a", "b"):
+        check(references, lora, prompt, lm.next_token_logprobs_uncached(prompt, lora_name=lora))
+        check(references, lora, prompt, lm.next_token_logprobs_sync(prompt, lora_name=lora))
+
+
+async def test_base_and_two_adapters_share_one_batch(lm, references, prompt):
+    lm.next_token_logprobs_sync(prompt[:6], lora_name="a")  # KV under a only
+    queries = [
+        (None, prompt),
+        ("a", prompt),
+        ("b", prompt),
+        ("a", prompt[:6] + [17]),  # reuses a's KV
+        (None, prompt[:6] + [17]),  # must not reuse a's KV
+        ("b", prompt[:6] + [17, 18, 19]),
+        (None, prompt[:3]),
+    ]
+    batches = lm.batcher.num_batches
+    results = await asyncio.gather(
+        *(lm.next_token_logprobs(ids, lora_name=lora) for lora, ids in queries)
+    )
+    assert lm.batcher.num_batches == batches + 1
+    for (lora, ids), got in zip(queries, results, strict=True):
+        check(references, lora, ids, got)
+    rows = await lm.batch_next_token_logprobs([prompt, prompt[:3]], lora_name="b")
+    check(references, "b", prompt, rows[0])
+    check(references, "b", prompt[:3], rows[1])
+
+
+async def test_cached_and_kv_reused_rows_never_cross_adapters(lm, references, prompt):
+    for lora in (None, "a", None, "b", "a"):  # the same prefix, cached under each in turn
+        check(references, lora, prompt, await lm.next_token_logprobs(prompt, lora_name=lora))
+    longer = prompt + [450, 451]
+    for lora in ("b", None, "a"):  # extensions that find KV only in their own tree
+        check(references, lora, longer, await lm.next_token_logprobs(longer, lora_name=lora))
+    node, start, past, base = lm.walk_cache(longer + [9], lora_name="a")
+    assert past is not None and start == base == len(longer)
+    assert lm.walk_cache(longer + [9], lora_name="b")[1] == len(longer)
+    lm.cache_kv(prompt[:5], lora_name="a")
+    assert lm.walk_cache(prompt[:5] + [3], lora_name=None)[0] is not node
+    check(references, None, prompt[:5] + [3], lm.next_token_logprobs_sync(prompt[:5] + [3]))
+
+
+def test_default_adapter_follows_set_lora(lm, references, prompt):
+    lm.set_lora(lora_name="a")
+    check(references, "a", prompt, lm.next_token_logprobs_sync(prompt))
+    check(references, "a", prompt + [7], lm.next_token_logprobs_uncached(prompt + [7]))
+    lm.clear_lora()
+    check(references, None, prompt, lm.next_token_logprobs_sync(prompt))
+
+
+async def test_remove_then_use_raises_and_the_batcher_keeps_serving(lm, references, prompt):
+    lm.remove_lora("b")
+    with pytest.raises(ValueError, match=r"'b'.*add_new_lora"):
+        await lm.next_token_logprobs(prompt, lora_name="b")
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.next_token_logprobs_uncached(prompt, lora_name="b")
+    with pytest.raises(ValueError, match="add_new_lora"):
+        lm.remove_lora("b")
+    with pytest.raises(TypeError, match="lora_name"):
+        await lm.next_token_logprobs(prompt, lora_name=3)
+    check(references, "a", prompt, await lm.next_token_logprobs(prompt, lora_name="a"))
+
+
+def test_re_registering_a_name_rebinds_it_cached_rows_included(
+    lm, references, prompt, adapter_dirs
+):
+    check(references, "a", prompt, lm.next_token_logprobs_sync(prompt, lora_name="a"))
+    lm.add_new_lora(adapter_dirs["b"], "a")  # b's weights under the name "a"
+    check(references, "b", prompt, lm.next_token_logprobs_sync(prompt, lora_name="a"))
+    check(references, "b", prompt + [5], lm.next_token_logprobs_sync(prompt + [5], lora_name="a"))
+
+
+async def test_one_forward_per_adapter_when_grouped(
+    base_model, smollm2_tokenizer, adapter_dirs, references, prompt
+):
+    lm = AsyncTransformer(base_model, smollm2_tokenizer, lora_batching="grouped")
+    try:
+        lm.add_new_lora(adapter_dirs["a"], "my.adapter")  # "." is not a module name in peft
+        queries = [(None, prompt), ("my.adapter", prompt), ("my.adapter", prompt[:4])]
+        results = await asyncio.gather(
+            *(lm.next_token_logprobs(ids, lora_name=lora) for lora, ids in queries)
+        )
+        for (lora, ids), got in zip(queries, results, strict=True):
+            check(references, lora and "a", ids, got)
+    finally:
+        lm.remove_lora("my.adapter")
+        lm.close()
+
+
+def test_bad_lora_batching_is_refused(base_model, smollm2_tokenizer):
+    with pytest.raises(ValueError, match="lora_batching"):
+        AsyncTransformer(base_model, smollm2_tokenizer, lora_batching="interleaved")
