@@ -88,7 +88,8 @@ def get_byte_vocab(tokenizer: Any) -> list[bytes]:
             failures.append(f"{name}: {error}")
     reasons = "; ".join(failures) or "it has neither a byte decoder nor a decode method"
     raise ByteVocabError(
-        f"Cannot determine the byte vocabulary of {describe(tokenizer)}: {reasons}"
+        f"Could not decode byte representation of the vocabulary of {describe(tokenizer)}: "
+        f"{reasons}"
     )
 
 

@@ -371,8 +371,8 @@ def _key(item: Any) -> Hashable:
 
 def _warn_plain_bytes(count: int) -> None:
     warnings.warn(
-        f"TokenCharacterTrie got {count} plain bytes entries; pass "
-        "genlm.backend.Token(token_id, bytes) objects instead (plain bytes are deprecated)",
+        f"Passing plain bytes to TokenCharacterTrie is deprecated ({count} entries): pass "
+        "genlm.backend.Token(token_id, bytes) objects instead",
         DeprecationWarning,
         stacklevel=4,
     )
@@ -406,7 +406,7 @@ def _check_unique(keys: list[Hashable], positions: Iterable[int]) -> None:
     for position, key in zip(positions, keys, strict=True):
         if key in seen:
             raise ValueError(
-                f"duplicate vocabulary entry {key!r} at positions {seen[key]} and {position}; "
+                f"Duplicate word in vocabulary: {key!r} at positions {seen[key]} and {position}; "
                 "use Token(token_id, bytes) to tell apart tokens with equal bytes"
             )
         seen[key] = position
