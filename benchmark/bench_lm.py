@@ -5,6 +5,8 @@ context, samples a token with ``torch.multinomial`` and appends it; tokens/s is 
 number of sampled tokens over wall time. The *floor* is the same model called directly
 in the same run: prefill the prompt once, then one batched ``DynamicCache`` decode step
 (and one batched ``multinomial``) per token. ``ratio`` = library time / floor time.
+`hf_static_floor` is the same loop on a preallocated ``StaticCache`` (``gpu.py`` runs
+both); the loops and the SIS loop run on the model's device, CPU or CUDA.
 
     python benchmark/bench_lm.py                       # N = 1, 8, 32 (hf backend)
     python benchmark/bench_lm.py --memory              # 2,000 steps x 32 particles, RSS vs budget
@@ -81,20 +83,49 @@ def hf_floor(
     lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
 ) -> tuple[float, float]:
     """(wall, CPU) seconds of the hand-written loop: a prefill, then batched DynamicCache steps."""
-    import torch
     from transformers import DynamicCache
+
+    return _hand_written_loop(
+        lm, DynamicCache(config=lm.model.config), prompt, n_particles, n_tokens, seed
+    )
+
+
+def hf_static_floor(
+    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+) -> tuple[float, float]:
+    """(wall, CPU) seconds of the same loop on a preallocated ``StaticCache``: every step
+    writes its KV in place instead of growing the cache with ``torch.cat`` (no compilation)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=lm.model.config, max_cache_len=len(prompt) + n_tokens)
+    return _hand_written_loop(lm, cache, prompt, n_particles, n_tokens, seed)
+
+
+def _hand_written_loop(
+    lm: Any, cache: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+) -> tuple[float, float]:
+    """Prefill ``prompt`` once into ``cache``, repeat it for the particles, then one batched
+    forward and one batched ``multinomial`` per token, on the model's device."""
+    import torch
 
     model = lm.model
     vocab = lm.vocab_size
-    generator = torch.Generator().manual_seed(seed)
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator(device).manual_seed(seed)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, logits_to_keep=1)
-        cache.batch_repeat_interleave(n_particles)
-        logits = out.logits[:, -1, :vocab].expand(n_particles, -1)
+        out = model(
+            input_ids=torch.tensor([prompt], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for layer in cache.layers:  # one copy of the prompt's KV per particle
+            layer.keys = layer.keys.repeat_interleave(n_particles, dim=0)
+            layer.values = layer.values.repeat_interleave(n_particles, dim=0)
+        logits = out.logits[:, -1, :vocab].float().expand(n_particles, -1)
         tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
-        positions = torch.full((n_particles, 1), len(prompt))
+        positions = torch.full((n_particles, 1), len(prompt), device=device)
         for _ in range(n_tokens - 1):
             out = model(
                 input_ids=tokens,
@@ -103,9 +134,10 @@ def hf_floor(
                 use_cache=True,
                 logits_to_keep=1,
             )
-            logps = torch.log_softmax(out.logits[:, -1, :vocab], -1)
+            logps = torch.log_softmax(out.logits[:, -1, :vocab].float(), -1)
             tokens = torch.multinomial(logps.exp(), 1, generator=generator)
             positions = positions + 1
+        tokens.cpu()  # wait for the device: the library's loop reads every token too
     return time.perf_counter() - start, time.process_time() - cpu
 
 
@@ -181,10 +213,12 @@ async def sis(lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed:
     import torch
 
     async def particle(index: int) -> int:
-        generator = torch.Generator().manual_seed(seed + index)
+        generator = None
         ctx = list(prompt)
         for _ in range(n_tokens):
             logps = await lm.next_token_logprobs(ctx)
+            if generator is None:  # sample where the LM answers (on CUDA for a CUDA model)
+                generator = torch.Generator(logps.device).manual_seed(seed + index)
             ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
         return len(ctx) - len(prompt)
 

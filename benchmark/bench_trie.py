@@ -34,7 +34,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -126,24 +126,37 @@ def first_call_ms() -> dict[str, float]:
     return {"build_ms": (built - start) * 1e3, "weight_sum+max_ms": (done - built) * 1e3}
 
 
-def sparse_parallel_trie(vocab: list[Token]):
-    """The parallel trie on CPU through its sparse matrix (torch's CSR kernels and
-    scatter-reduce), the path it takes on CUDA, to compare with the compiled sweep."""
+def sparse_parallel_trie(vocab: list[Token], device: str = "cpu"):
+    """The parallel trie through its sparse matrix (torch's CSR kernels and scatter-reduce),
+    the path it takes on CUDA; on CPU, to compare with the compiled sweep."""
     from genlm.backend.trie import ParallelTokenCharacterTrie
 
-    trie = ParallelTokenCharacterTrie(vocab, device="cpu")
+    trie = ParallelTokenCharacterTrie(vocab, device=device)
     trie.sparse_kernels = True
     return trie
 
 
-def bench_vocab(name: str, vocab: list[Token], repeats: int) -> list[dict]:
-    """Every figure of every trie on ``vocab``, timed in ``repeats`` interleaved rounds.
+def time_rounds(calls: Sequence[Callable[[], object]], repeats: int) -> list[list[float]]:
+    """Milliseconds of every call in each of ``repeats`` interleaved rounds.
 
-    Each round times every figure once, so a slow spell of the host (other tenants'
-    memory traffic swings these figures by up to 2x) spreads over all figures instead
+    Each round times every call once, so a slow spell of the host (other tenants'
+    memory traffic swings these figures by up to 2x) spreads over all calls instead
     of landing on whichever one happened to be running. Every timed call follows an
-    untimed one of the same figure (warm caches, as in a loop of such calls).
+    untimed one of the same call (warm caches, as in a loop of such calls).
     """
+    times: list[list[float]] = [[] for _ in calls]
+    for _ in range(repeats):
+        for call_times, fn in zip(times, calls, strict=True):
+            fn()
+            start = time.perf_counter()
+            fn()
+            call_times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def bench_vocab(name: str, vocab: list[Token], repeats: int) -> list[dict]:
+    """Every figure of every trie on ``vocab``, timed in ``repeats`` interleaved rounds
+    (`time_rounds`)."""
     from genlm.backend.trie import (
         AsyncTokenCharacterTrie,
         ParallelTokenCharacterTrie,
@@ -185,13 +198,7 @@ def bench_vocab(name: str, vocab: list[Token], repeats: int) -> list[dict]:
         *figures_of("parallel", lambda v: ParallelTokenCharacterTrie(v, device="cpu"), True),
         *figures_of("parallel sparse", sparse_parallel_trie, False),
     ]
-    times: list[list[float]] = [[] for _ in figures]
-    for _ in range(repeats):
-        for figure_times, (_, _, fn, _, _) in zip(times, figures, strict=True):
-            fn()  # untimed: the timed call finds the caches as a loop of such calls would
-            start = time.perf_counter()
-            fn()
-            figure_times.append((time.perf_counter() - start) * 1e3)
+    times = time_rounds([fn for _, _, fn, _, _ in figures], repeats)
     for async_trie in async_tries:
         async_trie.shutdown()
     loop.close()

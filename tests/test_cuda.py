@@ -1,0 +1,174 @@
+"""The CUDA paths: the HF backend, the tries and the output cache on a GPU (skipped without one).
+
+Models are tiny Llamas with random weights and SmolLM2's tokenizer shipped with
+`benchmark/gpu.py`, so these run on a CUDA machine where nothing can be downloaded and
+no model is installed; `bash benchmark/gpu.sh` runs them. The tests are plain functions
+(no pytest-asyncio needed). Every answer is compared with an independent computation:
+a plain forward of the whole prefix, on the CPU where it says so, or a brute-force sum.
+"""
+
+import asyncio
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+import gpu  # noqa: E402
+
+from genlm.backend.cache import OutputCache  # noqa: E402
+from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
+from genlm.backend.tokenization import Token  # noqa: E402
+from genlm.backend.trie import (  # noqa: E402
+    AsyncTokenCharacterTrie,
+    ParallelTokenCharacterTrie,
+    TokenCharacterTrie,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return gpu.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    return gpu.prompt_of(tokenizer, 20)
+
+
+def reference(model, ids, vocab_size):
+    """Plain forward of the whole prefix on the model's device, no cache, float32 on the CPU."""
+    device = model.get_input_embeddings().weight.device
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([list(ids)], device=device)).logits
+        return torch.log_softmax(logits[0, -1, :vocab_size].float(), -1).cpu()
+
+
+def gather(lm, prefixes):
+    async def run():
+        return await asyncio.gather(*(lm.next_token_logprobs(p) for p in prefixes))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_batched_and_kv_reused_rows_match_cpu_forwards(tokenizer, prompt, attention):
+    cpu_model = gpu.build_model("tiny", "cpu", attn_implementation=attention)
+    model = gpu.build_model("tiny", "cuda", attn_implementation=attention)
+    model.load_state_dict(cpu_model.state_dict())
+    lm = AsyncTransformer(model, tokenizer, batch_size=16)
+    first = [prompt, prompt[:7], prompt[:7] + [11], prompt[3:]]
+    second = [prompt + [5], prompt[:7] + [11, 12], prompt[:7] + [13, 14, 15], prompt[3:] + [1]]
+    for prefixes in (first, second):  # padded mixed lengths, then extensions of cached KV
+        for ids, got in zip(prefixes, gather(lm, prefixes), strict=True):
+            assert got.device.type == "cuda" and got.dtype == torch.float32
+            expected = reference(cpu_model, ids, lm.vocab_size)
+            assert (got.cpu() - expected).abs().max().item() <= TOL
+    assert lm.kv_nbytes > 0
+    node, start, past, _ = lm.walk_cache(prompt + [5, 6])
+    assert start == len(prompt) + 1 and past.device.type == "cuda"
+    expected = reference(cpu_model, prompt + [5, 6], lm.vocab_size)
+    assert (lm.next_token_logprobs_sync(prompt + [5, 6]).cpu() - expected).abs().max() <= TOL
+
+
+def test_a_small_kv_budget_evicts_cuda_buffers_and_stays_exact(tokenizer, prompt):
+    model = gpu.build_model("tiny", "cuda")
+    budget = 64 * 1024
+    lm = AsyncTransformer(model, tokenizer, batch_size=8, max_kv_bytes=budget)
+    contexts = [prompt[: 4 + i] for i in range(8)]
+    for step in range(4):
+        for ids, got in zip(contexts, gather(lm, contexts), strict=True):
+            assert (got.cpu() - reference(model, ids, lm.vocab_size)).abs().max() <= TOL
+        assert lm.kv_nbytes <= budget
+        contexts = [ids + [step + 1] for ids in contexts]
+
+
+def test_bfloat16_model_answers_float32_normalized_rows(tokenizer, prompt):
+    model = gpu.build_model("tiny-bf16", "cuda")
+    lm = AsyncTransformer(model, tokenizer)
+    for got in gather(lm, [prompt, prompt[:5], prompt[:5] + [9]]):
+        assert got.dtype == torch.float32 and got.device.type == "cuda"
+        assert abs(torch.logsumexp(got, 0).item()) <= TOL
+
+
+def test_bad_ids_fail_before_the_device(tokenizer, prompt):
+    lm = AsyncTransformer(gpu.build_model("tiny", "cuda"), tokenizer)
+    vocab = lm.vocab_size
+    for bad in ([vocab], [1, -1], [vocab + 10**6]):
+        with pytest.raises(ValueError, match=str(bad[-1])):
+            lm.next_token_logprobs_sync(bad)
+        with pytest.raises(ValueError, match=str(bad[-1])):
+            lm.next_token_logprobs_uncached(bad)
+        with pytest.raises(ValueError, match=str(bad[-1])):
+            gather(lm, [prompt, bad])
+    torch.cuda.synchronize()  # a device-side assert would surface here
+    expected = reference(lm.model, prompt, vocab)
+    assert (lm.next_token_logprobs_sync(prompt).cpu() - expected).abs().max() <= TOL
+
+
+VOCAB = [Token(i, s) for i, s in enumerate([b"a", b"ab", b"abc", b"b", b"ba", b"c", b"ab"])]
+
+
+def brute_force(trie, ws, reduce):
+    """Per node, ``reduce`` of the weights of the tokens whose bytes start with its prefix
+    (a leaf: its own token only)."""
+    leaf_position = {int(leaf): int(position) for position, leaf in trie.idx_to_leaf}
+    out = []
+    for node in range(trie.num_nodes):
+        if node in leaf_position:
+            out.append(ws[leaf_position[node]])
+            continue
+        prefix = list(trie.node2prefix[node])
+        out.append(
+            reduce(w for w, t in zip(ws, VOCAB, strict=True) if list(t)[: len(prefix)] == prefix)
+        )
+    return np.array(out)
+
+
+def test_parallel_trie_on_cuda_matches_brute_force():
+    trie = ParallelTokenCharacterTrie(VOCAB)
+    assert trie.device == "cuda" and trie.sparse_kernels and trie.M.device.type == "cuda"
+    batch = torch.softmax(torch.randn(3, len(VOCAB), generator=torch.Generator().manual_seed(0)), 1)
+    sums = np.stack([brute_force(trie, ws.tolist(), sum) for ws in batch])
+    maxs = np.stack([brute_force(trie, ws.tolist(), max) for ws in batch])
+    for given in (batch, batch.cuda(), batch.numpy(), list(batch.cuda())):
+        np.testing.assert_allclose(trie.batch_weight_sum(given), sums, rtol=1e-5)
+        np.testing.assert_allclose(trie.batch_weight_max(given), maxs, rtol=1e-6)
+    np.testing.assert_allclose(trie.weight_sum(batch[1].cuda()), sums[1], rtol=1e-5)
+    np.testing.assert_allclose(trie.weight_max(batch[1].cuda()), maxs[1], rtol=1e-6)
+    sequential = TokenCharacterTrie(VOCAB)  # fed CUDA tensors, it copies them to the host
+    np.testing.assert_allclose(sequential.weight_sum(batch[2].cuda()), sums[2], rtol=1e-5)
+
+
+def test_async_trie_batches_cuda_weights():
+    async_trie = AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="parallel")
+    assert async_trie.trie.device == "cuda"
+    batch = torch.softmax(torch.randn(5, len(VOCAB), generator=torch.Generator().manual_seed(1)), 1)
+
+    async def run():
+        return await asyncio.gather(*(async_trie.weight_sum(ws.cuda()) for ws in batch))
+
+    got = asyncio.run(run())
+    async_trie.shutdown()
+    for ws, sums in zip(batch, got, strict=True):
+        np.testing.assert_allclose(sums, brute_force(async_trie.trie, ws.tolist(), sum), rtol=1e-5)
+
+
+def test_output_cache_keeps_cuda_values_off_the_gpu():
+    cache = OutputCache(2, move_to_cpu=True)
+    before = torch.cuda.memory_allocated()
+    value = torch.arange(4096.0, device="cuda")
+    expected = value.cpu()
+    cache[[1, 2]] = value
+    del value
+    assert torch.cuda.memory_allocated() == before  # the cache holds a CPU copy only
+    got = cache[[1, 2]]
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), expected)

@@ -1,0 +1,135 @@
+"""`bash benchmark/gpu.sh`: its CPU dry run, the shipped tokenizer and the hand-written floors.
+
+The dry run is the whole command on tiny models, so the command cannot rot between GPU
+runs; the floors it measures the library against are checked here against plain
+forwards of the contexts they sampled.
+"""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmark"))
+import bench_lm  # noqa: E402
+import gpu  # noqa: E402
+
+from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
+from genlm.backend.tokenization import decode_vocab  # noqa: E402
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ],
+)
+
+
+def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmark" / "gpu.sh"), "--device", "cpu", "--tiny"]
+        + ["--out", str(tmp_path)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "### gpu_lm.json" in done.stdout and "| model | prompt_tokens |" in done.stdout
+
+    checks = json.loads((tmp_path / "gpu_checks.json").read_text())
+    assert checks["setup"]["device"] == "cpu" and checks["setup"]["tiny"] is True
+    failed = [row for row in checks["rows"] if row["passed"] is not True]
+    assert not failed
+    names = " | ".join(row["check"] for row in checks["rows"])
+    for needle in ("batched rows", "KV-reused rows", "CPU rows", "bfloat16", "bad ids"):
+        assert needle in names
+    assert "parallel trie" in names and "pytest -m gpu tests/test_cuda.py" in names
+
+    lm = json.loads((tmp_path / "gpu_lm.json").read_text())["rows"]
+    assert {row["implementation"] for row in lm} == {
+        "genlm AsyncTransformer",
+        "floor: DynamicCache loop",
+        "floor: StaticCache loop",
+    }
+    assert {(row["prompt_tokens"], row["n_particles"]) for row in lm} == {
+        (28, 1),
+        (28, 4),
+        (64, 1),
+        (64, 4),
+    }
+    for row in lm:
+        assert row["tokens"] == 4 * row["n_particles"] and row["tokens_per_s"] > 0
+        if row["implementation"].startswith("genlm"):
+            assert row["ratio_dynamic"] > 0 and row["ratio_static"] > 0
+            assert row["kv_budget_mb"] >= row["kv_needed_mb"]
+
+    trie = json.loads((tmp_path / "gpu_trie.json").read_text())["rows"]
+    assert {row["trie"] for row in trie} == {"sequential (cpu)", "parallel (cpu)"}
+    assert {row["vocab_size"] for row in trie} == {49_152, 2_000}
+    batched = {(r["figure"], r["batch"]) for r in trie if r["figure"].startswith("batch")}
+    assert batched == {(f"batch_weight_{op}", b) for op in ("sum", "max") for b in (1, 4)}
+    assert all(row["speedup"] > 0 for row in trie if row["trie"].startswith("parallel"))
+
+    images = sorted(path.name for path in (tmp_path / "images").iterdir())
+    assert images == [
+        "bench-gpu-lm-tiny-bf16-28.png",
+        "bench-gpu-lm-tiny-bf16-64.png",
+        "bench-gpu-trie-max.png",
+        "bench-gpu-trie-sum.png",
+    ]
+
+
+def test_shipped_tokenizer_is_the_default_models(default_model_dir, smollm2_tokenizer, tmp_path):
+    rebuilt = gpu.write_tokenizer(tmp_path / "tokenizer.json.gz")
+    assert gzip.decompress(rebuilt.read_bytes()) == gzip.decompress(gpu.TOKENIZER_FILE.read_bytes())
+    shipped = gpu.load_tokenizer()
+    assert shipped.get_vocab() == smollm2_tokenizer.get_vocab()
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(shipped, name) == getattr(smollm2_tokenizer, name)
+    text = "Once upon a time, a café served 🤖 tea\n\n\tto <|im_end|> everyone."
+    assert shipped.encode(text) == smollm2_tokenizer.encode(text)
+    assert [t.byte_string for t in decode_vocab(shipped)[0]] == [
+        t.byte_string for t in decode_vocab(smollm2_tokenizer)[0]
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("floor", [bench_lm.hf_floor, bench_lm.hf_static_floor])
+def test_hand_written_floors_decode_like_plain_forwards(floor, device, monkeypatch):
+    tokenizer = gpu.load_tokenizer()
+    model = gpu.build_model("tiny", device)
+    lm = AsyncTransformer(model, tokenizer)
+    prompt = gpu.prompt_of(tokenizer, 12)
+    steps = []
+    inner = model.forward
+
+    def forward(**kwargs):
+        out = inner(**kwargs)
+        steps.append((kwargs["input_ids"].cpu(), out.logits[:, -1].float().cpu()))
+        return out
+
+    monkeypatch.setattr(model, "forward", forward)
+    floor(lm, prompt, 3, 5, seed=1)
+    monkeypatch.undo()
+
+    def plain(ids):
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids], device=model.device)).logits
+            return logits[0, -1].float().cpu()
+
+    assert len(steps) == 5 and steps[0][0].tolist() == [prompt]
+    assert (steps[0][1][0] - plain(prompt)).abs().max() <= 1e-4
+    contexts = [prompt] * 3
+    for ids, logits in steps[1:]:  # one batched step per token, one row per particle
+        contexts = [ctx + [token] for ctx, token in zip(contexts, ids[:, 0].tolist(), strict=True)]
+        for ctx, row in zip(contexts, logits, strict=True):
+            assert (row - plain(ctx)).abs().max() <= 1e-4
+    assert len({tuple(ctx) for ctx in contexts}) > 1  # the particles sampled apart
