@@ -61,6 +61,9 @@ setup_main() {
 # rather than into .venv: pip never resolves their requirement on PyPI's genlm-backend, .venv
 # holds no distribution that declares it, and nothing else can import them by accident.
 setup_clients() {
+    if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        log "warning: the client libraries need Python >= 3.11; .clients not installed"; return
+    fi
     local stamp
     if stamp=$(stamp_is_fresh .clients clients scripts/client-requirements.txt \
         scripts/setup.sh .venv/pyvenv.cfg); then

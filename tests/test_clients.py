@@ -161,6 +161,43 @@ async def test_prompted_llm_forwards_under_its_lora_adapter(smollm2_tokenizer):
     assert_close(batch.weights[1], got_adapted.weights)
 
 
+# peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+async def test_prompted_llm_forwards_under_a_peft_adapter_on_hf(
+    default_model_dir, smollm2_tokenizer, tmp_path
+):
+    """Base and adapter rows in one batch, each against peft's own forward with the adapter
+    enabled or disabled."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    adapted = peft.get_peft_model(model, config).eval()
+    adapted.save_pretrained(tmp_path / "lora")
+    ids = smollm2_tokenizer.encode(PROMPT) + smollm2_tokenizer.encode(CONTEXT)
+    with torch.inference_mode():
+        with_lora = adapted(input_ids=torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+        with adapted.disable_adapter():
+            base = adapted(input_ids=torch.tensor([ids])).logits[0, -1].log_softmax(-1)
+
+    lm = AsyncTransformer(adapted.unload(), smollm2_tokenizer)  # the base model, LoRA removed
+    lm.add_new_lora(tmp_path / "lora", lora_name="mine")
+    base_llm, lora_llm = prompted(lm), prompted(lm, lora_name="mine")
+    context = base_llm.tokenize(CONTEXT)
+    assert base_llm.prompt_ids + token_ids(context) == ids
+    got_base, got_lora = await asyncio.gather(
+        base_llm.logw_next(context), lora_llm.logw_next(context)
+    )
+    assert (got_base.weights - got_lora.weights).abs().max().item() > 1e-2
+    assert_close(got_base.weights, expected_weights(base_llm, base))
+    assert_close(got_lora.weights, expected_weights(lora_llm, with_lora))
+
+
 async def test_prompted_llm_with_an_unknown_adapter_gets_our_error(smollm2_tokenizer):
     lm = MockAsyncLM(smollm2_tokenizer)
     with pytest.raises(ValueError, match="'missing'.*add_new_lora"):
