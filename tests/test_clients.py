@@ -10,6 +10,7 @@ mock's synchronous (unbatched) path for the mock.
 
 import asyncio
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +27,14 @@ if CLIENTS_DIR.is_dir() and str(CLIENTS_DIR) not in sys.path:
     sys.path.append(str(CLIENTS_DIR))
 try:
     from genlm.bytes import BeamParams, ByteBeamState
-    from genlm.control import EOS, SMC, PromptedLLM, direct_token_sampler
+    from genlm.control import (
+        EOS,
+        SMC,
+        BoolFSA,
+        PromptedLLM,
+        direct_token_sampler,
+        eager_token_sampler,
+    )
 except ImportError as error:
     reason = f"genlm-control / genlm-bytes not importable ({error}): run scripts/setup.sh"
     if os.environ.get("GENLM_REQUIRE_CLIENTS"):
@@ -161,6 +169,22 @@ async def test_prompted_llm_forwards_under_its_lora_adapter(smollm2_tokenizer):
     assert_close(batch.weights[1], got_adapted.weights)
 
 
+@pytest.mark.filterwarnings("ignore:Common vocabulary:RuntimeWarning")  # the regex's few tokens
+async def test_eager_smc_under_a_regex_runs_on_our_character_trie(smollm2_tokenizer):
+    """genlm-control's set samplers walk our ParallelTokenCharacterTrie over its vocabulary
+    plus an EOS object: every finished particle must spell a match of the constraint."""
+    pattern = r" 1[0-9][0-9][0-9]"
+    llm = prompted(MockAsyncLM(smollm2_tokenizer))
+    smc = SMC(eager_token_sampler(llm, BoolFSA.from_regex(pattern)))
+    try:
+        sequences = await smc(n_particles=3, ess_threshold=0.5, max_tokens=6)
+    finally:
+        await smc.cleanup()
+    for context, log_weight in zip(sequences.contexts, sequences.log_weights, strict=True):
+        assert context[-1] is EOS and np.isfinite(log_weight)
+        assert re.fullmatch(pattern.encode(), b"".join(context[:-1]))
+
+
 # peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -211,6 +235,8 @@ def byte_mass(probs, byte_vocab, partial):
     return probs[torch.tensor(mask)].sum().item()
 
 
+# genlm-bytes builds its sparse trie matrices without torch's invariant checks
+@pytest.mark.filterwarnings("ignore:Sparse:UserWarning")
 async def test_byte_beam_matches_reference(lm):
     """The first byte's distribution sums the next-token probabilities by first byte; after a
     prefill, each candidate's weight is log P(its committed tokens) + log P(a next token whose
