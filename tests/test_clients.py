@@ -185,8 +185,8 @@ async def test_eager_smc_under_a_regex_runs_on_our_character_trie(smollm2_tokeni
         assert re.fullmatch(pattern.encode(), b"".join(context[:-1]))
 
 
-# peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
 @pytest.mark.slow
+# peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 async def test_prompted_llm_forwards_under_a_peft_adapter_on_hf(
     default_model_dir, smollm2_tokenizer, tmp_path
