@@ -36,14 +36,21 @@ def load_model_by_name(
         llm_opts: keyword arguments for the backend's ``from_name``.
 
     Raises:
-        ValueError: for an unknown backend (the message lists the valid ones).
+        ValueError: for an unknown backend (the message lists the valid ones), or a
+            local path that does not exist or holds no model (see `check_model_name`).
+        TypeError: ``name`` is not a str (or path), ``llm_opts`` not a dict.
         ImportError: when the backend's optional package is missing (names the pip extra).
     """
-    backend = default_backend() if backend is None else backend
-    if backend not in BACKENDS:
+    from genlm.backend.models import check_model_name
+
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(
             f"Unknown backend {backend!r}; valid backends are: {', '.join(sorted(BACKENDS))}"
         )
+    if llm_opts is not None and not isinstance(llm_opts, dict):
+        raise TypeError(f"llm_opts must be a dict or None, got {type(llm_opts).__name__}")
+    name = check_model_name(name)
+    backend = default_backend() if backend is None else backend
     module_name, class_name = BACKENDS[backend]
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls.from_name(name, **(llm_opts or {}))
