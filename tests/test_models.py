@@ -72,13 +72,18 @@ def default_target(tmp_path):
 
 
 def test_gguf_from_pretrained_args_splits_gguf_path(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "m.Q4_1.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     path, extra = models.gguf_from_pretrained_args(str(tmp_path / "sub" / "m.Q4_1.gguf"))
     assert path == str(tmp_path / "sub")
     assert extra == {"gguf_file": "m.Q4_1.gguf"}
 
 
-@pytest.mark.parametrize("model_id", ["gpt2", "HuggingFaceTB/SmolLM2-135M", "/some/local/dir"])
-def test_gguf_from_pretrained_args_passes_other_ids_through(model_id):
+@pytest.mark.parametrize("model_id", ["gpt2", "HuggingFaceTB/SmolLM2-135M", "local dir"])
+def test_gguf_from_pretrained_args_passes_other_ids_through(model_id, tmp_path):
+    if model_id == "local dir":
+        (tmp_path / "config.json").write_text("{}")
+        model_id = str(tmp_path)
     assert models.gguf_from_pretrained_args(model_id) == (model_id, {})
 
 

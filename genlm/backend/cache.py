@@ -16,6 +16,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from genlm.backend.batching import check_int
+
 
 class OutputCache:
     """LRU map from token-id tuples to tensors, holding at most ``maxsize`` entries.
@@ -25,8 +27,9 @@ class OutputCache:
     """
 
     def __init__(self, maxsize: int, move_to_cpu: bool = False):
-        if maxsize < 0:
-            raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+        check_int("maxsize", maxsize, minimum=0)
+        if not isinstance(move_to_cpu, bool):
+            raise TypeError(f"move_to_cpu must be a bool, got {type(move_to_cpu).__name__}")
         self.maxsize = maxsize
         self.move_to_cpu = move_to_cpu
         self._data: OrderedDict[Hashable, tuple[Any, Any]] = OrderedDict()

@@ -43,7 +43,7 @@ def load_model_by_name(
     """
     from genlm.backend.models import check_model_name
 
-    if backend is not None and backend not in BACKENDS:
+    if backend is not None and (not isinstance(backend, str) or backend not in BACKENDS):
         raise ValueError(
             f"Unknown backend {backend!r}; valid backends are: {', '.join(sorted(BACKENDS))}"
         )
