@@ -103,8 +103,8 @@ def check_model_name(name: Any) -> str:
         with open(path, "rb") as f:
             if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
                 raise ValueError(
-                    f"{name!r} is not a GGUF file (it does not start with {GGUF_MAGIC!r}): "
-                    "is it corrupt or not a model?"
+                    f"{name!r} is not a GGUF file (it does not start with {GGUF_MAGIC!r}; "
+                    f"corrupt, or not a model?): {EXPECTED_MODEL}"
                 )
     elif path.is_dir():
         if not any((path / f).is_file() for f in _MODEL_DIR_FILES):
