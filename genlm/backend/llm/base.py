@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from genlm.backend.batching import AutoBatcher
+from genlm.backend.batching import AutoBatcher, BatchResults
 from genlm.backend.tokenization import decode_vocab
 
 
@@ -377,10 +377,10 @@ class BatchedAsyncLM(AsyncLM):
     race a batch).
     """
 
-    batcher: AutoBatcher
+    batcher: AutoBatcher[Any, Any]  # keys: `Query` (vLLM adds its own sampling requests)
 
     @abstractmethod
-    def _process_batch(self, keys: list[Query]) -> Sequence[Any]:
+    def _process_batch(self, keys: list[Query]) -> BatchResults[Any]:
         """The answers for distinct ``keys``, in order, for one batch."""
 
     async def next_token_logprobs(
