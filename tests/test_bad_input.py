@@ -372,6 +372,18 @@ def test_loader_rejects_unknown_backends_and_bad_options(bad_paths):
         load_model_by_name("gpt2", backend="mock", llm_opts=[("batch_size", 2)])
 
 
+@pytest.mark.parametrize("backend", ["vllm", "sgl", "mock", "mlx"])
+def test_options_a_backend_does_not_take_fail_before_anything_starts(default_model_dir, backend):
+    # vllm and sglang are not installed here: the TypeError comes before their import
+    with pytest.raises(TypeError, match=r"does not take the option\(s\) \['hf_opts'\]"):
+        load_model_by_name(default_model_dir, backend=backend, llm_opts={"hf_opts": {}})
+
+
+def test_backend_options_are_still_passed_through(default_model_dir):
+    with load_model_by_name(default_model_dir, backend="mock", llm_opts={"batch_size": 3}) as lm:
+        assert lm.batcher.batch_size == 3
+
+
 # -- Token ----------------------------------------------------------------------------------
 
 
