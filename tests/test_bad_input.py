@@ -168,13 +168,13 @@ def test_a_second_running_event_loop_gets_a_clear_error_not_a_hang(smollm2_token
 
     def slow(keys):
         started.set()
-        time.sleep(1.0)
+        time.sleep(2.0)
         return process(keys)
 
     lm.batcher.process_batch = slow
 
     async def many():
-        return await lm.batch_next_token_logprobs([[1], [2], [3], [4], [5], [6]])
+        return await lm.batch_next_token_logprobs([[1], [2], [3], [4]])
 
     first = threading.Thread(target=lambda: results.append(asyncio.run(many())), daemon=True)
     results = []
@@ -184,10 +184,10 @@ def test_a_second_running_event_loop_gets_a_clear_error_not_a_hang(smollm2_token
     kind, error = run_in_thread(lambda: asyncio.run(lm.next_token_logprobs([7])), timeout=10)
     assert kind == "error" and isinstance(error, RuntimeError), error
     assert "another running event loop" in str(error)
-    assert time.perf_counter() - t0 < 0.5  # raised at once, not after the first loop's work
+    assert time.perf_counter() - t0 < 1.0  # raised at once, not after the first loop's batch
     first.join(20)
     assert not first.is_alive()
-    expected = torch.stack([lm.next_token_logprobs_sync([i]) for i in range(1, 7)])
+    expected = torch.stack([lm.next_token_logprobs_sync([i]) for i in range(1, 5)])
     torch.testing.assert_close(results[0], expected)
     lm.close()
 
