@@ -79,6 +79,11 @@ def test_gguf_from_pretrained_args_splits_gguf_path(tmp_path):
     assert extra == {"gguf_file": "m.Q4_1.gguf"}
 
 
+def test_gguf_from_pretrained_args_keeps_hub_gguf_files():
+    path, extra = models.gguf_from_pretrained_args("org/repo/model.Q4.gguf")
+    assert (path, extra) == ("org/repo", {"gguf_file": "model.Q4.gguf"})
+
+
 @pytest.mark.parametrize("model_id", ["gpt2", "HuggingFaceTB/SmolLM2-135M", "local dir"])
 def test_gguf_from_pretrained_args_passes_other_ids_through(model_id, tmp_path):
     if model_id == "local dir":

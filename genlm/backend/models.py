@@ -80,6 +80,7 @@ EXPECTED_MODEL = (
     "expected a hub id ('org/name'), a local model directory with config.json, or a .gguf file"
 )
 GGUF_MAGIC = b"GGUF"
+_MODEL_DIR_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def check_model_name(name: Any) -> str:
@@ -88,7 +89,8 @@ def check_model_name(name: Any) -> str:
     Raises `TypeError` unless it is a str or path, and `ValueError` (naming the path and
     what was expected) for a local path that does not exist, a directory without
     config.json or tokenizer files, another file that is not a .gguf, or a .gguf file that
-    does not start with the GGUF magic bytes. Other names are hub ids, left to the hub.
+    does not start with the GGUF magic bytes. Other names are hub ids (``org/name``, or
+    ``org/name/file.gguf`` for a GGUF file in a hub repository), left to the hub.
     """
     if isinstance(name, os.PathLike):
         name = os.fspath(name)
@@ -99,6 +101,8 @@ def check_model_name(name: Any) -> str:
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
+            if name.count("/") == 2 and not name.startswith((".", "~", "/")):
+                return name  # org/name/file.gguf: a file in a hub repository
             raise ValueError(f"GGUF file {name!r} does not exist: {EXPECTED_MODEL}")
         with open(path, "rb") as f:
             if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
@@ -116,9 +120,6 @@ def check_model_name(name: Any) -> str:
     elif _looks_like_path(name):
         raise ValueError(f"no such file or directory: {name!r}; {EXPECTED_MODEL}")
     return name
-
-
-_MODEL_DIR_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def _looks_like_path(name: str) -> bool:
