@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run every check: lint, the main test suite, the vLLM suite (in its own
+# Set up, then run every check: lint, types, the main test suite, the vLLM suite (in its own
 # venv) and the strict docs build. Fails on the first failing step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,9 @@ bash scripts/setup.sh --vllm
 step "ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+
+step "mypy (genlm/backend)"
+.venv/bin/mypy
 
 step "main test suite (.venv)"
 .venv/bin/pytest -q -p no:cacheprovider --durations=15 tests

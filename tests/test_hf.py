@@ -405,6 +405,7 @@ def test_from_name_options(default_model_dir, hf_model, smollm2_tokenizer, monke
 
     # a .gguf file: its directory plus gguf_file; the tokenizer comes from the file itself
     gguf = str(tmp_path / "model.Q4.gguf")
+    (tmp_path / "model.Q4.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # must exist: checked first
     AsyncTransformer.from_name(gguf)
     assert calls[-1][0] == str(tmp_path)
     assert calls[-1][1]["gguf_file"] == "model.Q4.gguf"

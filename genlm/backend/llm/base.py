@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence, Set
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from genlm.backend.batching import AutoBatcher
+from genlm.backend.batching import AutoBatcher, BatchResults
 from genlm.backend.tokenization import decode_vocab
 
 
@@ -46,6 +47,12 @@ class AsyncLM(ABC):
     """
 
     def __init__(self, tokenizer: Any):
+        if tokenizer is None or isinstance(tokenizer, str | bytes | os.PathLike):
+            raise TypeError(
+                f"tokenizer must be a Hugging Face tokenizer object, got "
+                f"{type(tokenizer).__name__}: {tokenizer!r} (to load a model or tokenizer by "
+                f"name, use {type(self).__name__}.from_name or load_model_by_name)"
+            )
         self.tokenizer = tokenizer
         self.byte_vocab, self.str_vocab = decode_vocab(tokenizer)
         self.lora_paths: dict[str, str] = {}
@@ -370,10 +377,10 @@ class BatchedAsyncLM(AsyncLM):
     race a batch).
     """
 
-    batcher: AutoBatcher
+    batcher: AutoBatcher[Any, Any]  # keys: `Query` (vLLM adds its own sampling requests)
 
     @abstractmethod
-    def _process_batch(self, keys: list[Query]) -> Sequence[Any]:
+    def _process_batch(self, keys: list[Query]) -> BatchResults[Any]:
         """The answers for distinct ``keys``, in order, for one batch."""
 
     async def next_token_logprobs(
@@ -437,13 +444,14 @@ class MockAsyncLM(BatchedAsyncLM):
     NUM_TABLES = 8
 
     def __init__(self, tokenizer: Any, batch_size: int = 64, timeout: float | None = 0.02):
+        # the batcher checks batch_size and timeout: before the vocabulary is decoded
+        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-mock")
         super().__init__(tokenizer)
         rng = np.random.default_rng(0)
         logits = torch.from_numpy(rng.standard_normal((self.NUM_TABLES, self.vocab_size)) * 3)
         tables = torch.log_softmax(logits.float(), dim=-1)
         # Each table twice in a row: any cyclic shift of it is a contiguous slice.
         self._tables = torch.cat([tables, tables], dim=1)
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-mock")
 
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:

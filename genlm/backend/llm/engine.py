@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from genlm.backend.batching import AutoBatcher
+from genlm.backend.batching import AutoBatcher, check_int
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import BatchedAsyncLM, Query
 
@@ -42,9 +42,13 @@ class EngineLM(BatchedAsyncLM):
         timeout: float | None,
         name: str,
     ):
-        super().__init__(tokenizer)
+        # every argument is checked before the vocabulary is decoded
+        check_int("cache_size", cache_size, minimum=0)
+        if cache_opts is not None and not isinstance(cache_opts, dict):
+            raise TypeError(f"cache_opts must be a dict or None, got {type(cache_opts).__name__}")
         self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name=name)
+        super().__init__(tokenizer)
 
     def _shutdown_engine(self) -> None:
         """Stop the engine and free its memory (called once, by `close`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from genlm.backend.llm.base import AsyncLM
@@ -36,14 +37,44 @@ def load_model_by_name(
         llm_opts: keyword arguments for the backend's ``from_name``.
 
     Raises:
-        ValueError: for an unknown backend (the message lists the valid ones).
+        ValueError: for an unknown backend (the message lists the valid ones), or a
+            local path that does not exist or holds no model (see `check_model_name`).
+        TypeError: ``name`` is not a str (or path), ``llm_opts`` not a dict or holding an
+            option the backend does not take (checked before any engine starts: e.g.
+            ``hf_opts`` for vllm).
         ImportError: when the backend's optional package is missing (names the pip extra).
     """
-    backend = default_backend() if backend is None else backend
-    if backend not in BACKENDS:
+    from genlm.backend.models import check_model_name
+
+    if backend is not None and (not isinstance(backend, str) or backend not in BACKENDS):
         raise ValueError(
             f"Unknown backend {backend!r}; valid backends are: {', '.join(sorted(BACKENDS))}"
         )
+    if llm_opts is not None and not isinstance(llm_opts, dict):
+        raise TypeError(f"llm_opts must be a dict or None, got {type(llm_opts).__name__}")
+    name = check_model_name(name)
+    backend = default_backend() if backend is None else backend
     module_name, class_name = BACKENDS[backend]
     cls = getattr(importlib.import_module(module_name), class_name)
+    check_options(cls, llm_opts or {})
     return cls.from_name(name, **(llm_opts or {}))
+
+
+def check_options(cls: Any, llm_opts: dict[str, Any]) -> None:
+    """Raise `TypeError` for an option neither ``cls.from_name`` nor the constructor (to
+    which ``from_name`` passes its ``**kwargs``) takes, naming the ones they do take.
+
+    The constructor's required arguments (the model objects) are not options.
+    """
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    from_name = list(inspect.signature(cls.from_name).parameters.values())[1:]  # after the name
+    init = list(inspect.signature(cls.__init__).parameters.values())[1:]  # after self
+    accepted = {p.name for p in from_name if p.kind in named} | {
+        p.name for p in init if p.kind in named and p.default is not p.empty
+    }
+    unknown = sorted(set(llm_opts) - accepted)
+    if unknown:
+        raise TypeError(
+            f"{cls.__name__} does not take the option(s) {unknown} in llm_opts; "
+            f"it takes: {sorted(accepted)}"
+        )

@@ -16,6 +16,7 @@ import torch
 
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.protocols import SGLEngine
 
 SGL_INSTALL_HINT = "pip install 'genlm-backend[sgl]'"
 
@@ -32,7 +33,7 @@ def import_sglang() -> Any:
     return sglang
 
 
-def engine_tokenizer(sgl_model: Any) -> Any:
+def engine_tokenizer(sgl_model: SGLEngine) -> Any:
     """The Hugging Face tokenizer an SGLang ``Engine`` loaded (it has no public getter)."""
     return sgl_model.tokenizer_manager.tokenizer
 
@@ -65,7 +66,7 @@ class AsyncSGLTransformer(EngineLM):
 
     def __init__(
         self,
-        sgl_model: Any,
+        sgl_model: SGLEngine,
         cache_size: int = 0,
         cache_opts: dict[str, Any] | None = None,
         batch_size: int = 20,

@@ -167,7 +167,7 @@ def _from_backend_decoder(tokenizer: Any) -> list[bytes] | None:
     steps = _flatten(json.loads(backend.decoder.__getstate__()))
     added = {i: t.content.encode() for i, t in backend.get_added_tokens_decoder().items()}
     n = _vocab_size(tokenizer, added)
-    pieces: list[str | bytes | None] = _backend_token_strings(backend, n)
+    pieces: list[str | bytes | None] = list(_backend_token_strings(backend, n))
     for i, content in added.items():
         pieces[i] = content
     fused = False
@@ -181,7 +181,7 @@ def _from_backend_decoder(tokenizer: Any) -> list[bytes] | None:
             pieces = _STEPS[kind](pieces, step)
         else:
             raise ByteVocabError(f"unsupported decoder step {kind!r}")
-    return [p if type(p) is bytes else b"" if p is None else p.encode() for p in pieces]
+    return [p if isinstance(p, bytes) else b"" if p is None else p.encode() for p in pieces]
 
 
 def _backend_token_strings(backend: Any, n: int) -> list[str | None]:

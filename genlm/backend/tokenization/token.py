@@ -3,10 +3,13 @@
 A `Token` *is* its bytes (``len``, indexing, slicing, iteration, ``b"".join``,
 ``.decode()`` all behave as on ``bytes``) but two tokens compare, hash and sort
 by ``token_id``, so distinct vocabulary entries with equal bytes stay distinct.
+Tokens are immutable (like ``bytes``): ``token_id`` cannot be reassigned, since a
+token's hash, and so its place in every dict and set holding it, depends on it.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 
@@ -16,15 +19,25 @@ class Token(bytes):
     token_id: int
 
     def __new__(cls, token_id: int, byte_string: bytes) -> Token:
-        if isinstance(token_id, bool) or not isinstance(token_id, int):
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
             raise TypeError(f"token_id must be an int, got {type(token_id).__name__}: {token_id!r}")
+        if token_id < 0:
+            raise ValueError(f"token_id must be >= 0, got {token_id}")
         if not isinstance(byte_string, (bytes, bytearray)):
             raise TypeError(
                 f"byte_string must be bytes, got {type(byte_string).__name__}: {byte_string!r}"
             )
         token = super().__new__(cls, byte_string)
-        token.token_id = int(token_id)
+        token.__dict__["token_id"] = int(token_id)
         return token
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"Token is immutable: cannot set {name!r}; build a new Token(token_id, byte_string)"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Token is immutable: cannot delete {name!r}")
 
     @property
     def byte_string(self) -> bytes:
@@ -79,7 +92,7 @@ class Token(bytes):
         return (Token, (self.token_id, bytes(self)))
 
     def __deepcopy__(self, memo: dict) -> Token:
-        return self
+        return Token(self.token_id, bytes(self))
 
     def __copy__(self) -> Token:
         return self

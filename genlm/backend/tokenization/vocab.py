@@ -71,5 +71,5 @@ def _as_tokens(byte_strings: list[bytes]) -> list[Token]:
     """
     tokens = list(map(bytes.__new__, repeat(Token), byte_strings))
     for token_id, token in enumerate(tokens):
-        token.token_id = token_id
+        token.__dict__["token_id"] = token_id  # Token.__setattr__ refuses: it is immutable
     return tokens

@@ -4,6 +4,10 @@ Each particle of an SMC run awaits its own prefix weights; the shared
 `genlm.backend.batching.AutoBatcher` gathers the concurrent requests into one
 ``batch_weight_sum`` (or ``batch_weight_max``) call that runs on a worker thread,
 so the event loop keeps scheduling particles meanwhile.
+
+Lifecycle: `cleanup` / `shutdown` stop the worker threads (they restart if the trie
+is used again); `close` (also run by ``with`` / ``async with``) stops them for good,
+after which calls raise `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.trie.base import TokenCharacterTrie, check_weights_shape
+from genlm.backend.trie.base import TokenCharacterTrie, as_weights, check_weights_shape
 
 _BACKENDS = ("sequential", "parallel")
 
@@ -65,7 +69,14 @@ class AsyncTokenCharacterTrie:
     """
 
     def __init__(self, trie: TokenCharacterTrie, batch_size: int = 64, timeout: float = 0.02):
+        if not isinstance(trie, TokenCharacterTrie):
+            raise TypeError(
+                f"trie must be a TokenCharacterTrie or ParallelTokenCharacterTrie, got "
+                f"{type(trie).__name__} (to build one from a vocabulary: "
+                "AsyncTokenCharacterTrie.from_vocab(vocab))"
+            )
         self.trie = trie
+        self._closed = False
         self._batchers = {
             name: AutoBatcher(
                 self._batch_function(name), batch_size, timeout, name=f"genlm-trie-{name}"
@@ -110,13 +121,15 @@ class AsyncTokenCharacterTrie:
         return await self._submit("max", ws)
 
     async def _submit(self, name: str, ws: Any) -> np.ndarray:
+        self._check_open()
         # Bad input fails its own caller here, not the whole batch it would have joined.
-        shape = tuple(ws.shape) if hasattr(ws, "shape") else np.shape(ws)
-        check_weights_shape(shape, len(self.trie.decode), batched=False)
+        ws = as_weights(ws)
+        check_weights_shape(tuple(ws.shape), len(self.trie.decode), batched=False)
         return await self._batchers[name].submit(_Request(ws))
 
     def start(self) -> None:
         """Start the worker threads now rather than on the first request."""
+        self._check_open()
         for batcher in self._batchers.values():
             batcher.run_sync(lambda: None)
 
@@ -129,7 +142,31 @@ class AsyncTokenCharacterTrie:
         for batcher in self._batchers.values():
             batcher.close()
 
+    def close(self) -> None:
+        """Stop the worker threads for good (idempotent); later calls raise `RuntimeError`."""
+        self._closed = True
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "AsyncTokenCharacterTrie used after close(): create a new one (cleanup() and "
+                "shutdown() only pause it)"
+            )
+
+    def __enter__(self) -> AsyncTokenCharacterTrie:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsyncTokenCharacterTrie:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await asyncio.to_thread(self.close)
+
     @property
     def batch_sizes(self) -> list[int]:
-        """Sizes of the batches run so far (sums and maxima), for monitoring."""
-        return self._batchers["sum"].batch_sizes + self._batchers["max"].batch_sizes
+        """Sizes of the latest batches (sums, then maxima; bounded), for monitoring."""
+        return [*self._batchers["sum"].batch_sizes, *self._batchers["max"].batch_sizes]

@@ -314,16 +314,47 @@ def check_weights_shape(shape: tuple[int, ...], vocab_size: int, batched: bool) 
         )
 
 
+def as_weights(ws: Any) -> Any:
+    """``ws`` as a real-valued numpy array or torch tensor, checked before any work.
+
+    Tensors are returned as they are and anything else as ``np.asarray(ws)``; numbers of
+    any width (bool, int, float) pass. Raises `TypeError` for complex, string, object
+    (e.g. ``None``) weights, which a conversion to float would silently turn into NaN
+    or truncate, and `ValueError` for a meta tensor (it has no values) or a ragged list.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(ws, torch.Tensor):
+        if ws.is_meta:
+            raise ValueError("weights are a meta tensor, which has no values: pass real data")
+        integer = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+        if not (ws.dtype.is_floating_point or ws.dtype in integer):
+            raise TypeError(f"weights must be real numbers (bool, int or float), got {ws.dtype}")
+        return ws
+    try:
+        array = np.asarray(ws)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"weights must be a numeric vector (numpy array, torch tensor or list of numbers), "
+            f"got a {type(ws).__name__} that is not one: {error}"
+        ) from None
+    if array.dtype.kind not in "biuf":
+        raise TypeError(
+            f"weights must be real numbers (bool, int or float), got dtype {array.dtype}"
+            + (" (None or other objects among them?)" if array.dtype.kind == "O" else "")
+        )
+    return array
+
+
 def _as_numpy(ws: Any) -> np.ndarray:
     """A float32 or float64 numpy view (or copy) of a numpy array, torch tensor (any
-    device) or sequence; float32/float64 CPU inputs are not copied."""
+    device) or sequence (checked by `as_weights`); float32/float64 CPU inputs are not copied."""
+    ws = as_weights(ws)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(ws, torch.Tensor):
         ws = ws.detach()
         if ws.dtype not in (torch.float32, torch.float64):
             ws = ws.to(torch.float64)
         return ws.cpu().numpy()
-    ws = np.asarray(ws)
     return ws if ws.dtype in (np.float32, np.float64) else ws.astype(np.float64)
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from genlm.backend.trie.base import TokenCharacterTrie, check_weights_shape
+from genlm.backend.trie.base import TokenCharacterTrie, as_weights, check_weights_shape
 
 if TYPE_CHECKING:
     import torch
@@ -99,8 +99,9 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
             if not rows:
                 return torch.empty((0, len(self.decode)), device=self.device)
             return torch.stack(rows)
+        ws = as_weights(ws)
         if not isinstance(ws, torch.Tensor):
-            ws = torch.from_numpy(np.asarray(ws, dtype=np.float32))
+            ws = torch.from_numpy(ws.astype(np.float32, copy=False))
         check_weights_shape(tuple(ws.shape), len(self.decode), batched)
         ws = ws.detach().to(device=self.device, dtype=torch.float32)
         ws = ws if batched else ws[None]
