@@ -143,7 +143,7 @@ class AsyncMlxLM(BatchedAsyncLM):
         _import_mlx()
         import mlx_lm
 
-        model, tokenizer = mlx_lm.load(model_name)
+        model, tokenizer = mlx_lm.load(model_name)[:2]
         return cls(model, tokenizer, **kwargs)
 
     @property
@@ -256,8 +256,9 @@ class AsyncMlxLM(BatchedAsyncLM):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _process_batch(self, queries: list[Query]) -> list[torch.Tensor]:
-        """Answer distinct queries from their adapter's cache or batched forward passes."""
+    def _process_batch(self, queries: list[Query]) -> list[torch.Tensor | None]:
+        """Answer distinct queries from their adapter's cache or batched forward passes
+        (every entry is filled)."""
         for lora in {query.lora for query in queries}:
             self._model(lora)  # an adapter removed while its requests waited: fail first
         results: list[torch.Tensor | None] = [None] * len(queries)
