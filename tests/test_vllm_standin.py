@@ -539,3 +539,13 @@ def test_module_imports_without_vllm_and_from_name_names_the_extra():
 def test_from_name_rejects_an_unknown_capture():
     with pytest.raises(ValueError, match="processor"):
         AsyncVirtualLM.from_name("m", capture="telepathy")
+
+
+async def test_a_context_asked_again_replaces_its_paused_session(lm, engine):
+    await step(lm, engine, [[1, 2]])
+    assert await step(lm, engine, [[1, 2]]) == ["open"]  # the same position again
+    for _ in range(500):  # the replaced session closes in the background
+        if len(engine.open_sessions) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert len(engine.open_sessions) == 1

@@ -224,6 +224,9 @@ class SessionPool:
                 self._close_later(session)
             raise error
         for session in live:
+            stale = self.sessions.pop((session.context, session.lora), None)
+            if stale is not None:  # a paused session of the same context: one is enough
+                self._close_later(stale)
             self.sessions[(session.context, session.lora)] = session
         return results
 
