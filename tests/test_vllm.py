@@ -298,11 +298,15 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
 def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
     import numpy as np
 
-    from genlm.backend.llm.vllm_capture import write_row
+    from genlm.backend.llm.vllm_capture import RowFiles, write_row
 
     path = tmp_path / "rows.f32"
     np.zeros(2 * 3, dtype=np.float32).tofile(path)
-    write_row((str(path), 1, 3), torch.tensor([1.0, 2.0]))
-    write_row((str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    files = RowFiles()
+    write_row(files, (str(path), 1, 3), torch.tensor([1.0, 2.0]))
+    write_row(files, (str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert list(files.maps) == [str(path)]  # mapped once, for both rows
     rows = np.fromfile(path, dtype=np.float32).reshape(2, 3)
     assert rows.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, float("-inf")]]
+    files.keep_only(set())
+    assert files.maps == {}
