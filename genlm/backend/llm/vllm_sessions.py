@@ -1,0 +1,283 @@
+"""Particles that live in the vLLM engine: streaming-input sessions over ``AsyncLLM``.
+
+vLLM's v1 engine can keep a request open between inputs (``AsyncLLM.generate`` fed by
+an async generator of ``StreamingInput`` chunks): each chunk appends prompt tokens to
+the same request, whose KV blocks stay in place, and the token the engine sampled for
+the previous chunk is dropped without being computed. A particle that asks for the
+next-token distribution after its context plus one token is therefore one more chunk
+of one token: no new request, no re-hash of the prefix, no recompute of its last block.
+
+`SessionPool` maps each live session to its context (and adapter) and runs one step of
+requests at a time:
+
+- a request equal to a live session's context plus one token continues that session
+  (at most one request per session per step: the others, forks after resampling, open
+  new sessions, which hit vLLM's prefix cache on the full blocks);
+- sessions (running or paused) hold at most ``max_num_seqs - 1`` request slots and half
+  of the engine's KV blocks; a session that a step does not extend stays paused only
+  while that budget allows: when a new session needs room, paused sessions are closed,
+  least recently used first (their full blocks stay in vLLM's prefix cache). So paused
+  sessions never crowd out the requests that run, and a particle whose batch comes
+  round again (``batch_size`` smaller than the number of particles) finds its session;
+- a request that does not fit even after closing every paused session runs as an
+  ordinary one-shot request; one slot is always left for these, so they cannot
+  deadlock against paused sessions.
+
+`EngineLoop` runs the engine's asyncio loop on its own thread (``AsyncLLM`` binds its
+output handler to one loop); callers in other threads submit coroutines to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class EngineLoop:
+    """An asyncio event loop on a daemon thread, shared by every wrapper of one engine,
+    with the engine's one `SessionPool` (``pool``, set by the first wrapper)."""
+
+    def __init__(self, name: str = "genlm-vllm-engine"):
+        self.pool: SessionPool | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Awaitable[Any]) -> Any:
+        """Run ``coroutine`` on the loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        """Stop the loop and its thread (idempotent)."""
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+_ENGINE_LOOPS: weakref.WeakKeyDictionary[Any, EngineLoop] = weakref.WeakKeyDictionary()
+_ENGINE_LOOPS_LOCK = threading.Lock()
+
+
+def engine_loop(engine: Any) -> EngineLoop:
+    """The one `EngineLoop` that drives ``engine`` (created on first use)."""
+    with _ENGINE_LOOPS_LOCK:
+        loop = _ENGINE_LOOPS.get(engine)
+        if loop is None or loop.loop.is_closed():
+            loop = _ENGINE_LOOPS[engine] = EngineLoop()
+        return loop
+
+
+def close_engine_loop(engine: Any) -> None:
+    """Stop the loop that drives ``engine``, if there is one."""
+    with _ENGINE_LOOPS_LOCK:
+        loop = _ENGINE_LOOPS.pop(engine, None)
+    if loop is not None:
+        loop.close()
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What bounds the live sessions: the engine's request slots and KV blocks."""
+
+    max_num_seqs: int | None = None
+    num_blocks: int | None = None
+    block_size: int = 16
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineLimits:
+        """Read the limits from an engine's ``vllm_config`` (no limits if it has none)."""
+        config = getattr(engine, "vllm_config", None)
+        if config is None:
+            return cls()
+        cache = config.cache_config
+        return cls(
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            num_blocks=getattr(cache, "num_gpu_blocks", None),
+            block_size=cache.block_size or 16,
+        )
+
+    def blocks(self, num_tokens: int) -> int:
+        """KV blocks a request of ``num_tokens`` tokens (plus its sampled one) holds."""
+        return num_tokens // self.block_size + 1
+
+
+@dataclass
+class StepRequest:
+    """One request of a step: a context, its adapter, and its sampling parameters."""
+
+    token_ids: tuple[int, ...]
+    lora: str | None
+    lora_request: Any
+    params: Any
+
+
+class Session:
+    """One streaming-input request: its context grows by one chunk per step."""
+
+    def __init__(self, engine: Any, request_id: str, request: StepRequest, make_chunk: Callable):
+        self.context = request.token_ids
+        self.lora = request.lora
+        self._make_chunk = make_chunk
+        self._inputs: asyncio.Queue = asyncio.Queue()
+        self._inputs.put_nowait(make_chunk(request.token_ids, request.params))
+        self._outputs = engine.generate(
+            self._chunks(), request.params, request_id, lora_request=request.lora_request
+        )
+
+    async def _chunks(self) -> Any:
+        while (chunk := await self._inputs.get()) is not None:
+            yield chunk
+
+    async def next_output(self) -> Any:
+        """The engine's output for the chunk sent last."""
+        return await anext(self._outputs)
+
+    def extend(self, request: StepRequest) -> None:
+        """Send the request's last token as the next chunk."""
+        self._inputs.put_nowait(self._make_chunk(request.token_ids[-1:], request.params))
+        self.context = request.token_ids
+
+    async def close(self) -> None:
+        """End the input stream (the engine frees the request) and drain its outputs."""
+        self._inputs.put_nowait(None)
+        try:
+            async for _ in self._outputs:
+                pass
+        except Exception:  # noqa: BLE001 (an engine shutting down; nothing to deliver)
+            pass
+
+
+class SessionPool:
+    """The live sessions of one engine (shared by its wrappers, so the budget is the
+    engine's); runs on the engine's loop."""
+
+    def __init__(self, engine: Any, make_chunk: Callable, make_prompt: Callable):
+        self.engine = engine
+        self.limits = EngineLimits.of(engine)
+        # Live sessions by (context, adapter), least recently used first.
+        self.sessions: dict[tuple[tuple[int, ...], str | None], Session] = {}
+        self._make_chunk = make_chunk
+        self._make_prompt = make_prompt
+        self._ids = itertools.count()
+        self._closing: set[asyncio.Task] = set()
+        self._lock = asyncio.Lock()  # one step at a time, whichever wrapper sends it
+        # How requests were served: "continued", "opened", "one_shot"; and "closed".
+        self.counts: Counter[str] = Counter()
+
+    def _request_id(self) -> str:
+        return f"genlm-{id(self):x}-{next(self._ids)}"
+
+    async def step(
+        self, requests: Sequence[StepRequest], one_shot: Sequence[StepRequest] = ()
+    ) -> list[Any]:
+        """One engine output per request, in order: ``requests`` through sessions
+        (continued or opened as the policy allows), then ``one_shot`` as ordinary
+        requests (samples). A failure closes the step's sessions and is raised."""
+        async with self._lock:
+            return await self._step(requests, one_shot)
+
+    async def _step(
+        self, requests: Sequence[StepRequest], one_shot: Sequence[StepRequest]
+    ) -> list[Any]:
+        claimed = [
+            self.sessions.pop((r.token_ids[:-1], r.lora), None) if len(r.token_ids) > 1 else None
+            for r in requests
+        ]
+        slots = self._slot_budget()
+        blocks = self._block_budget()
+        for request, session in zip(requests, claimed, strict=True):
+            if session is not None:
+                slots -= 1
+                blocks -= self.limits.blocks(len(request.token_ids))
+        waits: list[Awaitable[Any]] = []
+        live: list[Session] = []
+        for request, session in zip(requests, claimed, strict=True):
+            need = self.limits.blocks(len(request.token_ids))
+            if session is not None:
+                self.counts["continued"] += 1
+                session.extend(request)
+            elif slots >= 1 and blocks >= need:
+                self._make_room(slots - 1, blocks - need)
+                slots -= 1
+                blocks -= need
+                self.counts["opened"] += 1
+                session = Session(self.engine, self._request_id(), request, self._make_chunk)
+            else:
+                self.counts["one_shot"] += 1
+                waits.append(self._one_shot(request))
+                continue
+            live.append(session)
+            waits.append(session.next_output())
+        waits.extend(self._one_shot(request) for request in one_shot)
+        results = await asyncio.gather(*waits, return_exceptions=True)
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            for session in live:
+                self._close_later(session)
+            raise error
+        for session in live:
+            stale = self.sessions.pop((session.context, session.lora), None)
+            if stale is not None:  # a paused session of the same context: one is enough
+                self._close_later(stale)
+            self.sessions[(session.context, session.lora)] = session
+        return results
+
+    def _slot_budget(self) -> int:
+        """Request slots sessions may hold: all but one of ``max_num_seqs``, so one-shot
+        requests always find a slot while sessions are paused."""
+        if self.limits.max_num_seqs is None:
+            return 1 << 30
+        return self.limits.max_num_seqs - 1
+
+    def _block_budget(self) -> int:
+        """KV blocks sessions may hold: half of the engine's."""
+        if self.limits.num_blocks is None:
+            return 1 << 30
+        return self.limits.num_blocks // 2
+
+    def _make_room(self, slots: int, blocks: int) -> None:
+        """Close paused sessions, least recently used first, until they fit in ``slots``
+        request slots and ``blocks`` KV blocks."""
+        while self.sessions and (
+            len(self.sessions) > slots
+            or sum(self.limits.blocks(len(s.context)) for s in self.sessions.values()) > blocks
+        ):
+            self._close_later(self.sessions.pop(next(iter(self.sessions))))
+
+    async def _one_shot(self, request: StepRequest) -> Any:
+        final = None
+        outputs = self.engine.generate(
+            self._make_prompt(request.token_ids),
+            request.params,
+            self._request_id(),
+            lora_request=request.lora_request,
+        )
+        async for output in outputs:
+            final = output
+        return final
+
+    def _close_later(self, session: Session) -> None:
+        self.counts["closed"] += 1
+        task = asyncio.ensure_future(session.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close every live session and wait until the engine has let them go."""
+        async with self._lock:
+            await self._close_all()
+
+    async def _close_all(self) -> None:
+        for session in self.sessions.values():
+            self._close_later(session)
+        self.sessions = {}
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
