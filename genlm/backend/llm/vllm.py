@@ -116,8 +116,8 @@ class _FileRows:
         return {"extra_args": {CAPTURE_KEY: (self.path, row, self.width)}}
 
     def read(self, outputs: Sequence[Any]) -> torch.Tensor:
-        rows = np.fromfile(self.path, dtype=np.float32, count=self.n * self.width)
-        rows = torch.from_numpy(rows.reshape(self.n, self.width))
+        flat = np.fromfile(self.path, dtype=np.float32, count=self.n * self.width)
+        rows = torch.from_numpy(flat.reshape(self.n, self.width))
         missing = torch.isnan(rows).any(dim=1).nonzero().flatten().tolist()
         if missing:
             raise RuntimeError(
@@ -293,7 +293,7 @@ class AsyncVirtualLM(EngineLM):
             return None
         return vllm_api().LoRARequest(lora, hash_to_int(lora), self.lora_paths[lora])
 
-    def _process_batch(self, keys: list[Hashable]) -> list[Any]:
+    def _process_batch(self, keys: list[Any]) -> list[Any]:
         """One step of the session pool for a batch of `Query` and `_SampleRequest` keys."""
         self._check_open()
         api = vllm_api()

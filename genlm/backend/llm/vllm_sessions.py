@@ -34,7 +34,7 @@ import itertools
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def run(self, coroutine: Awaitable[Any]) -> Any:
+    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """Run ``coroutine`` on the loop and wait for its result (from any other thread)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
