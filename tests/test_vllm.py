@@ -217,7 +217,8 @@ async def test_lora_rows_match_merged_models_per_request_and_never_cross(vlm, hf
         for model, row in zip(models.values(), rows, strict=True):
             assert_matches_reference(model, prompt, row)
     assert (rows[1] - rows[0]).abs().max() > 0.1 and (rows[2] - rows[1]).abs().max() > 0.1
-    # Sessions are per adapter: one step more for each continues its own session.
+    # One step more for each: the base row continues its session, adapter rows run as
+    # ordinary requests (see AsyncVirtualLM._process_batch).
     longer = prompt + [11]
     rows = await asyncio.gather(*(lm.next_token_logprobs(longer, lora_name=n) for n in models))
     for model, row in zip(models.values(), rows, strict=True):

@@ -446,7 +446,7 @@ async def test_lora_requests_are_per_request_and_cached_per_adapter(engine):
     lm.add_new_lora("/adapters/a2", "a")  # new weights, same name: a's rows dropped
     assert engine.removed_loras == [hash_to_int("a")] and engine.prefix_cache_resets == 1
     await lm.next_token_logprobs([1, 2], lora_name="a")
-    assert engine.requests[-1].kind == "open"  # the old weights' session was closed
+    assert engine.requests[-1].kind == "one_shot"  # adapter rows never use sessions
     assert engine.requests[-1].lora == FakeLoRARequest("a", hash_to_int("a"), "/adapters/a2")
     lm.remove_lora("a")
     with pytest.raises(ValueError, match="add_new_lora"):
