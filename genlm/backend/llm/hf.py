@@ -123,13 +123,21 @@ class _PagedLayer(DynamicLayer):
         write: torch.Tensor,
         read: torch.Tensor,
         past_length: int,
+        shared: torch.Tensor | None = None,
     ):
         super().__init__()
         self.pool_keys, self.pool_values = keys, values
-        self.write, self.read = write, read
+        self.write, self.read, self.shared = write, read, shared
         self.dtype, self.device = keys.dtype, keys.device
         self.past_length = past_length
         self.is_initialized = True
+
+    def shared_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix every row shares (cascade attention), read once: ``[heads, shared, dim]``."""
+        return (
+            self.pool_keys[self.shared].transpose(0, 1),
+            self.pool_values[self.shared].transpose(0, 1),
+        )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -189,14 +197,69 @@ class _BlockPool:
                 :, :, source : source + copy.tokens
             ]
 
-    def cache(self, write: torch.Tensor, read: torch.Tensor, past_length: int) -> Cache:
-        """A transformers `Cache` whose layers write ``write`` slots and read ``read`` rows."""
+    def cache(
+        self,
+        write: torch.Tensor,
+        read: torch.Tensor,
+        past_length: int,
+        shared: torch.Tensor | None = None,
+    ) -> Cache:
+        """A transformers `Cache` whose layers write ``write`` slots and read ``read`` rows
+        (after the ``shared`` slots every row attends to, with cascade attention)."""
         return Cache(
             layers=[
-                _PagedLayer(layer[0], layer[1], write, read, past_length)
+                _PagedLayer(layer[0], layer[1], write, read, past_length, shared)
                 for layer in self.kv.unbind(0)
             ]
         )
+
+
+CASCADE = "genlm_cascade"
+CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
+
+
+def cascade_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a prefix shared by every row plus each row's own tokens.
+
+    The shared keys are read once for all rows (one matmul per KV head over every row's
+    queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
+    ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
+    their running maximum and sums (log-sum-exp). Registered in transformers' attention
+    registry as ``"genlm_cascade"``; the layer's cache comes in ``kwargs["genlm_cache"]``.
+    """
+    shared_keys, shared_values = kwargs["genlm_cache"].layers[module.layer_idx].shared_kv()
+    rows, q_heads, new, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = q_heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    q = query.reshape(rows, kv_heads, groups * new, dim)
+    flat = q.transpose(0, 1).reshape(kv_heads, rows * groups * new, dim)
+    shared = torch.matmul(flat, shared_keys.transpose(1, 2)).mul_(scale)
+    shared = shared.view(kv_heads, rows, groups * new, -1).transpose(0, 1)
+    own = torch.matmul(q, key.transpose(2, 3)).mul_(scale)
+    own = own.view(rows, kv_heads, groups, new, -1).masked_fill_(
+        ~attention_mask[:, :, None], float("-inf")
+    )
+    own = own.view(rows, kv_heads, groups * new, -1)
+    top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
+    shared = shared.sub_(top).exp_()
+    own = own.sub_(top).exp_()
+    total = shared.sum(-1, keepdim=True) + own.sum(-1, keepdim=True)
+    shared_out = torch.matmul(
+        shared.transpose(0, 1).reshape(kv_heads, rows * groups * new, -1), shared_values
+    )
+    out = shared_out.view(kv_heads, rows, groups * new, dim).transpose(0, 1)
+    out = (out + torch.matmul(own, value)) / total
+    return out.reshape(rows, q_heads, new, dim).transpose(1, 2), None
 
 
 def _normalize_dtype(opts: dict[str, Any]) -> None:
@@ -276,6 +339,7 @@ class AsyncTransformer(BatchedAsyncLM):
         else:
             self._pool = _BlockPool(self._layout, BLOCK_SIZE)
             block_bytes, grow = self._pool.block_bytes, self._pool.resize
+        self._cascade_configs = self._attention_configs()
         self.store = PrefixKVStore(BLOCK_SIZE, block_bytes, grow, max_kv_bytes, max_logprobs_bytes)
         self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-hf")
         self._queries: list[Query] = []
@@ -486,40 +550,92 @@ class AsyncTransformer(BatchedAsyncLM):
         pool = self._pool
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
-        reads, writes = [], []
         for row in rows:
             row.chain, copies = self.store.extend(row.source, row.start, len(row.ids))
             pool.copy(copies)
-            slots = pool.slots(row.chain, len(row.ids))
-            pad = torch.zeros(past_length - row.start, dtype=slots.dtype, device=slots.device)
-            reads.append(torch.cat([pad, slots]))
-            writes.append(slots[row.start :])
-        read, write = torch.stack(reads), torch.stack(writes)
-        padded = any(row.start < past_length for row in rows)
+        slots = [pool.slots(row.chain, len(row.ids)) for row in rows]
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
+        write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])
         loras = [row.lora for row in rows]
-        # A prefix longer than max_batch_tokens (a single row) is prefilled in chunks.
-        for chunk in range(0, new_tokens, self.max_batch_tokens):
-            end = min(new_tokens, chunk + self.max_batch_tokens)
-            past = past_length + chunk
-            mask = None
-            if padded or (past and end - chunk > 1):
-                mask = self._attention_mask(starts + chunk, past, end - chunk)
-            cache = pool.cache(write[:, chunk:end].flatten(), read[:, : past_length + end], past)
-            logits = self._forward(
+        shared = self._shared_tokens(rows) if new_tokens <= self.max_batch_tokens else 0
+        if shared:
+            # Cascade: the shared prefix is read once per layer; each row reads only its own tokens.
+            read = self._padded(slots, shared)
+            logits = self._cascade_forward(
                 loras,
-                input_ids=input_ids[:, chunk:end],
-                attention_mask=mask,
-                position_ids=(starts + chunk)[:, None]
-                + torch.arange(end - chunk, device=self._input_device),
-                past_key_values=cache,
+                input_ids=input_ids,
+                attention_mask=self._attention_mask(
+                    starts - shared, past_length - shared, new_tokens, boolean=True
+                ),
+                position_ids=starts[:, None] + torch.arange(new_tokens, device=self._input_device),
+                past_key_values=pool.cache(write.flatten(), read, past_length, slots[0][:shared]),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits
+        else:
+            read = self._padded(slots, 0)
+            padded = any(row.start < past_length for row in rows)
+            # A prefix longer than max_batch_tokens (a single row) is prefilled in chunks.
+            for chunk in range(0, new_tokens, self.max_batch_tokens):
+                end = min(new_tokens, chunk + self.max_batch_tokens)
+                past = past_length + chunk
+                mask = None
+                if padded or (past and end - chunk > 1):
+                    mask = self._attention_mask(starts + chunk, past, end - chunk)
+                cache = pool.cache(
+                    write[:, chunk:end].flatten(), read[:, : past_length + end], past
+                )
+                logits = self._forward(
+                    loras,
+                    input_ids=input_ids[:, chunk:end],
+                    attention_mask=mask,
+                    position_ids=(starts + chunk)[:, None]
+                    + torch.arange(end - chunk, device=self._input_device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits
         logprobs = self._logprobs(logits[:, -1])
         for i, row in enumerate(rows):
             self._store(row, logprobs[i].clone(), results)
+
+    @staticmethod
+    def _padded(slots: list[torch.Tensor], skip: int) -> torch.Tensor:
+        """Read slots of the rows' tokens after the first ``skip``, left-padded to the longest
+        row with slot 0 (block 0, all zeros; the mask hides it)."""
+        width = max(len(own) for own in slots) - skip
+        reads = []
+        for own in slots:
+            own = own[skip:]
+            pad = torch.zeros(width - len(own), dtype=own.dtype, device=own.device)
+            reads.append(torch.cat([pad, own]))
+        return torch.stack(reads)
+
+    def _shared_tokens(self, rows: list[_Row]) -> int:
+        """Tokens in full blocks at the start of every row's chain and inside every row's
+        past: cascade attention reads them once (0: too few rows or tokens to bother)."""
+        if self._cascade_configs is None or len(rows) < 2:
+            return 0
+        limit = min(row.start for row in rows) // BLOCK_SIZE
+        first = rows[0].chain
+        blocks = 0
+        while blocks < limit and all(row.chain[blocks] == first[blocks] for row in rows):
+            blocks += 1
+        shared = blocks * BLOCK_SIZE
+        return shared if shared >= CASCADE_MIN_SHARED else 0
+
+    def _cascade_forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
+        """`_forward` with every attention layer switched to `cascade_attention`."""
+        configs = self._cascade_configs
+        previous = [config._attn_implementation_internal for config in configs]
+        for config in configs:
+            config._attn_implementation_internal = CASCADE
+        try:
+            return self._forward(loras, **kwargs, genlm_cache=kwargs["past_key_values"])
+        finally:
+            for config, name in zip(configs, previous, strict=True):
+                config._attn_implementation_internal = name
 
     def _run_without_kv(self, rows: list[_Row], results: list[Any]) -> None:
         """Fallback for models without reusable KV: plain forwards of whole prefixes."""
@@ -548,15 +664,16 @@ class AsyncTransformer(BatchedAsyncLM):
             results[row.slot] = logprobs
 
     def _attention_mask(
-        self, starts: torch.Tensor, past_length: int, new_tokens: int
+        self, starts: torch.Tensor, past_length: int, new_tokens: int, boolean: bool = False
     ) -> torch.Tensor:
-        """``[rows, 1, new, past + new]`` mask: a row sees its own past (left-padded) causally."""
+        """``[rows, 1, new, past + new]`` mask: a row sees its own past (left-padded) causally
+        (boolean for sdpa and cascade attention, additive for eager)."""
         keys = torch.arange(past_length + new_tokens, device=self._input_device)
         queries = past_length + torch.arange(new_tokens, device=self._input_device)
         first = (past_length - starts)[:, None, None]
         mask = (keys >= first) & (keys[None, None, :] <= queries[None, :, None])
         mask = mask[:, None]
-        if self.model.config._attn_implementation == "sdpa":
+        if boolean or self.model.config._attn_implementation == "sdpa":
             return mask
         additive = torch.zeros(mask.shape, dtype=self._layout.dtype, device=mask.device)
         return additive.masked_fill_(~mask, torch.finfo(self._layout.dtype).min)
@@ -602,6 +719,23 @@ class AsyncTransformer(BatchedAsyncLM):
         slots = self._pool.slots(source.chain, start)
         past = self._pool.kv[:, :, slots].permute(0, 1, 3, 2, 4).clone()
         return source, start, past, source.depth
+
+    def _attention_configs(self) -> list[Any] | None:
+        """The configs the attention layers read their implementation from, if cascade
+        attention can be switched on there (one attention module per KV layer), else None."""
+        if self._layout is None:
+            return None
+        modules = [
+            module
+            for module in self.model.modules()
+            if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups")
+        ]
+        if len(modules) != self._layout.num_layers:
+            return None
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(CASCADE, cascade_attention)
+        return list({id(module.config): module.config for module in modules}.values())
 
     def _probe_kv_layout(self) -> tuple[_KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it."""
