@@ -12,6 +12,7 @@ once plus each particle's own tokens): ``kv_held_over_live``.
 
     python benchmark/bench_lm.py                       # N = 1, 8, 32 (hf backend)
     python benchmark/bench_lm.py --long-prompt         # 1,024-token prompt, N = 32, both floors
+    python benchmark/bench_lm.py --smc                 # 64 particles x 24 resampled steps, 2x KV budget
     python benchmark/bench_lm.py --memory              # 2,000 steps x 32 particles, RSS vs budget
     python benchmark/bench_lm.py --backend mlx --particles 1 8   # AsyncMlxLM -> lm_mlx.json
     python benchmark/bench_lm.py --mock                # MockAsyncLM: 1,000 / 10,000 concurrent requests
@@ -20,7 +21,7 @@ Defaults: SmolLM2-135M-Instruct (float32, CPU), one torch thread, a 28-token pro
 16 tokens per particle, ``batch_size = N``; the best of ``--repeats`` runs is kept for
 both the library and the floor. Results: a table, and benchmark/results/lm.json
 (``lm_prompt<P>.json`` for another prompt length, ``lm_memory.json`` for ``--memory``,
-``lm_mock.json`` for ``--mock``).
+``lm_mock.json`` for ``--mock``, ``lm_smc.json`` for ``--smc``).
 
 Backends are rows: add one to `BACKENDS` (a function building the `AsyncLM` and, if it
 has one, a hand-written floor) and select it with ``--backend``.
@@ -437,7 +438,8 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
             if done and done % args.reset_every == 0:
                 contexts = [list(prompt)] * n
             contexts = list(await asyncio.gather(*(step(c, i) for i, c in enumerate(contexts))))
-            max_accounted = max(max_accounted, lm.cache.kv_nbytes)
+            held = lm.kv_nbytes if hasattr(lm, "kv_nbytes") else lm.cache.kv_nbytes
+            max_accounted = max(max_accounted, held)
 
     start = time.perf_counter()
     asyncio.run(run())
@@ -473,6 +475,70 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
                 f"<= {args.prompt_tokens + args.reset_every} tokens); peak RSS (VmHWM, reset after "
                 "warm-up) minus RSS after warm-up"
             ),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "rows": [row],
+    }
+
+
+def smc(args: argparse.Namespace) -> dict[str, Any]:
+    """SMC with resampling after every step under a KV budget of twice the largest possible
+    live KV: counts the tokens forwarded against the distinct prefixes requested."""
+    import torch
+
+    n, steps = args.smc_particles, args.smc_steps
+    lm = make_hf_lm(args, n)
+    prompt = prompt_ids(lm, args.prompt_tokens)
+    args.max_kv_mb = 2 * kv_bytes_per_token(lm) * (len(prompt) + n * steps) / 2**20
+    lm = make_hf_lm(args, n)
+    forwarded = 0
+
+    def count(module: Any, inputs: Any, kwargs: dict[str, Any]) -> None:
+        nonlocal forwarded
+        forwarded += kwargs["input_ids"].numel()
+
+    hook = lm.model.register_forward_pre_hook(count, with_kwargs=True)
+    requested: set[tuple[int, ...]] = set()
+    generator = torch.Generator().manual_seed(0)
+    max_held = 0
+
+    async def run() -> None:
+        nonlocal max_held
+        contexts = [list(prompt)] * n
+        for _ in range(steps):
+            requested.update(tuple(c) for c in contexts)
+            logps = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            tokens = torch.multinomial(torch.stack(logps).exp(), 1, generator=generator)
+            contexts = [c + [t] for c, t in zip(contexts, tokens[:, 0].tolist(), strict=True)]
+            ancestors = torch.randint(0, n, (n,), generator=generator).tolist()  # resample
+            contexts = [contexts[a] for a in ancestors]
+            max_held = max(max_held, lm.kv_nbytes)
+
+    start = time.perf_counter()
+    asyncio.run(run())
+    elapsed = time.perf_counter() - start
+    hook.remove()
+    prefixes = {ids[:k] for ids in requested for k in range(1, len(ids) + 1)}
+    row = {
+        "backend": "hf",
+        "particles": n,
+        "steps": steps,
+        "prompt_tokens": len(prompt),
+        "kv_budget_mb": lm.max_kv_bytes / 2**20,
+        "max_held_kv_mb": max_held / 2**20,
+        "tokens_forwarded": forwarded,
+        "distinct_prefixes": len(prefixes),
+        "no_token_forwarded_twice": forwarded == len(prefixes),
+        "seconds": elapsed,
+    }
+    for key, value in row.items():
+        print(f"{key:26} {value:.3f}" if isinstance(value, float) else f"{key:26} {value}")
+    return {
+        "benchmark": "lm_smc",
+        "setup": {
+            "what": f"{n} particles x {steps} steps, multinomial resampling after every step, "
+            "max_kv_bytes = 2 x (prompt + particles x steps tokens of KV); tokens forwarded "
+            "(a forward pre-hook) against the distinct prefixes requested",
             "torch_threads": torch.get_num_threads(),
         },
         "rows": [row],
@@ -556,6 +622,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--memory", action="store_true", help="run the long memory test instead")
     parser.add_argument(
+        "--smc", action="store_true", help="SMC with resampling under a tight KV budget (hf)"
+    )
+    parser.add_argument("--smc-particles", type=int, default=64)
+    parser.add_argument("--smc-steps", type=int, default=24)
+    parser.add_argument(
         "--mock", action="store_true", help="time 1,000 and 10,000 concurrent MockAsyncLM requests"
     )
     parser.add_argument("--steps", type=int, default=2000)
@@ -580,6 +651,8 @@ def main(argv: list[str] | None = None) -> None:
         args.max_logprobs_mb = 64 if args.max_logprobs_mb is None else args.max_logprobs_mb
     if args.mock:
         result = mock_concurrency(args)
+    elif args.smc:
+        result = smc(args)
     elif args.memory:
         result = memory(args)
     else:
