@@ -469,3 +469,31 @@ def test_pinned_long_prompt_forks_and_evictions_stay_exact(
     assert next_index == base == len(long_prompt) and node.pinned
     reference_past = hf_model(input_ids=torch.tensor([long_prompt]), use_cache=True).past_key_values
     assert torch.allclose(past[3, 0], reference_past.layers[3].keys[0], atol=1e-4)
+
+
+def test_cascade_attention_is_softmax_attention_over_shared_plus_own_keys():
+    from types import SimpleNamespace
+
+    from genlm.backend.llm.hf import cascade_attention
+
+    torch.manual_seed(0)
+    rows, kv_heads, groups, new, dim, shared, own = 3, 2, 3, 2, 8, 5, 4
+    query = torch.randn(rows, kv_heads * groups, new, dim)
+    shared_k, shared_v = torch.randn(kv_heads, shared, dim), torch.randn(kv_heads, shared, dim)
+    key, value = torch.randn(rows, kv_heads, own, dim), torch.randn(rows, kv_heads, own, dim)
+    mask = torch.ones(rows, 1, new, own, dtype=torch.bool)
+    mask[0, :, :, :2] = False  # row 0 is left-padded by two
+    mask[:, :, 0, -1] = False  # causal: the first new token does not see the second
+    layer = SimpleNamespace(shared_kv=lambda: (shared_k, shared_v))
+    cache = SimpleNamespace(layers=[None, layer])
+    module = SimpleNamespace(layer_idx=1)
+    got, _ = cascade_attention(module, query, key, value, mask, scaling=0.3, genlm_cache=cache)
+
+    # independent: expand the shared keys to every row, repeat KV heads, one softmax
+    full_k = torch.cat([shared_k.expand(rows, -1, -1, -1), key], 2).repeat_interleave(groups, 1)
+    full_v = torch.cat([shared_v.expand(rows, -1, -1, -1), value], 2).repeat_interleave(groups, 1)
+    full_mask = torch.cat([torch.ones(rows, 1, new, shared, dtype=torch.bool), mask], -1)
+    scores = (query @ full_k.transpose(-1, -2) * 0.3).masked_fill(~full_mask, float("-inf"))
+    expected = (scores.softmax(-1) @ full_v).transpose(1, 2)
+    assert got.shape == expected.shape == (rows, new, kv_heads * groups, dim)
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -15,7 +15,9 @@ that need the same number ``t`` of new tokens:
 3. run ONE forward over the ``rows x t`` new tokens with explicit position ids and a 4-D
    mask (none when nothing is padded); a small `Cache` writes each layer's new KV into
    the rows' blocks and reads each row's KV through its chain (left-padded to the
-   longest past with an all-zero block; the padding is masked);
+   longest past with an all-zero block; the padding is masked). When the rows share a
+   prefix of at least ``CASCADE_MIN_SHARED`` tokens, `cascade_attention` reads the shared
+   blocks once per layer for all rows and only each row's own tokens through its chain;
 4. apply the LM head at the last position only (``logits_to_keep=1``), keep the
    tokenizer's ``len(byte_vocab)`` columns and ``log_softmax`` them (float32);
 5. store at each request's node its logprobs (a tensor of its own: no batch storage
@@ -234,8 +236,16 @@ def cascade_attention(
     queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
     ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
     their running maximum and sums (log-sum-exp). Registered in transformers' attention
-    registry as ``"genlm_cascade"``; the layer's cache comes in ``kwargs["genlm_cache"]``.
+    registry as ``"genlm_cascade"``; the layer's cache comes in ``kwargs["genlm_cache"]``
+    (without it, e.g. another thread's forward of the same model while ours runs, this
+    is plain ``sdpa`` attention).
     """
+    if "genlm_cache" not in kwargs:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     shared_keys, shared_values = kwargs["genlm_cache"].layers[module.layer_idx].shared_kv()
     rows, q_heads, new, dim = query.shape
     kv_heads = key.shape[1]
@@ -281,8 +291,8 @@ def _normalize_dtype(opts: dict[str, Any]) -> None:
 class AsyncTransformer(BatchedAsyncLM):
     """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
 
-    Returned log-probability vectors are shared with the cache (a row of a batch's
-    block): read them, do not modify them in place.
+    Returned log-probability vectors are shared with the cache (each a tensor of its own):
+    read them, do not modify them in place.
 
     Args:
         hf_model: an ``AutoModelForCausalLM`` (put in eval mode).
