@@ -1,7 +1,9 @@
 """`AsyncTransformer`: a Hugging Face transformers causal LM behind the `AsyncLM` interface.
 
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
-tokens. Requests are auto-batched (`AutoBatcher`); KV states live in a paged store
+tokens. The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`, ...)
+and the batcher come from `genlm.backend.llm.prefix.PrefixCachedLM`; this module is the
+forward over rows of (block chain, new tokens). KV states live in a paged store
 (`genlm.backend.kv_store.PrefixKVStore`: fixed-size blocks in one preallocated pool per
 layer, reference-counted, a prefix tree mapping token prefixes to block chains, shared
 between particles, copy-on-write where they fork). Each batch does, per group of rows
@@ -58,9 +60,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from genlm.backend.batching import AutoBatcher, check_int
-from genlm.backend.kv_store import BlockCopy, Chain, KVNode, PrefixKVStore
-from genlm.backend.llm.base import BatchedAsyncLM, Query
+from genlm.backend.batching import check_int
+from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
+from genlm.backend.llm.prefix import PrefixCachedLM, Row
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -90,28 +92,6 @@ class _KVLayout:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-
-
-@dataclass
-class _Row:
-    """One request in a batch: run ``ids[start:]`` on top of the KV of ``ids[:start]``.
-
-    ``source`` holds the blocks of that KV while the batch runs; ``chain`` is the row's
-    own chain (``ids`` whole) once allocated, until a node takes it.
-    """
-
-    slot: int | None
-    ids: tuple[int, ...]
-    lora: str | None
-    node: KVNode
-    start: int
-    source: Chain = ()
-    source_node: KVNode | None = None
-    chain: Chain | None = None
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.ids) - self.start
 
 
 class _PagedLayer(DynamicLayer):
@@ -288,7 +268,7 @@ def _normalize_dtype(opts: dict[str, Any]) -> None:
         opts["dtype"] = _DTYPE_NAMES[name]
 
 
-class AsyncTransformer(BatchedAsyncLM):
+class AsyncTransformer(PrefixCachedLM):
     """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
 
     Returned log-probability vectors are shared with the cache (each a tensor of its own):
@@ -350,9 +330,8 @@ class AsyncTransformer(BatchedAsyncLM):
             self._pool = _BlockPool(self._layout, BLOCK_SIZE)
             block_bytes, grow = self._pool.block_bytes, self._pool.resize
         self._cascade_configs = self._attention_configs()
-        self.store = PrefixKVStore(BLOCK_SIZE, block_bytes, grow, max_kv_bytes, max_logprobs_bytes)
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-hf")
-        self._queries: list[Query] = []
+        store = PrefixKVStore(BLOCK_SIZE, block_bytes, grow, max_kv_bytes, max_logprobs_bytes)
+        self._init_prefix_cache(store, self._layout is not None, batch_size, timeout, "genlm-hf")
 
     @classmethod
     def from_name(
@@ -402,64 +381,12 @@ class AsyncTransformer(BatchedAsyncLM):
         """The model's ``max_position_embeddings`` (None if its config has none)."""
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    @property
-    def cache(self) -> KVNode:
-        """The root of the base model's prefix tree (each adapter has its own, in `store`)."""
-        return self.store.root(None)
-
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
         ids, lora = self.query(token_ids, lora_name)
         return self.batcher.run_sync(self._uncached, ids, lora)
-
-    def cache_kv(self, prompt_tokens: Sequence[int], *, lora_name: str | None = None) -> None:
-        """Compute and pin the KV of ``prompt_tokens``: it stays until a cache clear."""
-        ids, lora = self.query(prompt_tokens, lora_name)
-        self.batcher.run_sync(self._cache_kv, ids, lora)
-
-    def walk_cache(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> tuple[KVNode, int, torch.Tensor | None, int]:
-        """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
-
-        ``node`` holds the KV used (the root if none), ``base`` is its depth (the tokens its
-        KV covers), ``past`` is that KV cut to ``token_ids[:next_token_index]`` (shape
-        ``[layers, 2, kv_heads, next_token_index, head_dim]``, or None) and
-        ``next_token_index`` is the first token still to run (at most ``len - 1``: the last
-        token always runs, to get the logits).
-        """
-        ids, lora = self.query(token_ids, lora_name)
-        return self.batcher.run_sync(self._walk_cache, ids, lora)
-
-    def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
-        """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
-        self._queries.append(self.query(token_ids, lora_name))
-        return len(self._queries) - 1
-
-    def batch_evaluate_queries(self) -> list[torch.Tensor]:
-        """Evaluate every queued prefix in one batch (blocking); empties the queue."""
-        queries, self._queries = self._queries, []
-        return self._run_batch(queries) if queries else []
-
-    def clear_cache(self) -> None:
-        """Forget all cached logprobs and KV (pinned prompts included)."""
-        self.batcher.run_sync(self.store.reset)
-
-    def clear_kv_cache(self) -> None:
-        """Forget all cached KV (pinned prompts included), keep the logprobs."""
-        self.batcher.run_sync(self.store.clear_kv)
-
-    def reset_async_queries(self) -> None:
-        """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
-        super().reset_async_queries()
-        self._queries = []
-
-    @property
-    def kv_nbytes(self) -> int:
-        """Bytes of the KV blocks held by unpinned prefixes (pinned prompts are outside it)."""
-        return self.store.kv_nbytes
 
     # -- LoRA ----------------------------------------------------------------------------------
 
@@ -501,52 +428,24 @@ class AsyncTransformer(BatchedAsyncLM):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        results: list[Any] = [None] * len(keys)
-        rows: list[_Row] = []
-        try:
-            with torch.inference_mode():
-                for slot, (ids, lora) in enumerate(keys):
-                    node, depth = self.store.walk(self.store.root(lora), ids)
-                    if depth == len(ids) and node.logprobs is not None:
-                        self.store.touch(node)
-                        results[slot] = node.logprobs
-                    else:
-                        rows.append(self._plan(slot, ids, lora, node))
-                if self._layout is None:
-                    self._run_without_kv(rows, results)
-                else:
-                    for group in self._groups(rows):
-                        self._run_group(group, results)
-        finally:
-            self._finish(rows)
-        return results
+    def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
+        with torch.inference_mode():
+            if self._layout is None:
+                self._run_without_kv(rows, results)
+            else:
+                for group in self._groups(rows):
+                    self._run_group(group, results)
 
-    def _finish(self, rows: Sequence[_Row]) -> None:
-        """Let go of what the rows still hold, bring KV back within budget, prune the trees."""
-        for row in rows:
-            self.store.release(row.source)
-            self.store.release(row.chain)
-            row.source, row.chain = (), None
-        self.store.evict()
-        self.store.prune()
+    def _read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
+        """``[layers, 2, kv_heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
+        slots = self._pool.slots(chain, tokens)
+        return self._pool.kv[:, :, slots].permute(0, 1, 3, 2, 4).clone()
 
-    def _plan(self, slot: int | None, ids: tuple[int, ...], lora: str | None, node: KVNode) -> _Row:
-        """Find the deepest usable KV for ``ids`` and what remains to run (``node``: the
-        deepest node on the path of ``ids`` in the tree of adapter ``lora``)."""
-        source = None if self._layout is None else self.store.kv_source(node)
-        if source is None:
-            return _Row(slot, ids, lora, node, 0)
-        start = min(source.depth, node.depth, len(ids) - 1)
-        self.store.touch(source)
-        held = self.store.hold(source.chain[: -(-start // BLOCK_SIZE)])
-        return _Row(slot, ids, lora, node, start, held, source)
-
-    def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
+    def _groups(self, rows: list[Row]) -> list[list[Row]]:
         """Rows with the same number of new tokens (and adapter, with ``lora_batching=
         "grouped"``), split to respect ``max_batch_tokens``."""
         grouped = self.lora_batching == "grouped"
-        by_length: dict[tuple[int, str | None], list[_Row]] = {}
+        by_length: dict[tuple[int, str | None], list[Row]] = {}
         for row in rows:
             by_length.setdefault((row.new_tokens, row.lora if grouped else None), []).append(row)
         groups = []
@@ -555,7 +454,7 @@ class AsyncTransformer(BatchedAsyncLM):
             groups.extend(same[i : i + per_group] for i in range(0, len(same), per_group))
         return groups
 
-    def _run_group(self, rows: list[_Row], results: list[Any]) -> None:
+    def _run_group(self, rows: list[Row], results: list[Any]) -> None:
         """One forward for rows sharing their number of new tokens; stores their KV and logprobs."""
         pool = self._pool
         new_tokens = rows[0].new_tokens
@@ -622,7 +521,7 @@ class AsyncTransformer(BatchedAsyncLM):
             reads.append(torch.cat([pad, own]))
         return torch.stack(reads)
 
-    def _shared_tokens(self, rows: list[_Row]) -> int:
+    def _shared_tokens(self, rows: list[Row]) -> int:
         """Tokens in full blocks at the start of every row's chain and inside every row's
         past: cascade attention reads them once (0: too few rows or tokens to bother)."""
         if self._cascade_configs is None or len(rows) < 2:
@@ -647,9 +546,9 @@ class AsyncTransformer(BatchedAsyncLM):
             for config, name in zip(configs, previous, strict=True):
                 config._attn_implementation_internal = name
 
-    def _run_without_kv(self, rows: list[_Row], results: list[Any]) -> None:
+    def _run_without_kv(self, rows: list[Row], results: list[Any]) -> None:
         """Fallback for models without reusable KV: plain forwards of whole prefixes."""
-        by_length: dict[int, list[_Row]] = {}
+        by_length: dict[int, list[Row]] = {}
         for row in rows:
             by_length.setdefault(len(row.ids), []).append(row)
         for same in by_length.values():
@@ -661,17 +560,6 @@ class AsyncTransformer(BatchedAsyncLM):
             logprobs = self._logprobs(logits[:, -1])
             for i, row in enumerate(same):
                 self._store(row, logprobs[i].clone(), results)
-
-    def _store(self, row: _Row, logprobs: torch.Tensor, results: list[Any]) -> None:
-        """Cache a row's logprobs (its own tensor: no batch storage pinned) and give its chain
-        to its node (unless the node holds a pinned chain)."""
-        node = self.store.node_at(row.node, row.ids)
-        self.store.set_logprobs(node, logprobs)
-        if row.chain is not None and not node.pinned:
-            self.store.set_chain(node, row.chain)
-            row.chain = None
-        if row.slot is not None:
-            results[row.slot] = logprobs
 
     def _attention_mask(
         self, starts: torch.Tensor, past_length: int, new_tokens: int, boolean: bool = False
@@ -699,36 +587,6 @@ class AsyncTransformer(BatchedAsyncLM):
                 [lora], input_ids=input_ids, use_cache=False, logits_to_keep=1
             ).logits
             return self._logprobs(logits[:, -1])[0]
-
-    def _cache_kv(self, ids: tuple[int, ...], lora: str | None) -> None:
-        if self._layout is None:
-            raise NotImplementedError(
-                f"cache_kv needs KV reuse, which is off for {type(self.model).__name__}"
-            )
-        node, depth = self.store.walk(self.store.root(lora), ids)
-        if depth == len(ids) and node.chain is not None:
-            self.store.pin(node)
-            return
-        row = self._plan(None, ids, lora, node)
-        try:
-            with torch.inference_mode():
-                self._run_group([row], [])
-            self.store.pin(self.store.node_at(node, ids))
-        finally:
-            self._finish([row])
-
-    def _walk_cache(
-        self, ids: tuple[int, ...], lora: str | None
-    ) -> tuple[KVNode, int, torch.Tensor | None, int]:
-        root = self.store.root(lora)
-        node = self.store.walk(root, ids)[0]
-        source = None if self._layout is None else self.store.kv_source(node)
-        start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
-        if not start:
-            return root, 0, None, 0
-        slots = self._pool.slots(source.chain, start)
-        past = self._pool.kv[:, :, slots].permute(0, 1, 3, 2, 4).clone()
-        return source, start, past, source.depth
 
     def _attention_configs(self) -> list[Any] | None:
         """The configs the attention layers read their implementation from, if cascade
