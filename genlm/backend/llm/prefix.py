@@ -33,7 +33,6 @@ class Row:
     node: KVNode
     start: int
     source: Chain = ()
-    source_node: KVNode | None = None
     chain: Chain | None = None
 
     @property
@@ -160,7 +159,7 @@ class PrefixCachedLM(BatchedAsyncLM):
         start = min(source.depth, node.depth, len(ids) - 1)
         self.store.touch(source)
         held = self.store.hold(source.chain[: -(-start // self.store.block_size)])
-        return Row(slot, ids, lora, node, start, held, source)
+        return Row(slot, ids, lora, node, start, held)
 
     def _store(self, row: Row, logprobs: Any, results: list[Any]) -> None:
         """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
