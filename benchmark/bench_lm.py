@@ -5,10 +5,16 @@ context, samples a token with ``torch.multinomial`` and appends it; tokens/s is 
 number of sampled tokens over wall time. The *floor* is the same model called directly
 in the same run: prefill the prompt once, then one batched ``DynamicCache`` decode step
 (and one batched ``multinomial``) per token. ``ratio`` = library time / floor time.
-`hf_static_floor` is the same loop on a preallocated ``StaticCache`` (``gpu.py`` runs
-both); the loops and the SIS loop run on the model's device, CPU or CUDA.
+``--floors static`` adds the same loop on a preallocated ``StaticCache`` (`hf_static_floor`,
+the prompt's KV copied into every row of a cache sized for the whole run); each floor gets
+its own ``ratio_<name>``. The loops and the SIS loop run on the model's device, CPU or
+CUDA (``gpu.py`` runs both floors). After each library run the KV the cache holds is set
+against the live minimum (the prompt once plus each particle's own tokens):
+``kv_held_over_live``.
 
     python benchmark/bench_lm.py                       # N = 1, 8, 32 (hf backend)
+    python benchmark/bench_lm.py --long-prompt         # 1,024-token prompt, N = 32, both floors
+    python benchmark/bench_lm.py --smc                 # 64 particles x 24 resampled steps, 2x KV budget
     python benchmark/bench_lm.py --memory              # 2,000 steps x 32 particles, RSS vs budget
     python benchmark/bench_lm.py --backend mlx --particles 1 8   # AsyncMlxLM -> lm_mlx.json
     python benchmark/bench_lm.py --mock                # MockAsyncLM: 1,000 / 10,000 concurrent requests
@@ -16,7 +22,8 @@ both); the loops and the SIS loop run on the model's device, CPU or CUDA.
 Defaults: SmolLM2-135M-Instruct (float32, CPU), one torch thread, a 28-token prompt,
 16 tokens per particle, ``batch_size = N``; the best of ``--repeats`` runs is kept for
 both the library and the floor. Results: a table, and benchmark/results/lm.json
-(``lm_memory.json`` for ``--memory``, ``lm_mock.json`` for ``--mock``).
+(``lm_prompt<P>.json`` for another prompt length, ``lm_memory.json`` for ``--memory``,
+``lm_mock.json`` for ``--mock``, ``lm_smc.json`` for ``--smc``).
 
 Backends are rows: add one to `BACKENDS` (a function building the `AsyncLM` and, if it
 has one, a hand-written floor) and select it with ``--backend``.
@@ -39,7 +46,7 @@ import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -50,12 +57,16 @@ PROMPT_TEXT = (
 )
 
 
+Floor = Callable[[Any, list[int], int, int, int], tuple[float, float]]
+
+
 @dataclass
 class Backend:
-    """How to build a backend's `AsyncLM`, and (optionally) its hand-written floor."""
+    """How to build a backend's `AsyncLM`, and its hand-written floors (by name; the first
+    is the default)."""
 
     make_lm: Callable[[argparse.Namespace, int], Any]
-    floor: Callable[[Any, list[int], int, int, int], tuple[float, float]] | None = None
+    floors: dict[str, Floor] = field(default_factory=dict)
 
 
 def load_hf(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -188,8 +199,8 @@ def mlx_floor(
 
 
 BACKENDS: dict[str, Backend] = {
-    "hf": Backend(make_lm=make_hf_lm, floor=hf_floor),
-    "mlx": Backend(make_lm=make_mlx_lm, floor=mlx_floor),
+    "hf": Backend(make_lm=make_hf_lm, floors={"dynamic": hf_floor, "static": hf_static_floor}),
+    "mlx": Backend(make_lm=make_mlx_lm, floors={"mlx-lm": mlx_floor}),
 }
 
 
@@ -239,9 +250,12 @@ def time_sis(
 
 
 def prompt_ids(lm: Any, n: int) -> list[int]:
-    ids = lm.tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
-    if len(ids) < n:
-        raise ValueError(f"the benchmark prompt has only {len(ids)} tokens, {n} requested")
+    """The first ``n`` tokens of the benchmark text, repeated as often as needed."""
+    text = PROMPT_TEXT
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < n:
+        text += " " + PROMPT_TEXT
+        ids = lm.tokenizer.encode(text, add_special_tokens=False)
     return ids[:n]
 
 
@@ -250,26 +264,57 @@ def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
     return min(run[0] for run in runs), min(run[1] for run in runs)
 
 
+def kv_bytes_per_token(lm: Any) -> int | None:
+    """Bytes of KV one token takes in every layer (None when the backend has no torch model)."""
+    model = getattr(lm, "model", None)
+    if not hasattr(model, "parameters"):
+        return None
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    return config.num_hidden_layers * 2 * heads * head_dim * itemsize
+
+
+def kv_held(lm: Any, prompt: list[int], n_particles: int, n_tokens: int) -> dict[str, float]:
+    """KV the cache holds after a SIS run against the live minimum: the prompt once plus
+    each particle's own tokens (the 6x of the issue was measured this way)."""
+    per_token = kv_bytes_per_token(lm)
+    if per_token is None or not hasattr(lm, "kv_nbytes"):
+        return {}
+    live = per_token * (len(prompt) + n_particles * n_tokens)
+    return {
+        "kv_held_mb": lm.kv_nbytes / 2**20,
+        "kv_live_mb": live / 2**20,
+        "kv_held_over_live": lm.kv_nbytes / live,
+    }
+
+
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     backend = BACKENDS[args.backend]
+    floors = {name: backend.floors[name] for name in args.floors or list(backend.floors)[:1]}
+    first = next(iter(floors), None)
     rows = []
     print(
-        f"{'backend':8} {'N':>4} {'tok/s':>8} {'floor tok/s':>12} {'ratio':>6} "
-        f"{'cpu ratio':>9} {'batches':>8}"
+        f"{'backend':8} {'N':>4} {'tok/s':>8} "
+        + " ".join(f"{name + ' tok/s':>14} {'ratio':>6}" for name in floors)
+        + f" {'cpu ratio':>9} {'batches':>8} {'KV/live':>8}"
     )
     for n in args.particles:
         lm = backend.make_lm(args, n)
         prompt = prompt_ids(lm, args.prompt_tokens)
         tokens = n * args.tokens
         time_sis(lm, prompt, n, 2, seed=0)  # warm-up
+        held: dict[str, float] = {}
         runs = []
-        floor_runs = []
-        for r in range(args.repeats):  # interleaved, so both see the same machine load
+        floor_runs: dict[str, list[tuple[float, float]]] = {name: [] for name in floors}
+        for r in range(args.repeats):  # interleaved, so all see the same machine load
             runs.append(time_sis(lm, prompt, n, args.tokens, seed=r))
-            if backend.floor is not None:
-                floor_runs.append(backend.floor(lm, prompt, n, args.tokens, r))
+            held = kv_held(lm, prompt, n, args.tokens)
+            for name, floor in floors.items():
+                floor_runs[name].append(floor(lm, prompt, n, args.tokens, r))
         (wall, cpu), batches = best(runs), len(lm.batcher.batch_sizes)
         row = {
             "backend": args.backend,
@@ -279,22 +324,26 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": wall,
             "cpu_seconds": cpu,
             "tokens_per_s": tokens / wall,
+            **held,
         }
-        if floor_runs:
-            floor_wall, floor_cpu = best(floor_runs)
-            row.update(
-                floor_seconds=floor_wall,
-                floor_cpu_seconds=floor_cpu,
-                floor_tokens_per_s=tokens / floor_wall,
-                ratio=wall / floor_wall,
-                cpu_ratio=cpu / floor_cpu,
-            )
-        rows.append(row)
-        if floor_runs:
-            rows.append(
+        floor_rows = []
+        for name, runs_of_floor in floor_runs.items():
+            floor_wall, floor_cpu = best(runs_of_floor)
+            row[f"ratio_{name}"] = wall / floor_wall
+            if name == first:
+                row.update(
+                    floor_seconds=floor_wall,
+                    floor_cpu_seconds=floor_cpu,
+                    floor_tokens_per_s=tokens / floor_wall,
+                    ratio=wall / floor_wall,
+                    cpu_ratio=cpu / floor_cpu,
+                )
+            floor_rows.append(
                 {
                     "backend": args.backend,
-                    "implementation": "hand-written floor",
+                    "implementation": "hand-written floor"
+                    + ("" if name == first else f" ({name})"),
+                    "floor": name,
                     "n_particles": n,
                     "tokens": tokens,
                     "seconds": floor_wall,
@@ -302,15 +351,21 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                     "tokens_per_s": tokens / floor_wall,
                 }
             )
+        rows += [row, *floor_rows]
         print(
             f"{args.backend:8} {n:>4} {row['tokens_per_s']:>8.1f} "
-            f"{row.get('floor_tokens_per_s', float('nan')):>12.1f} "
-            f"{row.get('ratio', float('nan')):>6.2f} {row.get('cpu_ratio', float('nan')):>9.2f} "
-            f"{batches:>8}"
+            + " ".join(
+                f"{floor_row['tokens_per_s']:>14.1f} {row['ratio_' + floor_row['floor']]:>6.2f}"
+                for floor_row in floor_rows
+            )
+            + f" {row.get('cpu_ratio', float('nan')):>9.2f} {batches:>8}"
+            f" {row.get('kv_held_over_live', float('nan')):>8.2f}"
         )
         del lm
         gc.collect()
     name = "lm" if args.backend == "hf" else f"lm_{args.backend}"  # one result file per backend
+    if args.prompt_tokens != 28:
+        name += f"_prompt{args.prompt_tokens}"
     return {
         "benchmark": name,
         "setup": {
@@ -319,6 +374,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_per_particle": args.tokens,
             "repeats": args.repeats,
             "statistic": "best of repeats (library and floor runs interleaved)",
+            "floors": {name: floors[name].__doc__.split("\n")[0] for name in floors},
             "torch_threads": torch.get_num_threads(),
             "batch_size": args.batch_size or "N",
             "load_average_1min": os.getloadavg()[0],
@@ -337,7 +393,9 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                 "logx": True,
                 "file": f"bench-{name.replace('_', '-')}-throughput.png",
             }
-        ],
+        ]
+        if len(args.particles) > 1
+        else [],
     }
 
 
@@ -377,7 +435,8 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
             if done and done % args.reset_every == 0:
                 contexts = [list(prompt)] * n
             contexts = list(await asyncio.gather(*(step(c, i) for i, c in enumerate(contexts))))
-            max_accounted = max(max_accounted, lm.cache.kv_nbytes)
+            held = lm.kv_nbytes if hasattr(lm, "kv_nbytes") else lm.cache.kv_nbytes
+            max_accounted = max(max_accounted, held)
 
     start = time.perf_counter()
     asyncio.run(run())
@@ -413,6 +472,70 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
                 f"<= {args.prompt_tokens + args.reset_every} tokens); peak RSS (VmHWM, reset after "
                 "warm-up) minus RSS after warm-up"
             ),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "rows": [row],
+    }
+
+
+def smc(args: argparse.Namespace) -> dict[str, Any]:
+    """SMC with resampling after every step under a KV budget of twice the largest possible
+    live KV: counts the tokens forwarded against the distinct prefixes requested."""
+    import torch
+
+    n, steps = args.smc_particles, args.smc_steps
+    lm = make_hf_lm(args, n)
+    prompt = prompt_ids(lm, args.prompt_tokens)
+    args.max_kv_mb = 2 * kv_bytes_per_token(lm) * (len(prompt) + n * steps) / 2**20
+    lm = make_hf_lm(args, n)
+    forwarded = 0
+
+    def count(module: Any, inputs: Any, kwargs: dict[str, Any]) -> None:
+        nonlocal forwarded
+        forwarded += kwargs["input_ids"].numel()
+
+    hook = lm.model.register_forward_pre_hook(count, with_kwargs=True)
+    requested: set[tuple[int, ...]] = set()
+    generator = torch.Generator().manual_seed(0)
+    max_held = 0
+
+    async def run() -> None:
+        nonlocal max_held
+        contexts = [list(prompt)] * n
+        for _ in range(steps):
+            requested.update(tuple(c) for c in contexts)
+            logps = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            tokens = torch.multinomial(torch.stack(logps).exp(), 1, generator=generator)
+            contexts = [c + [t] for c, t in zip(contexts, tokens[:, 0].tolist(), strict=True)]
+            ancestors = torch.randint(0, n, (n,), generator=generator).tolist()  # resample
+            contexts = [contexts[a] for a in ancestors]
+            max_held = max(max_held, lm.kv_nbytes)
+
+    start = time.perf_counter()
+    asyncio.run(run())
+    elapsed = time.perf_counter() - start
+    hook.remove()
+    prefixes = {ids[:k] for ids in requested for k in range(1, len(ids) + 1)}
+    row = {
+        "backend": "hf",
+        "particles": n,
+        "steps": steps,
+        "prompt_tokens": len(prompt),
+        "kv_budget_mb": lm.max_kv_bytes / 2**20,
+        "max_held_kv_mb": max_held / 2**20,
+        "tokens_forwarded": forwarded,
+        "distinct_prefixes": len(prefixes),
+        "no_token_forwarded_twice": forwarded == len(prefixes),
+        "seconds": elapsed,
+    }
+    for key, value in row.items():
+        print(f"{key:26} {value:.3f}" if isinstance(value, float) else f"{key:26} {value}")
+    return {
+        "benchmark": "lm_smc",
+        "setup": {
+            "what": f"{n} particles x {steps} steps, multinomial resampling after every step, "
+            "max_kv_bytes = 2 x (prompt + particles x steps tokens of KV); tokens forwarded "
+            "(a forward pre-hook) against the distinct prefixes requested",
             "torch_threads": torch.get_num_threads(),
         },
         "rows": [row],
@@ -474,6 +597,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens sampled per particle")
     parser.add_argument("--prompt-tokens", type=int, default=28)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--floors",
+        nargs="+",
+        help="hand-written floors to run (hf: dynamic, static; default: the backend's first)",
+    )
+    parser.add_argument(
+        "--long-prompt",
+        action="store_true",
+        help="the long-prompt case: --prompt-tokens 1024 --particles 32 --floors static dynamic",
+    )
     parser.add_argument("--batch-size", type=int, help="library batch size (default: N)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument(
@@ -486,6 +619,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--memory", action="store_true", help="run the long memory test instead")
     parser.add_argument(
+        "--smc", action="store_true", help="SMC with resampling under a tight KV budget (hf)"
+    )
+    parser.add_argument("--smc-particles", type=int, default=64)
+    parser.add_argument("--smc-steps", type=int, default=24)
+    parser.add_argument(
         "--mock", action="store_true", help="time 1,000 and 10,000 concurrent MockAsyncLM requests"
     )
     parser.add_argument("--steps", type=int, default=2000)
@@ -497,11 +635,21 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.long_prompt:
+        args.prompt_tokens, args.particles = 1024, [32]
+        args.floors = args.floors or ["static", "dynamic"]
+    unknown = set(args.floors or ()) - set(BACKENDS[args.backend].floors)
+    if unknown:
+        parser.error(
+            f"unknown floors {sorted(unknown)}; {args.backend} has {sorted(BACKENDS[args.backend].floors)}"
+        )
     if args.memory:
         args.max_kv_mb = 512 if args.max_kv_mb is None else args.max_kv_mb
         args.max_logprobs_mb = 64 if args.max_logprobs_mb is None else args.max_logprobs_mb
     if args.mock:
         result = mock_concurrency(args)
+    elif args.smc:
+        result = smc(args)
     elif args.memory:
         result = memory(args)
     else:

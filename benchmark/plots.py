@@ -164,6 +164,17 @@ def plot_results(
 TABLE_COLUMNS = {
     "lm": ["implementation", "n_particles", "tokens_per_s", "ratio", "cpu_ratio"],
     "lm_mlx": ["implementation", "n_particles", "tokens_per_s", "ratio", "cpu_ratio"],
+    "lm_prompt1024": [
+        "implementation",
+        "n_particles",
+        "tokens_per_s",
+        "ratio_static",
+        "ratio_dynamic",
+        "cpu_ratio",
+        "kv_held_mb",
+        "kv_live_mb",
+        "kv_held_over_live",
+    ],
     "trie": ["vocab", "trie", "figure", "min_ms", "median_ms", "target_ms"],
     "tokenization": ["measurement", "min_s", "median_s", "target_s", "meets_target"],
 }

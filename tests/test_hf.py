@@ -410,3 +410,91 @@ def test_from_name_options(default_model_dir, hf_model, smollm2_tokenizer, monke
     assert calls[-1][0] == str(tmp_path)
     assert calls[-1][1]["gguf_file"] == "model.Q4.gguf"
     assert loaded_tokenizers[-1] == gguf
+
+
+@pytest.fixture(scope="module")
+def long_prompt(smollm2_tokenizer):
+    text = "The old clockmaker opened his shop and said good morning to the town. " * 8
+    return smollm2_tokenizer.encode(text)[:90]  # 5 full blocks and a partial one
+
+
+async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
+    lm, long_prompt, monkeypatch
+):
+    from transformers import AttentionInterface
+
+    import genlm.backend.llm.hf as hf
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return hf.cascade_attention(*args, **kwargs)
+
+    AttentionInterface.register(hf.CASCADE, counted)
+    try:
+        seen = {}
+
+        async def particle(index):
+            generator = torch.Generator().manual_seed(index)
+            ctx = list(long_prompt)
+            for _ in range(3):
+                seen[tuple(ctx)] = await lm.next_token_logprobs(ctx)
+                ctx = ctx + [torch.randint(0, 40_000, (1,), generator=generator).item()]
+
+        await asyncio.gather(*(particle(i) for i in range(5)))
+    finally:
+        AttentionInterface.register(hf.CASCADE, hf.cascade_attention)
+    assert calls  # the shared prompt was read once per layer for all rows
+    assert lm.model.config._attn_implementation == "sdpa"  # switched back after the forward
+    for ids, got in seen.items():
+        assert_close(lm, ids, got)
+        assert got.untyped_storage().nbytes() == got.nbytes  # no batch block pinned
+    # the prompt's KV is held once: its 90 tokens plus each particle's own 3 tokens, in blocks
+    block = lm.store.block_bytes
+    prompt_blocks = -(-len(long_prompt) // hf.BLOCK_SIZE)
+    assert lm.kv_nbytes <= (prompt_blocks + 5) * block
+
+
+def test_pinned_long_prompt_forks_and_evictions_stay_exact(
+    hf_model, smollm2_tokenizer, long_prompt
+):
+    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=3 << 20)
+    lm.cache_kv(long_prompt)
+    forks = [long_prompt + [t, t + 1] for t in (5, 6, 7, 8)]
+    results = lm.batch_next_token_logprobs_sync(forks)
+    assert lm.kv_nbytes <= 3 << 20
+    for ids, got in zip(forks, results, strict=True):
+        assert_close(lm, ids, got)
+    node, next_index, past, base = lm.walk_cache(long_prompt + [9])
+    assert next_index == base == len(long_prompt) and node.pinned
+    reference_past = hf_model(input_ids=torch.tensor([long_prompt]), use_cache=True).past_key_values
+    assert torch.allclose(past[3, 0], reference_past.layers[3].keys[0], atol=1e-4)
+
+
+def test_cascade_attention_is_softmax_attention_over_shared_plus_own_keys():
+    from types import SimpleNamespace
+
+    from genlm.backend.llm.hf import cascade_attention
+
+    torch.manual_seed(0)
+    rows, kv_heads, groups, new, dim, shared, own = 3, 2, 3, 2, 8, 5, 4
+    query = torch.randn(rows, kv_heads * groups, new, dim)
+    shared_k, shared_v = torch.randn(kv_heads, shared, dim), torch.randn(kv_heads, shared, dim)
+    key, value = torch.randn(rows, kv_heads, own, dim), torch.randn(rows, kv_heads, own, dim)
+    mask = torch.ones(rows, 1, new, own, dtype=torch.bool)
+    mask[0, :, :, :2] = False  # row 0 is left-padded by two
+    mask[:, :, 0, -1] = False  # causal: the first new token does not see the second
+    layer = SimpleNamespace(shared_kv=lambda: (shared_k, shared_v))
+    cache = SimpleNamespace(layers=[None, layer])
+    module = SimpleNamespace(layer_idx=1)
+    got, _ = cascade_attention(module, query, key, value, mask, scaling=0.3, genlm_cache=cache)
+
+    # independent: expand the shared keys to every row, repeat KV heads, one softmax
+    full_k = torch.cat([shared_k.expand(rows, -1, -1, -1), key], 2).repeat_interleave(groups, 1)
+    full_v = torch.cat([shared_v.expand(rows, -1, -1, -1), value], 2).repeat_interleave(groups, 1)
+    full_mask = torch.cat([torch.ones(rows, 1, new, shared, dtype=torch.bool), mask], -1)
+    scores = (query @ full_k.transpose(-1, -2) * 0.3).masked_fill(~full_mask, float("-inf"))
+    expected = (scores.softmax(-1) @ full_v).transpose(1, 2)
+    assert got.shape == expected.shape == (rows, new, kv_heads * groups, dim)
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -1,43 +1,42 @@
 """`AsyncTransformer`: a Hugging Face transformers causal LM behind the `AsyncLM` interface.
 
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
-tokens. Requests are auto-batched (`AutoBatcher`) and each batch does, per group
-of rows that need the same number ``t`` of new tokens:
+tokens. The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`, ...)
+and the batcher come from `genlm.backend.llm.prefix.PrefixCachedLM`; this module is the
+forward over rows of (block chain, new tokens). KV states live in a paged store
+(`genlm.backend.kv_store.PrefixKVStore`: fixed-size blocks in one preallocated pool per
+layer, reference-counted, a prefix tree mapping token prefixes to block chains, shared
+between particles, copy-on-write where they fork). Each batch does, per group of rows
+that need the same number ``t`` of new tokens:
 
-1. walk the prefix tree (`DynamicTokenTrie`) to the deepest node holding KV
-   along the request, or below its end (a descendant's KV starts with it);
-2. gather the rows' past KV into one buffer
-   ``[layers, 2 (K/V), rows, kv_heads, past + t, head_dim]`` (left-padded to the
-   longest past; the padding is zeroed and masked);
-3. run ONE forward over the ``rows x t`` new tokens with explicit position ids and
-   a 4-D mask (none when nothing is padded); a small `Cache` writes the new KV
-   straight into the buffer, so there is no per-layer ``torch.cat``;
+1. walk the prefix tree to the deepest node holding KV along the request, or below its
+   end (a descendant's chain starts with it), and hold that chain's blocks;
+2. give each row its own chain for its whole prefix: the source's full blocks shared,
+   its partly filled last block appended to in place, or copied if another row already
+   wrote past it, and fresh blocks for the new tokens;
+3. run ONE forward over the ``rows x t`` new tokens with explicit position ids and a 4-D
+   mask (none when nothing is padded); a small `Cache` writes each layer's new KV into
+   the rows' blocks and reads each row's KV through its chain (left-padded to the
+   longest past with an all-zero block; the padding is masked). When the rows share a
+   prefix of at least ``CASCADE_MIN_SHARED`` tokens, `cascade_attention` reads the shared
+   blocks once per layer for all rows and only each row's own tokens through its chain;
 4. apply the LM head at the last position only (``logits_to_keep=1``), keep the
    tokenizer's ``len(byte_vocab)`` columns and ``log_softmax`` them (float32);
-5. store at each request's node its logprobs (a row of the batch's ``[rows, V]``
-   block) and its KV: a view of its buffer row covering the whole prefix.
+5. store at each request's node its logprobs (a tensor of its own: no batch storage
+   pinned) and its chain.
 
 Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 
-- Full-prefix KV views, not per-node segments. A particle extending its context by
-  one token needs one contiguous copy of its row (O(L): the same work as the
-  ``torch.cat`` of a hand-written ``DynamicCache`` loop) rather than a concatenation
-  of one segment per ancestor (a Python loop over L nodes per row per step, which
-  dominates in long runs). Views cost no copy; the budget charges each buffer once,
-  whole (padding included), and frees it when the last node viewing it goes.
-- Once a row has run on an ancestor's KV, that ancestor's KV is dropped: the new
-  node's KV starts with it, and step 1 finds it there for a later sibling. So a
-  particle population holds one KV copy per particle (like the hand-written loop),
-  not one per step, and the previous step's buffer is released at once.
-- Released buffers are recycled (`_BufferPool`): fresh multi-megabyte allocations
-  are served by new zero-filled pages, which cost as much as the KV copy itself.
+- Blocks, not per-row buffers: particles sharing a prompt share its blocks, so the KV
+  held is the prompt once plus each particle's own tokens (plus at most one partly
+  filled block per fork), and an extension by one token writes one token's KV.
 - Rows are grouped by ``t`` so no query row is padded (the usual step has ``t = 1``
   for everyone; a fresh prompt or a recomputed prefix forms its own group), hence
   no fully-masked attention rows and no NaNs from them.
-- Memory: before allocating a buffer, least recently used KV is evicted to make
-  room for it and free pooled buffers are trimmed, so KV memory stays within
-  ``max_kv_bytes`` (plus, briefly, evicted KV still being copied from). Prompts
-  pinned with `cache_kv` are outside the budget.
+- Memory: the budget counts exactly the blocks held by unpinned prefixes; least recently
+  used chains are released when a block is needed and after every batch, so KV stays
+  within ``max_kv_bytes`` between batches (during one, the blocks its rows hold are kept).
+  Prompts pinned with `cache_kv` are outside the budget.
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's
@@ -56,16 +55,15 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from genlm.backend.batching import AutoBatcher, check_int
-from genlm.backend.cache import DynamicTokenTrie
-from genlm.backend.llm.base import BatchedAsyncLM, Query
+from genlm.backend.batching import check_int
+from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
+from genlm.backend.llm.prefix import PrefixCachedLM, Row
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -73,6 +71,7 @@ LORA_BATCHING = ("mixed", "grouped")
 
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
+BLOCK_SIZE = 16
 _DTYPE_NAMES = {
     "float": torch.float32,
     "float32": torch.float32,
@@ -96,104 +95,162 @@ class _KVLayout:
     device: torch.device
 
 
-@dataclass
-class _Row:
-    """One request in a batch: run ``ids[start:]`` on top of ``past`` (KV of ``ids[:start]``)."""
+class _PagedLayer(DynamicLayer):
+    """A cache layer over one layer's block pool: update writes the new tokens' KV into
+    their slots and returns each row's KV gathered from its chain (``[rows, heads, past + t, dim]``)."""
 
-    slot: int | None
-    ids: tuple[int, ...]
-    lora: str | None
-    node: DynamicTokenTrie
-    start: int
-    past: torch.Tensor | None
-    source: DynamicTokenTrie | None = None
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.ids) - self.start
-
-
-class _BufferLayer(DynamicLayer):
-    """A cache layer over preallocated ``[rows, heads, past + t, dim]`` views: update writes in place."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, past_length: int):
+    def __init__(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        write: torch.Tensor,
+        read: torch.Tensor,
+        past_length: int,
+        shared: torch.Tensor | None = None,
+    ):
         super().__init__()
-        self.keys, self.values = keys, values
+        self.pool_keys, self.pool_values = keys, values
+        self.write, self.read, self.shared = write, read, shared
         self.dtype, self.device = keys.dtype, keys.device
         self.past_length = past_length
         self.is_initialized = True
 
+    def shared_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix every row shares (cascade attention), read once: ``[heads, shared, dim]``."""
+        return (
+            self.pool_keys[self.shared].transpose(0, 1),
+            self.pool_values[self.shared].transpose(0, 1),
+        )
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.past_length + key_states.shape[-2]
-        self.keys[:, :, self.past_length : end].copy_(key_states)
-        self.values[:, :, self.past_length : end].copy_(value_states)
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        rows, heads, new, dim = key_states.shape
+        self.pool_keys.index_copy_(
+            0, self.write, key_states.transpose(1, 2).reshape(rows * new, heads, dim)
+        )
+        self.pool_values.index_copy_(
+            0, self.write, value_states.transpose(1, 2).reshape(rows * new, heads, dim)
+        )
+        return self.pool_keys[self.read].transpose(1, 2), self.pool_values[self.read].transpose(
+            1, 2
+        )
 
     def get_seq_length(self) -> int:
         return self.past_length
 
 
-class _BufferPool:
-    """Recycles KV buffers released by the cache, so steady decoding does not page-fault.
+class _BlockPool:
+    """The KV blocks of every layer: ``kv[layer, 0 / 1, block * block_size + offset, head, dim]``."""
 
-    A fresh multi-megabyte ``torch.empty`` is served by new zero-filled pages, which
-    costs as much as the forward's own KV copy; reusing a buffer released a step or
-    two earlier costs nothing. New buffers get 25% headroom, so they stay reusable for
-    a while as contexts grow, and a free buffer is reused for requests from half its
-    size up, only when nothing else (a node, a pending batch, a caller) views it.
+    def __init__(self, layout: _KVLayout, block_size: int):
+        self.layout = layout
+        self.block_size = block_size
+        self.kv = torch.zeros(0, device=layout.device, dtype=layout.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        layout = self.layout
+        per_token = layout.num_layers * 2 * layout.num_heads * layout.head_dim
+        return per_token * self.block_size * layout.dtype.itemsize
+
+    def resize(self, blocks: int) -> None:
+        """Hold ``blocks`` blocks, keeping the first ones' contents (block 0 stays zero)."""
+        layout = self.layout
+        shape = (layout.num_layers, 2, blocks * self.block_size, layout.num_heads, layout.head_dim)
+        kv = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        kept = min(blocks * self.block_size, self.kv.shape[2] if self.kv.dim() > 1 else 0)
+        if kept:
+            kv[:, :, :kept].copy_(self.kv[:, :, :kept])
+        else:
+            kv[:, :, : self.block_size].zero_()
+        self.kv = kv
+
+    def slots(self, chain: Chain, tokens: int) -> torch.Tensor:
+        """Pool positions of a chain's first ``tokens`` tokens."""
+        blocks = torch.tensor(chain, device=self.layout.device)
+        offsets = torch.arange(self.block_size, device=self.layout.device)
+        return (blocks[:, None] * self.block_size + offsets).flatten()[:tokens]
+
+    def copy(self, copies: Sequence[BlockCopy]) -> None:
+        size = self.block_size
+        for copy in copies:
+            source, target = copy.source * size, copy.target * size
+            self.kv[:, :, target : target + copy.tokens] = self.kv[
+                :, :, source : source + copy.tokens
+            ]
+
+    def cache(
+        self,
+        write: torch.Tensor,
+        read: torch.Tensor,
+        past_length: int,
+        shared: torch.Tensor | None = None,
+    ) -> Cache:
+        """A transformers `Cache` whose layers write ``write`` slots and read ``read`` rows
+        (after the ``shared`` slots every row attends to, with cascade attention)."""
+        return Cache(
+            layers=[
+                _PagedLayer(layer[0], layer[1], write, read, past_length, shared)
+                for layer in self.kv.unbind(0)
+            ]
+        )
+
+
+CASCADE = "genlm_cascade"
+CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
+
+
+def cascade_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a prefix shared by every row plus each row's own tokens.
+
+    The shared keys are read once for all rows (one matmul per KV head over every row's
+    queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
+    ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
+    their running maximum and sums (log-sum-exp). Registered in transformers' attention
+    registry as ``"genlm_cascade"``; the layer's cache comes in ``kwargs["genlm_cache"]``
+    (without it, e.g. another thread's forward of the same model while ours runs, this
+    is plain ``sdpa`` attention).
     """
+    if "genlm_cache" not in kwargs:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    HEADROOM = 1.25
-
-    def __init__(self, max_buffers: int = 4):
-        self.max_buffers = max_buffers
-        self.free: list[torch.Tensor] = []
-        self._own_uses = self._uses(torch.empty(1))
-
-    @staticmethod
-    def _uses(flat: torch.Tensor) -> int | None:
-        """References to the buffer's memory (None if this torch cannot tell: no reuse)."""
-        count = getattr(torch._C, "_storage_Use_Count", None)
-        return None if count is None else count(flat.untyped_storage()._cdata)
-
-    def take(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        numel = torch.Size(shape).numel()
-        fits = [
-            i
-            for i, flat in enumerate(self.free)
-            if numel <= flat.numel() <= 2 * numel and (flat.dtype, flat.device) == (dtype, device)
-        ]
-        for i in sorted(fits, key=lambda i: self.free[i].numel()):
-            flat = self.free[i]
-            if self._own_uses is not None and self._uses(flat) == self._own_uses:
-                del self.free[i]
-                return flat[:numel].view(shape)
-        size = int(numel * self.HEADROOM)
-        return torch.empty(size, dtype=dtype, device=device)[:numel].view(shape)
-
-    def give(self, kv: torch.Tensor) -> None:
-        """Take back the buffer behind ``kv`` (a view of a buffer from `take`) for reuse."""
-        storage = kv.untyped_storage()
-        flat = torch.empty(0, dtype=kv.dtype, device=kv.device)
-        flat.set_(storage, 0, (storage.nbytes() // kv.element_size(),))
-        self.free.append(flat)
-        del self.free[: -self.max_buffers]
-
-    def trim(self, max_bytes: float) -> None:
-        """Drop free buffers (oldest first) until they take at most ``max_bytes``."""
-        while self.free and sum(flat.nbytes for flat in self.free) > max_bytes:
-            del self.free[0]
-
-
-def _buffer_cache(buffer: torch.Tensor, past_length: int) -> Cache:
-    """A transformers `Cache` whose layers write into ``buffer[layer, 0 / 1]``."""
-    return Cache(
-        layers=[_BufferLayer(layer[0], layer[1], past_length) for layer in buffer.unbind(0)]
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    shared_keys, shared_values = kwargs["genlm_cache"].layers[module.layer_idx].shared_kv()
+    rows, q_heads, new, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = q_heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    q = query.reshape(rows, kv_heads, groups * new, dim)
+    flat = q.transpose(0, 1).reshape(kv_heads, rows * groups * new, dim)
+    shared = torch.matmul(flat, shared_keys.transpose(1, 2)).mul_(scale)
+    shared = shared.view(kv_heads, rows, groups * new, -1).transpose(0, 1)
+    own = torch.matmul(q, key.transpose(2, 3)).mul_(scale)
+    own = own.view(rows, kv_heads, groups, new, -1).masked_fill_(
+        ~attention_mask[:, :, None], float("-inf")
     )
+    own = own.view(rows, kv_heads, groups * new, -1)
+    top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
+    shared = shared.sub_(top).exp_()
+    own = own.sub_(top).exp_()
+    total = shared.sum(-1, keepdim=True) + own.sum(-1, keepdim=True)
+    shared_out = torch.matmul(
+        shared.transpose(0, 1).reshape(kv_heads, rows * groups * new, -1), shared_values
+    )
+    out = shared_out.view(kv_heads, rows, groups * new, dim).transpose(0, 1)
+    out = (out + torch.matmul(own, value)) / total
+    return out.reshape(rows, q_heads, new, dim).transpose(1, 2), None
 
 
 def _normalize_dtype(opts: dict[str, Any]) -> None:
@@ -212,11 +269,11 @@ def _normalize_dtype(opts: dict[str, Any]) -> None:
         opts["dtype"] = _DTYPE_NAMES[name]
 
 
-class AsyncTransformer(BatchedAsyncLM):
+class AsyncTransformer(PrefixCachedLM):
     """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
 
-    Returned log-probability vectors are shared with the cache (a row of a batch's
-    block): read them, do not modify them in place.
+    Returned log-probability vectors are shared with the cache (each a tensor of its own):
+    read them, do not modify them in place.
 
     Args:
         hf_model: an ``AutoModelForCausalLM`` (put in eval mode).
@@ -260,12 +317,9 @@ class AsyncTransformer(BatchedAsyncLM):
         self.max_logprobs_bytes = max_logprobs_bytes
         self.max_batch_tokens = max_batch_tokens
         self.lora_batching = lora_batching
-        self._pool = _BufferPool()
         self._peft: Any = None  # the peft model wrapping self.model, once an adapter is loaded
         self._peft_names: dict[str, str] = {}  # adapter name -> its name inside peft
         self._adapter_ids = itertools.count()
-        self._reset_trie()
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-hf")
         self._input_device = self.model.get_input_embeddings().weight.device
         self._layout, reason = self._probe_kv_layout()
         if self._layout is None:
@@ -273,7 +327,14 @@ class AsyncTransformer(BatchedAsyncLM):
                 f"KV reuse is off for this model ({reason}): every request runs its whole prefix",
                 stacklevel=2,
             )
-        self._queries: list[Query] = []
+            self._pool = None
+            block_bytes, grow = 1, lambda blocks: None
+        else:
+            self._pool = _BlockPool(self._layout, BLOCK_SIZE)
+            block_bytes, grow = self._pool.block_bytes, self._pool.resize
+        self._cascade_configs = self._attention_configs()
+        store = PrefixKVStore(BLOCK_SIZE, block_bytes, grow, max_kv_bytes, max_logprobs_bytes)
+        self._init_prefix_cache(store, self._layout is not None, batch_size, timeout, "genlm-hf")
 
     @classmethod
     def from_name(
@@ -323,64 +384,12 @@ class AsyncTransformer(BatchedAsyncLM):
         """The model's ``max_position_embeddings`` (None if its config has none)."""
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
-    @property
-    def cache(self) -> DynamicTokenTrie:
-        """The base model's prefix tree (each adapter has its own, under the same budgets)."""
-        return self._roots[None]
-
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
         ids, lora = self.query(token_ids, lora_name)
         return self.batcher.run_sync(self._uncached, ids, lora)
-
-    def cache_kv(self, prompt_tokens: Sequence[int], *, lora_name: str | None = None) -> None:
-        """Compute and pin the KV of ``prompt_tokens``: it stays until a cache clear."""
-        ids, lora = self.query(prompt_tokens, lora_name)
-        self.batcher.run_sync(self._cache_kv, ids, lora)
-
-    def walk_cache(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> tuple[DynamicTokenTrie, int, torch.Tensor | None, int]:
-        """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
-
-        ``node`` holds the KV used (the root if none), ``base`` is its depth (the tokens its
-        KV covers), ``past`` is that KV cut to ``token_ids[:next_token_index]`` (shape
-        ``[layers, 2, kv_heads, next_token_index, head_dim]``, or None) and
-        ``next_token_index`` is the first token still to run (at most ``len - 1``: the last
-        token always runs, to get the logits).
-        """
-        ids, lora = self.query(token_ids, lora_name)
-        return self.batcher.run_sync(self._walk_cache, ids, lora)
-
-    def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
-        """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
-        self._queries.append(self.query(token_ids, lora_name))
-        return len(self._queries) - 1
-
-    def batch_evaluate_queries(self) -> list[torch.Tensor]:
-        """Evaluate every queued prefix in one batch (blocking); empties the queue."""
-        queries, self._queries = self._queries, []
-        return self._run_batch(queries) if queries else []
-
-    def clear_cache(self) -> None:
-        """Forget all cached logprobs and KV (pinned prompts included)."""
-        self.batcher.run_sync(self._reset_trie)
-
-    def clear_kv_cache(self) -> None:
-        """Forget all cached KV (pinned prompts included), keep the logprobs."""
-        self.batcher.run_sync(self._clear_kv)
-
-    def reset_async_queries(self) -> None:
-        """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
-        super().reset_async_queries()
-        self._queries = []
-
-    @property
-    def kv_nbytes(self) -> int:
-        """Bytes of cached (unpinned) KV."""
-        return self.cache.kv_nbytes
 
     # -- LoRA ----------------------------------------------------------------------------------
 
@@ -424,9 +433,7 @@ class AsyncTransformer(BatchedAsyncLM):
                 # Which adapter peft calls "active" is moot: every forward names its adapters.
                 warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
                 self._peft.delete_adapter(peft_name)
-        root = self._roots.pop(lora_name, None)
-        if root is not None:
-            root.clear()
+        self.store.drop_root(lora_name)
 
     def _forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
         """The model's forward for rows served by ``loras`` (one adapter name or None per row)."""
@@ -437,78 +444,24 @@ class AsyncTransformer(BatchedAsyncLM):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _reset_trie(self) -> None:
-        base = DynamicTokenTrie(
-            max_kv_bytes=self.max_kv_bytes,
-            max_logprobs_bytes=self.max_logprobs_bytes,
-            on_kv_release=self._pool.give,
-        )
-        self._roots: dict[str | None, DynamicTokenTrie] = {None: base}
-        self._pool.free.clear()
-
-    def _root(self, lora: str | None) -> DynamicTokenTrie:
-        """The prefix tree of one adapter (created on first use, under the shared budgets)."""
-        root = self._roots.get(lora)
-        if root is None:
-            root = self._roots[lora] = DynamicTokenTrie(share_budgets_with=self.cache)
-        return root
-
-    def _clear_kv(self) -> None:
-        for root in self._roots.values():
-            root.clear_kv_cache()
-
-    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        results: list[Any] = [None] * len(keys)
-        with torch.inference_mode(), ExitStack() as holds:
-            for lora in {key.lora for key in keys}:
-                holds.enter_context(self._root(lora).deferred_pruning())
-            rows = []
-            for slot, (ids, lora) in enumerate(keys):
-                node, depth = self._root(lora).walk(ids)
-                if depth == len(ids) and node.logprobs is not None:
-                    node.touch(ancestors=False)
-                    results[slot] = node.logprobs
-                else:
-                    rows.append(self._plan(slot, ids, lora, node))
+    def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
+        with torch.inference_mode():
             if self._layout is None:
                 self._run_without_kv(rows, results)
             else:
                 for group in self._groups(rows):
                     self._run_group(group, results)
-        return results
 
-    def _plan(
-        self, slot: int | None, ids: tuple[int, ...], lora: str | None, node: DynamicTokenTrie
-    ) -> _Row:
-        """Find the deepest usable KV for ``ids`` and what remains to run (``node``: the
-        deepest node on the path of ``ids`` in the tree of adapter ``lora``)."""
-        kv_node = node.nearest_kv()
-        if kv_node is not node and node.depth > 0:
-            kv_node = self._kv_below(node) or kv_node
-        start = 0 if kv_node is None else min(kv_node.depth, node.depth, len(ids) - 1)
-        if not start or self._layout is None:
-            return _Row(slot, ids, lora, node, 0, None)
-        kv_node.touch(ancestors=False)
-        past = kv_node.past_key_values[:, :, :, :start]
-        return _Row(slot, ids, lora, node, start, past, kv_node)
+    def _read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
+        """``[layers, 2, kv_heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
+        slots = self._pool.slots(chain, tokens)
+        return self._pool.kv[:, :, slots].permute(0, 1, 3, 2, 4).clone()
 
-    @staticmethod
-    def _kv_below(node: DynamicTokenTrie, limit: int = 256) -> DynamicTokenTrie | None:
-        """A descendant holding KV (its KV starts with ``node``'s prefix), searching a few nodes."""
-        stack = list(node.children.values())
-        while stack and limit > 0:
-            limit -= 1
-            candidate = stack.pop()
-            if candidate.past_key_values is not None:
-                return candidate
-            stack.extend(candidate.children.values())
-        return None
-
-    def _groups(self, rows: list[_Row]) -> list[list[_Row]]:
+    def _groups(self, rows: list[Row]) -> list[list[Row]]:
         """Rows with the same number of new tokens (and adapter, with ``lora_batching=
         "grouped"``), split to respect ``max_batch_tokens``."""
         grouped = self.lora_batching == "grouped"
-        by_length: dict[tuple[int, str | None], list[_Row]] = {}
+        by_length: dict[tuple[int, str | None], list[Row]] = {}
         for row in rows:
             by_length.setdefault((row.new_tokens, row.lora if grouped else None), []).append(row)
         groups = []
@@ -517,58 +470,101 @@ class AsyncTransformer(BatchedAsyncLM):
             groups.extend(same[i : i + per_group] for i in range(0, len(same), per_group))
         return groups
 
-    def _run_group(self, rows: list[_Row], results: list[Any]) -> list[torch.Tensor]:
-        """One forward for rows sharing their number of new tokens; stores and returns their KV."""
-        layout = self._layout
+    def _run_group(self, rows: list[Row], results: list[Any]) -> None:
+        """One forward for rows sharing their number of new tokens; stores their KV and logprobs."""
+        pool = self._pool
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
-        total = past_length + new_tokens
-        shape = (layout.num_layers, 2, len(rows), layout.num_heads, total, layout.head_dim)
-        nbytes = int(layout.dtype.itemsize * torch.Size(shape).numel() * _BufferPool.HEADROOM)
-        self.cache.make_room(nbytes)
-        if self.max_kv_bytes is not None:
-            self._pool.trim(self.max_kv_bytes - self.cache.kv_nbytes - nbytes)
-        buffer = self._pool.take(shape, layout.dtype, layout.device)
-        padded = False
-        for i, row in enumerate(rows):
-            pad = past_length - row.start
-            if pad:
-                buffer[:, :, i, :, :pad].zero_()
-                padded = True
-            if row.past is not None:
-                buffer[:, :, i, :, pad:past_length].copy_(row.past)
-                row.past = None
+        for row in rows:
+            row.chain, copies = self.store.extend(row.source, row.start, len(row.ids))
+            pool.copy(copies)
+        slots = [pool.slots(row.chain, len(row.ids)) for row in rows]
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
+        write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])
         loras = [row.lora for row in rows]
-        # A prefix longer than max_batch_tokens (a single row) is prefilled in chunks.
-        for chunk in range(0, new_tokens, self.max_batch_tokens):
-            end = min(new_tokens, chunk + self.max_batch_tokens)
-            past = past_length + chunk
-            mask = None
-            if padded or (past and end - chunk > 1):
-                mask = self._attention_mask(starts + chunk, past, end - chunk)
-            logits = self._forward(
+        shared = self._shared_tokens(rows) if new_tokens <= self.max_batch_tokens else 0
+        if shared:
+            # Cascade: the shared prefix is read once per layer; each row reads only its own tokens.
+            read = self._padded(slots, shared)
+            logits = self._cascade_forward(
                 loras,
-                input_ids=input_ids[:, chunk:end],
-                attention_mask=mask,
-                position_ids=(starts + chunk)[:, None]
-                + torch.arange(end - chunk, device=self._input_device),
-                past_key_values=_buffer_cache(buffer, past),
+                input_ids=input_ids,
+                attention_mask=self._attention_mask(
+                    starts - shared, past_length - shared, new_tokens, boolean=True
+                ),
+                position_ids=starts[:, None] + torch.arange(new_tokens, device=self._input_device),
+                past_key_values=pool.cache(write.flatten(), read, past_length, slots[0][:shared]),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits
+        else:
+            read = self._padded(slots, 0)
+            padded = any(row.start < past_length for row in rows)
+            # A prefix longer than max_batch_tokens (a single row) is prefilled in chunks.
+            for chunk in range(0, new_tokens, self.max_batch_tokens):
+                end = min(new_tokens, chunk + self.max_batch_tokens)
+                past = past_length + chunk
+                mask = None
+                if padded or (past and end - chunk > 1):
+                    mask = self._attention_mask(starts + chunk, past, end - chunk)
+                cache = pool.cache(
+                    write[:, chunk:end].flatten(), read[:, : past_length + end], past
+                )
+                logits = self._forward(
+                    loras,
+                    input_ids=input_ids[:, chunk:end],
+                    attention_mask=mask,
+                    position_ids=(starts + chunk)[:, None]
+                    + torch.arange(end - chunk, device=self._input_device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits
         logprobs = self._logprobs(logits[:, -1])
-        kvs = []
         for i, row in enumerate(rows):
-            kv = buffer[:, :, i, :, past_length - row.start :]
-            self._store(row, logprobs[i], kv, results)
-            kvs.append(kv)
-        return kvs
+            self._store(row, logprobs[i].clone(), results)
 
-    def _run_without_kv(self, rows: list[_Row], results: list[Any]) -> None:
+    @staticmethod
+    def _padded(slots: list[torch.Tensor], skip: int) -> torch.Tensor:
+        """Read slots of the rows' tokens after the first ``skip``, left-padded to the longest
+        row with slot 0 (block 0, all zeros; the mask hides it)."""
+        width = max(len(own) for own in slots) - skip
+        reads = []
+        for own in slots:
+            own = own[skip:]
+            pad = torch.zeros(width - len(own), dtype=own.dtype, device=own.device)
+            reads.append(torch.cat([pad, own]))
+        return torch.stack(reads)
+
+    def _shared_tokens(self, rows: list[Row]) -> int:
+        """Tokens in full blocks at the start of every row's chain and inside every row's
+        past: cascade attention reads them once (0: too few rows or tokens to bother)."""
+        if self._cascade_configs is None or len(rows) < 2:
+            return 0
+        limit = min(row.start for row in rows) // BLOCK_SIZE
+        first = rows[0].chain
+        blocks = 0
+        while blocks < limit and all(row.chain[blocks] == first[blocks] for row in rows):
+            blocks += 1
+        shared = blocks * BLOCK_SIZE
+        return shared if shared >= CASCADE_MIN_SHARED else 0
+
+    def _cascade_forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
+        """`_forward` with every attention layer switched to `cascade_attention`."""
+        configs = self._cascade_configs
+        previous = [config._attn_implementation_internal for config in configs]
+        for config in configs:
+            config._attn_implementation_internal = CASCADE
+        try:
+            return self._forward(loras, **kwargs, genlm_cache=kwargs["past_key_values"])
+        finally:
+            for config, name in zip(configs, previous, strict=True):
+                config._attn_implementation_internal = name
+
+    def _run_without_kv(self, rows: list[Row], results: list[Any]) -> None:
         """Fallback for models without reusable KV: plain forwards of whole prefixes."""
-        by_length: dict[int, list[_Row]] = {}
+        by_length: dict[int, list[Row]] = {}
         for row in rows:
             by_length.setdefault(len(row.ids), []).append(row)
         for same in by_length.values():
@@ -579,33 +575,19 @@ class AsyncTransformer(BatchedAsyncLM):
             ).logits
             logprobs = self._logprobs(logits[:, -1])
             for i, row in enumerate(same):
-                self._store(row, logprobs[i], None, results)
-
-    def _store(
-        self, row: _Row, logprobs: torch.Tensor, kv: torch.Tensor | None, results: list[Any]
-    ) -> None:
-        node = row.node.extend_cache(row.node.depth, row.ids, None)
-        node.set_logprobs(logprobs)
-        if kv is not None and not node.pinned:
-            node.set_past_key_values(kv)
-        source = row.source
-        if source is not None and source is not node and not source.pinned:
-            if source.depth <= row.node.depth:
-                # An ancestor's KV is a prefix of the new node's: keep one copy (see `_kv_below`).
-                source.set_past_key_values(None)
-        if row.slot is not None:
-            results[row.slot] = logprobs
+                self._store(row, logprobs[i].clone(), results)
 
     def _attention_mask(
-        self, starts: torch.Tensor, past_length: int, new_tokens: int
+        self, starts: torch.Tensor, past_length: int, new_tokens: int, boolean: bool = False
     ) -> torch.Tensor:
-        """``[rows, 1, new, past + new]`` mask: a row sees its own past (left-padded) causally."""
+        """``[rows, 1, new, past + new]`` mask: a row sees its own past (left-padded) causally
+        (boolean for sdpa and cascade attention, additive for eager)."""
         keys = torch.arange(past_length + new_tokens, device=self._input_device)
         queries = past_length + torch.arange(new_tokens, device=self._input_device)
         first = (past_length - starts)[:, None, None]
         mask = (keys >= first) & (keys[None, None, :] <= queries[None, :, None])
         mask = mask[:, None]
-        if self.model.config._attn_implementation == "sdpa":
+        if boolean or self.model.config._attn_implementation == "sdpa":
             return mask
         additive = torch.zeros(mask.shape, dtype=self._layout.dtype, device=mask.device)
         return additive.masked_fill_(~mask, torch.finfo(self._layout.dtype).min)
@@ -622,29 +604,22 @@ class AsyncTransformer(BatchedAsyncLM):
             ).logits
             return self._logprobs(logits[:, -1])[0]
 
-    def _cache_kv(self, ids: tuple[int, ...], lora: str | None) -> None:
-        root = self._root(lora)
-        with torch.inference_mode(), root.deferred_pruning():
-            node, depth = root.walk(ids)
-            kv = node.past_key_values if depth == len(ids) else None
-            if kv is None:
-                if self._layout is None:
-                    raise NotImplementedError(
-                        f"cache_kv needs KV reuse, which is off for {type(self.model).__name__}"
-                    )
-                (kv,) = self._run_group([self._plan(None, ids, lora, node)], [])
-            node = root.extend_cache(0, ids, None)
-            node.set_past_key_values(kv.clone(), pinned=True)
+    def _attention_configs(self) -> list[Any] | None:
+        """The configs the attention layers read their implementation from, if cascade
+        attention can be switched on there (one attention module per KV layer), else None."""
+        if self._layout is None:
+            return None
+        modules = [
+            module
+            for module in self.model.modules()
+            if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups")
+        ]
+        if len(modules) != self._layout.num_layers:
+            return None
+        from transformers import AttentionInterface
 
-    def _walk_cache(
-        self, ids: tuple[int, ...], lora: str | None
-    ) -> tuple[DynamicTokenTrie, int, torch.Tensor | None, int]:
-        root = self._root(lora)
-        with torch.inference_mode():
-            row = self._plan(None, ids, lora, root.walk(ids)[0])
-        if row.source is None:
-            return root, 0, None, 0
-        return row.source, row.start, row.past.clone(), row.source.depth
+        AttentionInterface.register(CASCADE, cascade_attention)
+        return list({id(module.config): module.config for module in modules}.values())
 
     def _probe_kv_layout(self) -> tuple[_KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it."""

@@ -1,0 +1,335 @@
+"""`PrefixKVStore`: a paged prefix-KV store shared by particles (framework-agnostic policy).
+
+KV states live in fixed-size blocks of ``block_size`` tokens inside a backend's
+preallocated pool; this module only hands out block ids and decides what they hold.
+
+- A prefix tree (`KVNode`, a plain record per token prefix, one tree per adapter) maps
+  a prefix to its *chain*: the ids of the blocks holding its KV, token ``j`` in block
+  ``chain[j // block_size]`` at offset ``j % block_size``.
+- Blocks are reference-counted: every chain holding a block (a node's, or a row's while
+  a batch runs) counts once, so particles that share a prompt share its blocks.
+- Extending a prefix (`extend`) shares its full blocks; its partly filled last block is
+  appended to in place when nobody has written past the prefix in it yet, and copied
+  otherwise (copy-on-write: only a partly filled last block is ever copied).
+- The budget counts exactly the blocks held by unpinned chains; least recently used
+  chains are released first. Pinned chains (`pin`) are outside the budget.
+- Next-token log-probabilities cached at the nodes have their own LRU byte budget.
+
+The backend implements only the forward: given a row's chain and its new tokens it
+reads the chain's blocks and writes the new tokens' KV into the blocks `extend`
+returned, applying the copies `extend` asked for first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Chain = tuple[int, ...]
+
+# Block 0 is never handed out: backends keep it zeroed and point padding at it.
+ZERO_BLOCK = 0
+
+
+@dataclass(eq=False)
+class KVNode:
+    """One token prefix: its children, cached next-token logprobs and KV chain (plain data)."""
+
+    parent: KVNode | None = None
+    token: int | None = None
+    depth: int = 0
+    children: dict[int, KVNode] = field(default_factory=dict)
+    logprobs: Any = None
+    chain: Chain | None = None
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy the first ``tokens`` token slots of block ``source`` into block ``target``."""
+
+    source: int
+    target: int
+    tokens: int
+
+
+class PrefixKVStore:
+    """Blocks, prefix trees (one per adapter key), reference counts, LRU budgets and pins.
+
+    Args:
+        block_size: tokens per block.
+        block_bytes: bytes of one block in the backend's pool (all layers, K and V).
+        grow: ``grow(num_blocks)`` resizes the backend's pool to that many blocks, keeping
+            the contents of the blocks both sizes have (block 0 must stay zero).
+        max_kv_bytes: budget for blocks held by unpinned chains (None: unbounded).
+        max_logprobs_bytes: budget for cached logprobs (None: unbounded).
+        nbytes: size of a logprobs value.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        block_bytes: int,
+        grow: Callable[[int], None],
+        max_kv_bytes: int | None = None,
+        max_logprobs_bytes: int | None = None,
+        nbytes: Callable[[Any], int] = lambda value: int(value.nbytes),
+    ):
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.max_kv_bytes = max_kv_bytes
+        self.max_logprobs_bytes = max_logprobs_bytes
+        self._grow = grow
+        self._nbytes = nbytes
+        self.reset()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every tree, chain and logprob (the pool keeps its blocks, all free)."""
+        self.roots: dict[Hashable, KVNode] = {}
+        self._refs: list[int] = [1]  # block 0 (ZERO_BLOCK) is held forever
+        self._pins: list[int] = [1]
+        self._fill: list[int] = [0]
+        self._free: list[int] = []
+        self._counted = 0  # blocks held by some chain and by no pinned one
+        self._kv_lru: OrderedDict[int, KVNode] = OrderedDict()
+        self._logprobs_lru: OrderedDict[int, KVNode] = OrderedDict()
+        self.logprobs_nbytes = 0
+        self._emptied: list[KVNode] = []
+        self._grow_to(64)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks in the pool (block 0 included)."""
+        return len(self._refs)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the blocks held by unpinned chains (the budgeted KV)."""
+        return self._counted * self.block_bytes
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks held by any chain, pinned or not (block 0 excluded)."""
+        return sum(1 for refs in self._refs[1:] if refs)
+
+    def root(self, key: Hashable) -> KVNode:
+        """The root of the prefix tree for ``key`` (an adapter name, None for the base model)."""
+        root = self.roots.get(key)
+        if root is None:
+            root = self.roots[key] = KVNode()
+        return root
+
+    def drop_root(self, key: Hashable) -> None:
+        """Forget the tree of ``key`` and release everything it holds."""
+        root = self.roots.pop(key, None)
+        if root is not None:
+            for node in _subtree(root):
+                self.set_logprobs(node, None)
+                self.set_chain(node, None)
+
+    # -- tree --------------------------------------------------------------------------------
+
+    @staticmethod
+    def walk(root: KVNode, ids: Sequence[int]) -> tuple[KVNode, int]:
+        """Follow ``ids`` as far as the tree goes: ``(deepest node, tokens consumed)``."""
+        node = root
+        for i, token in enumerate(ids):
+            child = node.children.get(token)
+            if child is None:
+                return node, i
+            node = child
+        return node, len(ids)
+
+    @staticmethod
+    def node_at(node: KVNode, ids: Sequence[int]) -> KVNode:
+        """The node for ``ids`` below ``node`` (at depth ``node.depth``), created as needed."""
+        for token in ids[node.depth :]:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = KVNode(node, token, node.depth + 1)
+            node = child
+        return node
+
+    def kv_source(self, node: KVNode, search: int = 256) -> KVNode | None:
+        """The node whose chain holds the longest KV usable for ``node``'s prefix: the
+        nearest ancestor-or-self with a chain, or a descendant's (its chain starts with
+        ``node``'s prefix; a few nodes are searched). None for a root."""
+        if node.parent is None:
+            return None
+        ancestor: KVNode | None = node
+        while ancestor is not None and ancestor.chain is None:
+            ancestor = ancestor.parent
+        if ancestor is node:
+            return node
+        stack = list(node.children.values())
+        while stack and search > 0:
+            search -= 1
+            candidate = stack.pop()
+            if candidate.chain is not None:
+                return candidate
+            stack.extend(candidate.children.values())
+        return ancestor
+
+    def touch(self, node: KVNode) -> None:
+        """Mark ``node``'s values as recently used."""
+        if id(node) in self._kv_lru:
+            self._kv_lru.move_to_end(id(node))
+        if id(node) in self._logprobs_lru:
+            self._logprobs_lru.move_to_end(id(node))
+
+    # -- chains ------------------------------------------------------------------------------
+
+    def extend(self, chain: Chain | None, length: int, total: int) -> tuple[Chain, list[BlockCopy]]:
+        """A new chain for ``total`` tokens whose first ``length`` are those of ``chain``.
+
+        Full blocks of the shared part are shared; a partly filled last block is appended
+        to in place if nothing was written past ``length`` in it, else copied (returned as
+        a `BlockCopy` for the backend to apply before writing). The chain is held by the
+        caller until it is given to a node (`set_chain`) or released (`release`).
+        """
+        size = self.block_size
+        full, partial = divmod(length, size)
+        if chain is None:
+            chain, full, partial = (), 0, 0
+        blocks = list(chain[:full]) if full else []
+        copies = []
+        for block in blocks:
+            self._hold(block, 1, 0)
+        if partial:
+            last = chain[full]
+            if self._fill[last] == partial:
+                self._hold(last, 1, 0)
+            else:
+                new = self._allocate()
+                copies.append(BlockCopy(last, new, partial))
+                last = new
+            blocks.append(last)
+            self._fill[last] = min(size, total - full * size)
+        while len(blocks) * size < total:
+            new = self._allocate()
+            self._fill[new] = min(size, total - len(blocks) * size)
+            blocks.append(new)
+        return tuple(blocks), copies
+
+    def hold(self, chain: Chain) -> Chain:
+        """Hold ``chain``'s blocks (e.g. a row's source while its batch runs); `release` them."""
+        for block in chain:
+            self._hold(block, 1, 0)
+        return chain
+
+    def release(self, chain: Chain | None) -> None:
+        """Let go of a chain from `extend` that no node took, or of one from `hold`."""
+        for block in chain or ():
+            self._hold(block, -1, 0)
+
+    def pin(self, node: KVNode) -> None:
+        """Keep ``node``'s chain until a clear, outside the budget."""
+        if node.chain is not None and not node.pinned:
+            chain = self.hold(node.chain)
+            self.set_chain(node, chain, pinned=True)
+
+    def set_chain(self, node: KVNode, chain: Chain | None, pinned: bool = False) -> None:
+        """Give ``node`` a chain (held by the caller; the node takes that hold), or drop its chain."""
+        if node.chain is not None:
+            for block in node.chain:
+                self._hold(block, -1, -1 if node.pinned else 0)
+            self._kv_lru.pop(id(node), None)
+        node.chain, node.pinned = chain, pinned and chain is not None
+        if chain is None:
+            return
+        if node.pinned:
+            for block in chain:
+                self._hold(block, 0, 1)
+        else:
+            self._kv_lru[id(node)] = node
+
+    def evict(self, reserve_blocks: int = 0) -> None:
+        """Release least recently used unpinned chains until ``reserve_blocks`` more fit."""
+        if self.max_kv_bytes is None:
+            return
+        limit = self.max_kv_bytes // self.block_bytes - reserve_blocks
+        while self._kv_lru and self._counted > limit:
+            node = next(iter(self._kv_lru.values()))
+            self.set_chain(node, None)
+            self._emptied.append(node)
+
+    def clear_kv(self) -> None:
+        """Release every chain (pinned ones too); logprobs stay."""
+        for root in self.roots.values():
+            for node in _subtree(root):
+                self.set_chain(node, None)
+
+    # -- logprobs ----------------------------------------------------------------------------
+
+    def set_logprobs(self, node: KVNode, logprobs: Any) -> None:
+        """Cache ``node``'s next-token logprobs (None: drop them), evicting LRU ones over budget."""
+        if node.logprobs is not None:
+            self.logprobs_nbytes -= self._nbytes(node.logprobs)
+            self._logprobs_lru.pop(id(node), None)
+        node.logprobs = logprobs
+        if logprobs is None:
+            return
+        self.logprobs_nbytes += self._nbytes(logprobs)
+        self._logprobs_lru[id(node)] = node
+        limit = self.max_logprobs_bytes
+        while limit is not None and self.logprobs_nbytes > limit and self._logprobs_lru:
+            oldest = next(iter(self._logprobs_lru.values()))
+            self.set_logprobs(oldest, None)
+            self._emptied.append(oldest)
+
+    def prune(self) -> None:
+        """Detach the nodes evictions left with no value and no children (call between
+        batches, when no caller holds a node), so the trees stay bounded."""
+        emptied, self._emptied = self._emptied, []
+        for node in emptied:
+            while (
+                node.parent is not None
+                and node.token is not None
+                and not node.children
+                and node.logprobs is None
+                and node.chain is None
+                and node.parent.children.get(node.token) is node
+            ):
+                del node.parent.children[node.token]
+                node = node.parent
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def _hold(self, block: int, refs: int, pins: int) -> None:
+        before = self._refs[block] > 0 and self._pins[block] == 0
+        self._refs[block] += refs
+        self._pins[block] += pins
+        after = self._refs[block] > 0 and self._pins[block] == 0
+        self._counted += after - before
+        if not self._refs[block]:
+            self._fill[block] = 0
+            self._free.append(block)
+
+    def _allocate(self) -> int:
+        self.evict(1)
+        if not self._free:
+            self._grow_to(2 * self.capacity)
+        block = self._free.pop()
+        self._hold(block, 1, 0)
+        return block
+
+    def _grow_to(self, capacity: int) -> None:
+        old = self.capacity
+        self._grow(capacity)
+        self._refs += [0] * (capacity - old)
+        self._pins += [0] * (capacity - old)
+        self._fill += [0] * (capacity - old)
+        self._free.extend(range(capacity - 1, old - 1, -1))
+
+
+def _subtree(root: KVNode) -> list[KVNode]:
+    nodes, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes

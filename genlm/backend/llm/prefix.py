@@ -1,0 +1,207 @@
+"""`PrefixCachedLM`: the shared half of every backend whose KV lives in a `PrefixKVStore`.
+
+It owns the batcher, the request plan (deepest cached KV, what remains to run), the
+logprobs and KV bookkeeping after a forward, and the public cache calls (`walk_cache`,
+`cache_kv`, `clear_cache`, `clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the
+`add_query` queue), each with one meaning for every backend. A backend implements only
+its forward over rows of (block chain, new tokens), `_run_rows`, and `_read_past`.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from genlm.backend.batching import AutoBatcher
+from genlm.backend.kv_store import Chain, KVNode, PrefixKVStore
+from genlm.backend.llm.base import BatchedAsyncLM, Query
+
+
+@dataclass
+class Row:
+    """One request in a batch: run ``ids[start:]`` on top of the KV of ``ids[:start]``.
+
+    ``source`` holds the blocks of that KV while the batch runs; ``chain`` is the row's
+    own chain (``ids`` whole) once the backend allocated it, until a node takes it.
+    """
+
+    slot: int | None
+    ids: tuple[int, ...]
+    lora: str | None
+    node: KVNode
+    start: int
+    source: Chain = ()
+    chain: Chain | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.ids) - self.start
+
+
+class PrefixCachedLM(BatchedAsyncLM):
+    """An auto-batched LM with a prefix tree of cached logprobs and paged KV (`store`).
+
+    Subclasses call `_init_prefix_cache` and implement `_run_rows` and `_read_past`.
+    """
+
+    store: PrefixKVStore
+    kv_reuse: bool
+
+    def _init_prefix_cache(
+        self,
+        store: PrefixKVStore,
+        kv_reuse: bool,
+        batch_size: int,
+        timeout: float | None,
+        name: str,
+    ) -> None:
+        self.store = store
+        self.kv_reuse = kv_reuse
+        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name=name)
+        self._queries: list[Query] = []
+
+    # -- backend hooks (worker thread) ---------------------------------------------------------
+
+    @abstractmethod
+    def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
+        """Run the rows' new tokens: for each row, ``row.chain, copies =
+        store.extend(row.source, row.start, len(row.ids))`` (with KV reuse), apply the
+        copies, write the new tokens' KV into the chain, then `_store` its logprobs."""
+
+    @abstractmethod
+    def _read_past(self, chain: Chain, tokens: int) -> Any:
+        """A copy of the KV of a chain's first ``tokens`` tokens (`walk_cache`'s ``past``)."""
+
+    # -- public API ----------------------------------------------------------------------------
+
+    @property
+    def cache(self) -> KVNode:
+        """The root of the base model's prefix tree (each adapter has its own, in `store`)."""
+        return self.store.root(None)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the KV blocks held by unpinned prefixes (pinned prompts are outside it)."""
+        return self.store.kv_nbytes
+
+    def cache_kv(self, prompt_tokens: Sequence[int], *, lora_name: str | None = None) -> None:
+        """Compute and pin the KV of ``prompt_tokens``: it stays until a cache clear.
+
+        Raises ``NotImplementedError`` when this model's KV cannot be reused.
+        """
+        ids, lora = self.query(prompt_tokens, lora_name)
+        self.batcher.run_sync(self._cache_kv, ids, lora)
+
+    def walk_cache(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> tuple[KVNode, int, Any, int]:
+        """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
+
+        ``node`` holds the KV used (the root if none), ``base`` is its depth (the tokens its
+        KV covers), ``past`` is a copy of that KV cut to ``token_ids[:next_token_index]``
+        (backend-specific; for HF ``[layers, 2, kv_heads, next_token_index, head_dim]``), or
+        None, and ``next_token_index`` is the first token still to run (at most ``len - 1``:
+        the last token always runs, to get the logits).
+        """
+        ids, lora = self.query(token_ids, lora_name)
+        return self.batcher.run_sync(self._walk_cache, ids, lora)
+
+    def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
+        """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
+        self._queries.append(self.query(token_ids, lora_name))
+        return len(self._queries) - 1
+
+    def batch_evaluate_queries(self) -> list[Any]:
+        """Evaluate every queued prefix in one batch (blocking); empties the queue."""
+        queries, self._queries = self._queries, []
+        return self._run_batch(queries) if queries else []
+
+    def clear_cache(self) -> None:
+        """Forget all cached logprobs and KV (pinned prompts included)."""
+        self.batcher.run_sync(self.store.reset)
+
+    def clear_kv_cache(self) -> None:
+        """Forget all cached KV (pinned prompts included), keep the logprobs."""
+        self.batcher.run_sync(self.store.clear_kv)
+
+    def reset_async_queries(self) -> None:
+        """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
+        super().reset_async_queries()
+        self._queries = []
+
+    # -- batch evaluation (worker thread) ------------------------------------------------------
+
+    def _process_batch(self, keys: list[Query]) -> list[Any]:
+        results: list[Any] = [None] * len(keys)
+        rows: list[Row] = []
+        try:
+            for slot, (ids, lora) in enumerate(keys):
+                node, depth = self.store.walk(self.store.root(lora), ids)
+                if depth == len(ids) and node.logprobs is not None:
+                    self.store.touch(node)
+                    results[slot] = node.logprobs
+                else:
+                    rows.append(self._plan(slot, ids, lora, node))
+            if rows:
+                self._run_rows(rows, results)
+        finally:
+            self._finish(rows)
+        return results
+
+    def _plan(self, slot: int | None, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
+        """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
+        the path of ``ids`` in the tree of adapter ``lora``)."""
+        source = self.store.kv_source(node) if self.kv_reuse else None
+        if source is None or source.chain is None:
+            return Row(slot, ids, lora, node, 0)
+        start = min(source.depth, node.depth, len(ids) - 1)
+        self.store.touch(source)
+        held = self.store.hold(source.chain[: -(-start // self.store.block_size)])
+        return Row(slot, ids, lora, node, start, held)
+
+    def _store(self, row: Row, logprobs: Any, results: list[Any]) -> None:
+        """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
+        chain to its node (unless the node holds a pinned chain)."""
+        node = self.store.node_at(row.node, row.ids)
+        self.store.set_logprobs(node, logprobs)
+        if row.chain is not None and not node.pinned:
+            self.store.set_chain(node, row.chain)
+            row.chain = None
+        if row.slot is not None:
+            results[row.slot] = logprobs
+
+    def _finish(self, rows: Sequence[Row]) -> None:
+        """Let go of what the rows still hold, bring KV back within budget, prune the trees."""
+        for row in rows:
+            self.store.release(row.source)
+            self.store.release(row.chain)
+            row.source, row.chain = (), None
+        self.store.evict()
+        self.store.prune()
+
+    def _cache_kv(self, ids: tuple[int, ...], lora: str | None) -> None:
+        if not self.kv_reuse:
+            raise NotImplementedError(
+                f"cache_kv needs KV reuse, which is off for this {type(self).__name__}'s model"
+            )
+        node, depth = self.store.walk(self.store.root(lora), ids)
+        if depth == len(ids) and node.chain is not None:
+            self.store.pin(node)
+            return
+        row = self._plan(None, ids, lora, node)
+        try:
+            self._run_rows([row], [])
+            self.store.pin(self.store.node_at(node, ids))
+        finally:
+            self._finish([row])
+
+    def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> tuple[KVNode, int, Any, int]:
+        root = self.store.root(lora)
+        node = self.store.walk(root, ids)[0]
+        source = self.store.kv_source(node) if self.kv_reuse else None
+        start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
+        if source is None or source.chain is None or not start:
+            return root, 0, None, 0
+        return source, start, self._read_past(source.chain, start), source.depth

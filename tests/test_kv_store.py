@@ -1,0 +1,229 @@
+"""PrefixKVStore on a fake pool whose "KV" of a token is the token id itself.
+
+Every check is against an independent account: a node's chain must read back exactly
+its own prefix, and the bytes the store charges must equal the distinct blocks of the
+unpinned chains counted by brute force.
+"""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genlm.backend.kv_store import ZERO_BLOCK, PrefixKVStore
+
+BLOCK = 4
+BLOCK_BYTES = 10
+
+
+class FakePool:
+    """Slots hold the token written there (None: never written)."""
+
+    def __init__(self):
+        self.slots: list[int | None] = []
+        self.sizes: list[int] = []
+        self.copied_tokens = 0
+
+    def resize(self, blocks: int) -> None:
+        self.sizes.append(blocks)
+        self.slots = (self.slots + [None] * blocks * BLOCK)[: blocks * BLOCK]
+
+    def apply(self, copies) -> None:
+        for copy in copies:
+            for j in range(copy.tokens):
+                self.slots[copy.target * BLOCK + j] = self.slots[copy.source * BLOCK + j]
+            self.copied_tokens += copy.tokens
+
+    def write(self, chain, start, ids) -> None:
+        for j in range(start, len(ids)):
+            self.slots[chain[j // BLOCK] * BLOCK + j % BLOCK] = ids[j]
+
+    def read(self, chain, tokens):
+        return [self.slots[chain[j // BLOCK] * BLOCK + j % BLOCK] for j in range(tokens)]
+
+
+def make_store(max_kv_bytes=None, max_logprobs_bytes=None):
+    pool = FakePool()
+    store = PrefixKVStore(
+        BLOCK,
+        BLOCK_BYTES,
+        pool.resize,
+        max_kv_bytes=max_kv_bytes,
+        max_logprobs_bytes=max_logprobs_bytes,
+        nbytes=len,
+    )
+    return store, pool
+
+
+def run(store, pool, ids, key=None):
+    """What a backend does for one request: reuse the deepest KV, write the rest, store."""
+    ids = tuple(ids)
+    node, _ = store.walk(store.root(key), ids)
+    source = store.kv_source(node)
+    start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
+    held = store.hold(source.chain[: -(-start // BLOCK)]) if source else ()
+    chain, copies = store.extend(held, start, len(ids))
+    pool.apply(copies)
+    pool.write(chain, start, ids)
+    node = store.node_at(node, ids)
+    store.set_chain(node, chain)
+    store.release(held)
+    store.evict()
+    store.prune()
+    return node, start
+
+
+def prefix_of(node):
+    tokens = []
+    while node.parent is not None:
+        tokens.append(node.token)
+        node = node.parent
+    return tokens[::-1]
+
+
+def chains(store):
+    for root in store.roots.values():
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.chain is not None:
+                yield node
+
+
+def check_invariants(store, pool):
+    pinned, unpinned = set(), set()
+    for node in chains(store):
+        assert pool.read(node.chain, node.depth) == prefix_of(node)
+        assert ZERO_BLOCK not in node.chain
+        (pinned if node.pinned else unpinned).update(node.chain)
+    assert store.held_blocks == len(pinned | unpinned)
+    assert store.kv_nbytes == len(unpinned - pinned) * BLOCK_BYTES
+
+
+def test_particles_share_the_prompt_and_fork_copies_only_a_partial_block():
+    store, pool = make_store()
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
+    run(store, pool, prompt)
+    assert store.held_blocks == 3
+    children = [run(store, pool, prompt + [t])[0] for t in (1, 2, 3)]
+    # the first child appends to the prompt's partial block; the others copy its 2 tokens
+    assert pool.copied_tokens == 2 * 2
+    assert store.held_blocks == 3 + 2
+    assert len({child.chain[:2] for child in children}) == 1  # full blocks shared
+    check_invariants(store, pool)
+    # extending a child again runs one token and copies nothing
+    node, start = run(store, pool, prompt + [2, 7])
+    assert start == len(prompt) + 1 and pool.copied_tokens == 4
+    check_invariants(store, pool)
+
+
+def test_budget_counts_exactly_the_blocks_and_evicts_least_recently_used():
+    store, pool = make_store(max_kv_bytes=4 * BLOCK_BYTES)
+    first, _ = run(store, pool, [1] * 8)  # 2 blocks
+    second, _ = run(store, pool, [2] * 8)  # 2 blocks
+    store.touch(first)
+    run(store, pool, [3] * 4)  # 1 more block: the least recently used (second) goes
+    assert second.chain is None and first.chain is not None
+    assert store.kv_nbytes == 3 * BLOCK_BYTES
+    check_invariants(store, pool)
+
+
+def test_pinned_chains_survive_eviction_outside_the_budget():
+    store, pool = make_store(max_kv_bytes=0)
+    node, _ = run(store, pool, [5, 6, 7, 8, 9])
+    assert node.chain is None  # a zero budget keeps nothing unpinned
+    assert 5 not in store.root(None).children  # and the emptied node was pruned
+    node = store.node_at(store.root(None), [5, 6, 7, 8, 9])
+    chain, _ = store.extend(None, 0, 5)
+    pool.write(chain, 0, [5, 6, 7, 8, 9])
+    store.set_chain(node, chain)
+    store.pin(node)
+    store.evict()
+    assert node.chain is not None and store.kv_nbytes == 0
+    child, start = run(store, pool, [5, 6, 7, 8, 9, 10])
+    # the child appended to the pinned partial block: it holds only pinned blocks, free
+    assert start == 5 and child.chain == node.chain and store.kv_nbytes == 0
+    check_invariants(store, pool)
+    store.clear_kv()
+    assert node.chain is None and store.held_blocks == 0
+
+
+def test_pin_keeps_a_computed_chain_and_unpins_nothing_else():
+    store, pool = make_store(max_kv_bytes=2 * BLOCK_BYTES)
+    node, _ = run(store, pool, [1, 2, 3, 4, 5])
+    store.pin(node)
+    assert node.pinned and store.kv_nbytes == 0
+    for t in range(10):
+        run(store, pool, [20 + t] * 6)
+    assert node.chain is not None
+    check_invariants(store, pool)
+
+
+def test_adapter_roots_are_separate_and_dropping_one_releases_its_blocks():
+    store, pool = make_store()
+    run(store, pool, [1, 2, 3], key=None)
+    lora_node, start = run(store, pool, [1, 2, 3, 4], key="a")
+    assert start == 0  # nothing shared across adapters
+    assert store.held_blocks == 2
+    store.drop_root("a")
+    assert store.held_blocks == 1 and "a" not in store.roots
+    check_invariants(store, pool)
+
+
+def test_logprobs_budget_evicts_least_recently_used_and_prunes_empty_nodes():
+    store, _ = make_store(max_logprobs_bytes=6)
+    root = store.root(None)
+    a, b = store.node_at(root, [1, 2]), store.node_at(root, [3])
+    store.set_logprobs(a, "xyz")
+    store.set_logprobs(b, "uvw")
+    store.touch(a)
+    store.set_logprobs(store.node_at(root, [4]), "q")  # over budget: b goes
+    assert b.logprobs is None and a.logprobs == "xyz" and store.logprobs_nbytes == 4
+    store.prune()
+    assert 3 not in root.children and 1 in root.children
+
+
+def test_a_descendant_chain_serves_its_prefix():
+    store, pool = make_store()
+    run(store, pool, list(range(10)))
+    store.set_chain(store.walk(store.root(None), list(range(5)))[0], None)  # no-op: no chain
+    node, start = run(store, pool, list(range(6)) + [99])
+    assert start == 6  # read from the longer prefix's chain
+    check_invariants(store, pool)
+
+
+def test_the_pool_grows_by_doubling_and_reset_shrinks_it():
+    store, pool = make_store()
+    assert pool.sizes == [64]
+    run(store, pool, list(range(64 * BLOCK)))
+    assert pool.sizes == [64, 128]
+    store.reset()
+    assert pool.sizes[-1] == 64 and store.held_blocks == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 7),  # which existing prefix to extend (index into history)
+            st.lists(st.integers(0, 3), min_size=1, max_size=6),  # tokens appended
+            st.sampled_from([None, "a"]),
+            st.booleans(),  # pin the result
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    budget_blocks=st.one_of(st.none(), st.integers(0, 12)),
+)
+def test_random_forks_evictions_and_pins_keep_every_chain_exact(steps, budget_blocks):
+    budget = None if budget_blocks is None else budget_blocks * BLOCK_BYTES
+    store, pool = make_store(max_kv_bytes=budget)
+    history = [[0, 1, 2]]
+    for pick, tokens, key, pin in steps:
+        ids = history[pick % len(history)] + tokens
+        history.append(ids)
+        node, _ = run(store, pool, ids, key=key)
+        if pin:
+            store.pin(node)
+        check_invariants(store, pool)
+        if budget is not None:
+            assert store.kv_nbytes <= budget
