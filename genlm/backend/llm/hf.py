@@ -452,10 +452,16 @@ class AsyncTransformer(PrefixCachedLM):
                 for group in self._groups(rows):
                     self._run_group(group, results)
 
+    @property
+    def _kv_pool(self) -> _BlockPool:
+        """The block pool (there is one whenever KV reuse is on, the only time it is used)."""
+        assert self._pool is not None, "KV reuse is off for this model"
+        return self._pool
+
     def _read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
         """``[layers, 2, kv_heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
-        slots = self._pool.slots(chain, tokens)
-        return self._pool.kv[:, :, slots].permute(0, 1, 3, 2, 4).clone()
+        pool = self._kv_pool
+        return pool.kv[:, :, pool.slots(chain, tokens)].permute(0, 1, 3, 2, 4).clone()
 
     def _groups(self, rows: list[Row]) -> list[list[Row]]:
         """Rows with the same number of new tokens (and adapter, with ``lora_batching=
@@ -464,7 +470,7 @@ class AsyncTransformer(PrefixCachedLM):
         by_length: dict[tuple[int, str | None], list[Row]] = {}
         for row in rows:
             by_length.setdefault((row.new_tokens, row.lora if grouped else None), []).append(row)
-        groups = []
+        groups: list[list[Row]] = []
         for (new_tokens, _), same in by_length.items():
             per_group = max(1, self.max_batch_tokens // new_tokens)
             groups.extend(same[i : i + per_group] for i in range(0, len(same), per_group))
@@ -472,13 +478,15 @@ class AsyncTransformer(PrefixCachedLM):
 
     def _run_group(self, rows: list[Row], results: list[Any]) -> None:
         """One forward for rows sharing their number of new tokens; stores their KV and logprobs."""
-        pool = self._pool
+        pool = self._kv_pool
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
+        slots = []
         for row in rows:
-            row.chain, copies = self.store.extend(row.source, row.start, len(row.ids))
+            chain, copies = self.store.extend(row.source, row.start, len(row.ids))
+            row.chain = chain
             pool.copy(copies)
-        slots = [pool.slots(row.chain, len(row.ids)) for row in rows]
+            slots.append(pool.slots(chain, len(row.ids)))
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
         write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])
@@ -543,9 +551,10 @@ class AsyncTransformer(PrefixCachedLM):
         if self._cascade_configs is None or len(rows) < 2:
             return 0
         limit = min(row.start for row in rows) // BLOCK_SIZE
-        first = rows[0].chain
+        chains = [row.chain or () for row in rows]  # set by _run_group
+        first = chains[0]
         blocks = 0
-        while blocks < limit and all(row.chain[blocks] == first[blocks] for row in rows):
+        while blocks < limit and all(chain[blocks] == first[blocks] for chain in chains):
             blocks += 1
         shared = blocks * BLOCK_SIZE
         return shared if shared >= CASCADE_MIN_SHARED else 0
@@ -553,6 +562,7 @@ class AsyncTransformer(PrefixCachedLM):
     def _cascade_forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
         """`_forward` with every attention layer switched to `cascade_attention`."""
         configs = self._cascade_configs
+        assert configs is not None  # _shared_tokens is 0 without them
         previous = [config._attn_implementation_internal for config in configs]
         for config in configs:
             config._attn_implementation_internal = CASCADE
@@ -589,8 +599,9 @@ class AsyncTransformer(PrefixCachedLM):
         mask = mask[:, None]
         if boolean or self.model.config._attn_implementation == "sdpa":
             return mask
-        additive = torch.zeros(mask.shape, dtype=self._layout.dtype, device=mask.device)
-        return additive.masked_fill_(~mask, torch.finfo(self._layout.dtype).min)
+        dtype = self._kv_pool.layout.dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return additive.masked_fill_(~mask, torch.finfo(dtype).min)
 
     def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
         """Normalized float32 log-probabilities over the tokenizer's vocabulary (padding dropped)."""
@@ -633,11 +644,13 @@ class AsyncTransformer(PrefixCachedLM):
             ).past_key_values
         if not isinstance(cache, DynamicCache) or not cache.layers:
             return None, f"its cache is a {type(cache).__name__}"
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            return None, "its cache has layers other than full attention"
-        keys = {(layer.keys.shape, layer.keys.dtype, layer.keys.device) for layer in cache.layers}
-        values = {(layer.values.shape, layer.values.dtype) for layer in cache.layers}
-        (shape, dtype, device), (value_shape, value_dtype) = next(iter(keys)), next(iter(values))
-        if len(keys) > 1 or len(values) > 1 or (shape, dtype) != (value_shape, value_dtype):
+        kinds = set()
+        for layer in cache.layers:
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if type(layer) is not DynamicLayer or keys is None or values is None:
+                return None, "its cache has layers other than full attention"
+            kinds.add((keys.shape, keys.dtype, keys.device, values.shape, values.dtype))
+        (shape, dtype, device, value_shape, value_dtype) = next(iter(kinds))
+        if len(kinds) > 1 or (shape, dtype) != (value_shape, value_dtype):
             return None, "its layers' KV shapes differ"
         return _KVLayout(len(cache.layers), shape[1], shape[3], dtype, device), ""
