@@ -32,3 +32,26 @@ def hf_model(default_model_dir):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def random_lora(default_model_dir):
+    """``random_lora(path, seed)``: a peft LoRA adapter (r=4 on q/v projections, random
+    non-zero B) on a fresh float32 copy of the default model, saved at ``path``; returns
+    the peft model, adapter enabled."""
+    import torch
+
+    def make(path, seed=0):
+        import peft
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        config = peft.LoraConfig(
+            r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+        )
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+        adapted = peft.get_peft_model(model, config).eval()
+        adapted.save_pretrained(path)
+        return adapted
+
+    return make

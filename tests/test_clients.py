@@ -196,20 +196,12 @@ async def test_eager_smc_under_a_regex_runs_on_our_character_trie(smollm2_tokeni
 # peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 async def test_prompted_llm_forwards_under_a_peft_adapter_on_hf(
-    default_model_dir, smollm2_tokenizer, tmp_path
+    random_lora, smollm2_tokenizer, tmp_path
 ):
     """Base and adapter rows in one batch, each against peft's own forward with the adapter
     enabled or disabled."""
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
-    adapted = peft.get_peft_model(model, config).eval()
-    adapted.save_pretrained(tmp_path / "lora")
+    pytest.importorskip("peft")
+    adapted = random_lora(tmp_path / "lora")
     ids = smollm2_tokenizer.encode(PROMPT) + smollm2_tokenizer.encode(CONTEXT)
     with torch.inference_mode():
         with_lora = adapted(input_ids=torch.tensor([ids])).logits[0, -1].log_softmax(-1)

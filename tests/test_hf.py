@@ -325,17 +325,9 @@ async def test_eager_attention_uses_an_additive_mask(default_model_dir, smollm2_
 
 # peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_lora_switching(default_model_dir, smollm2_tokenizer, prompt, tmp_path):
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-    )
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
-    adapted = peft.get_peft_model(model, config).eval()
-    adapted.save_pretrained(tmp_path / "lora")
+def test_lora_switching(random_lora, smollm2_tokenizer, prompt, tmp_path):
+    pytest.importorskip("peft")
+    adapted = random_lora(tmp_path / "lora")
     ids = prompt + [42]
     with_lora = reference(adapted, ids, len(smollm2_tokenizer))
     with adapted.disable_adapter():

@@ -29,18 +29,12 @@ def load_base(model_dir):
 
 
 @pytest.fixture(scope="module")
-def adapter_dirs(default_model_dir, tmp_path_factory):
+def adapter_dirs(random_lora, tmp_path_factory):
     """Two saved adapters on q/v projections, randomly initialised (B != 0)."""
     root = tmp_path_factory.mktemp("adapters")
-    dirs = {}
     for name, seed in [("a", 1), ("b", 2)]:
-        torch.manual_seed(seed)
-        config = peft.LoraConfig(
-            r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
-        )
-        peft.get_peft_model(load_base(default_model_dir), config).save_pretrained(root / name)
-        dirs[name] = str(root / name)
-    return dirs
+        random_lora(root / name, seed)
+    return {name: str(root / name) for name in ("a", "b")}
 
 
 @pytest.fixture(scope="module")

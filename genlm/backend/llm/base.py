@@ -395,15 +395,6 @@ class BatchedAsyncLM(AsyncLM):
         """Blocking `next_token_logprobs` (a batch of one)."""
         return self._run_batch([self.query(token_ids, lora_name)])[0]
 
-    async def batch_next_token_logprobs(
-        self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Next-token log-probabilities for several prefixes, batched: ``[B, V]``."""
-        queries = self.queries(token_ids_list, lora_name)
-        if not queries:
-            return torch.empty(0, self.vocab_size)
-        return torch.stack(await asyncio.gather(*(self.batcher.submit(q) for q in queries)))
-
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
