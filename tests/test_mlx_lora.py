@@ -169,10 +169,12 @@ async def test_registering_a_name_again_rebinds_it_and_drops_its_cache(lm, base_
 
 async def test_removed_or_unknown_adapters_raise_value_error(lm, base_model, tmp_path):
     task = asyncio.create_task(lm.next_token_logprobs(PROMPTS[0], lora_name="a"))
+    other = asyncio.create_task(lm.next_token_logprobs(PROMPTS[1]))  # same batch, base model
     await asyncio.sleep(0)  # queued, not yet run
     lm.remove_lora("a")
     with pytest.raises(ValueError, match="'a'.*add_new_lora"):
         await task
+    check(await other, base_model[0], PROMPTS[1])  # only the removed adapter's caller fails
     with pytest.raises(ValueError, match="'a'.*add_new_lora"):
         await lm.next_token_logprobs(PROMPTS[0], lora_name="a")
     with pytest.raises(ValueError, match="'a'.*add_new_lora"):

@@ -177,3 +177,16 @@ def test_import_is_lazy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+async def test_a_request_whose_adapter_is_removed_while_queued_fails_alone(smollm2_tokenizer):
+    lm = MockAsyncLM(smollm2_tokenizer)
+    lm.add_new_lora("/adapters/a", "a")
+    doomed = asyncio.ensure_future(lm.next_token_logprobs([1, 2], lora_name="a"))
+    kept = asyncio.ensure_future(lm.next_token_logprobs([1, 2]))
+    await asyncio.sleep(0)  # both queued in one batch
+    lm.remove_lora("a")
+    with pytest.raises(ValueError, match="'a'.*add_new_lora"):
+        await doomed
+    assert torch.equal(await kept, MockAsyncLM(smollm2_tokenizer).next_token_logprobs_sync([1, 2]))
+    assert lm.batcher.num_batches == 1

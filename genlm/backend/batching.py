@@ -10,8 +10,9 @@ Callers ``await batcher.submit(key)``; the batcher
 - computes each distinct key once per batch (identical prefixes are deduplicated);
 - runs ``process_batch`` in a worker thread, one batch at a time, so the next
   batch gathers while the current one computes (torch releases the GIL);
-- delivers a failure to every caller of the failed batch and keeps serving; a
-  cancelled caller never disturbs the others;
+- delivers a failure to every caller of the failed batch and keeps serving; a result
+  that is an exception instance fails only that key's callers; a cancelled caller never
+  disturbs the others;
 - works from successive event loops (``asyncio.run`` twice); a second event loop
   running at the same time (another thread) gets a clear ``RuntimeError``, never a hang;
 - keeps bounded statistics: ``num_batches``, ``num_requests`` and the sizes of the
@@ -190,10 +191,14 @@ class AutoBatcher(Generic[K, R]):
             for future in waiters:
                 if future.done():
                     continue
-                if error is None:
-                    future.set_result(results[i])
-                else:
+                if error is not None:
                     future.set_exception(error)
+                    continue
+                result = results[i]
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
         if self._pending:
             # Callers just answered usually ask again at once: give them one turn of
             # the loop to join the next batch, unless that batch is already due.

@@ -213,8 +213,9 @@ class AsyncLM(ABC):
         self._check_open()
         if lora_name not in self.lora_paths:
             raise self._unknown_lora(lora_name)
-        self._unload_lora(lora_name)
+        # Unregistered first: a request still queued for it then fails alone (`_serve_batch`).
         del self.lora_paths[lora_name]
+        self._unload_lora(lora_name)
         if self.default_lora == lora_name:
             self.default_lora = None
 
@@ -371,10 +372,11 @@ def check_eos_token_ids(eos_token_ids: Any) -> tuple[int, ...]:
 class BatchedAsyncLM(AsyncLM):
     """An `AsyncLM` whose requests all go through one `AutoBatcher`.
 
-    Subclasses create ``self.batcher = AutoBatcher(self._process_batch, ...)`` and
+    Subclasses create ``self.batcher = AutoBatcher(self._serve_batch, ...)`` and
     implement `_process_batch` over `Query` keys; this class routes the public calls
     through it (the blocking ones run on the batcher's worker thread too, so they never
-    race a batch).
+    race a batch). `_serve_batch` answers a request whose adapter was removed while it
+    waited with its own `ValueError`, so the rest of its batch is served.
     """
 
     batcher: AutoBatcher[Any, Any]  # keys: `Query` (vLLM adds its own sampling requests)
@@ -404,11 +406,31 @@ class BatchedAsyncLM(AsyncLM):
             return torch.empty(0, self.vocab_size)
         return torch.stack(self._run_batch(queries))
 
+    def _serve_batch(self, keys: list[Any]) -> BatchResults[Any]:
+        """`_process_batch` on the keys whose adapter is still registered; the others get
+        the unknown-adapter `ValueError` as their result (the batcher fails only them)."""
+        gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]
+        if not any(gone):
+            return self._process_batch(keys)
+        kept = self._process_batch([key for key, g in zip(keys, gone, strict=True) if not g])
+        answers: list[Any] = []
+        served = 0
+        for key, is_gone in zip(keys, gone, strict=True):
+            if is_gone:
+                answers.append(self._unknown_lora(key.lora))
+            else:
+                answers.append(kept[served])
+                served += 1
+        return answers
+
     def _run_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        """`_process_batch` on the distinct ``keys`` (worker thread, blocking), in ``keys`` order."""
+        """`_serve_batch` on the distinct ``keys`` (worker thread, blocking), in ``keys`` order."""
         distinct = list(dict.fromkeys(keys))
-        results = self.batcher.run_sync(self._process_batch, distinct)
+        results = self.batcher.run_sync(self._serve_batch, distinct)
         by_key = dict(zip(distinct, results, strict=True))
+        for result in by_key.values():
+            if isinstance(result, BaseException):
+                raise result
         return [by_key[key] for key in keys]
 
     def reset_async_queries(self) -> None:
@@ -436,7 +458,7 @@ class MockAsyncLM(BatchedAsyncLM):
 
     def __init__(self, tokenizer: Any, batch_size: int = 64, timeout: float | None = 0.02):
         # the batcher checks batch_size and timeout: before the vocabulary is decoded
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-mock")
+        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name="genlm-mock")
         super().__init__(tokenizer)
         rng = np.random.default_rng(0)
         logits = torch.from_numpy(rng.standard_normal((self.NUM_TABLES, self.vocab_size)) * 3)

@@ -47,7 +47,7 @@ class EngineLM(BatchedAsyncLM):
         if cache_opts is not None and not isinstance(cache_opts, dict):
             raise TypeError(f"cache_opts must be a dict or None, got {type(cache_opts).__name__}")
         self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name=name)
+        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
         super().__init__(tokenizer)
 
     def _shutdown_engine(self) -> None:

@@ -132,7 +132,7 @@ class AsyncMlxLM(BatchedAsyncLM):
             )
         self._adapters: dict[str, Any] = {}  # adapter name -> model holding its LoRA layers
         self._reset_trie()
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name="genlm-mlx")
+        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name="genlm-mlx")
 
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> AsyncMlxLM:
@@ -259,8 +259,6 @@ class AsyncMlxLM(BatchedAsyncLM):
     def _process_batch(self, queries: list[Query]) -> list[torch.Tensor | None]:
         """Answer distinct queries from their adapter's cache or batched forward passes
         (every entry is filled)."""
-        for lora in {query.lora for query in queries}:
-            self._model(lora)  # an adapter removed while its requests waited: fail first
         results: list[torch.Tensor | None] = [None] * len(queries)
         missing = []
         for i, (ids, lora) in enumerate(queries):

@@ -59,7 +59,7 @@ class PrefixCachedLM(BatchedAsyncLM):
     ) -> None:
         self.store = store
         self.kv_reuse = kv_reuse
-        self.batcher = AutoBatcher(self._process_batch, batch_size, timeout, name=name)
+        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
         self._queries: list[Query] = []
 
     # -- backend hooks (worker thread) ---------------------------------------------------------
