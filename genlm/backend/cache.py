@@ -273,11 +273,6 @@ class _Budget:
             oldest = next(iter(self.entries.values()))[0]
             self.drop(oldest)
 
-    def clear(self) -> None:
-        self.entries.clear()
-        self.blocks.clear()
-        self.nbytes = 0
-
 
 class DynamicTokenTrie(TokenTrie):
     """A `TokenTrie` with bounded memory: KV states and logprobs are evicted LRU.
