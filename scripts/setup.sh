@@ -75,6 +75,9 @@ setup_clients() {
         -r scripts/client-requirements.txt
     # arsenal's wheel also installs top-level tests/ and docs/ folders.
     rm -rf .clients/tests .clients/docs
+    # Compile now: the clients' sources hold invalid escape sequences, whose warnings
+    # would otherwise surface in the first test run that imports them.
+    .venv/bin/python -W ignore::DeprecationWarning -m compileall -q .clients >/dev/null
     # genlm is a namespace package: a genlm/__init__.py here would hide genlm.backend.
     if [ -e .clients/genlm/__init__.py ]; then
         log "error: a client wheel installed genlm/__init__.py"; exit 1

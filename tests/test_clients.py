@@ -12,7 +12,6 @@ import asyncio
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,22 +25,16 @@ CLIENTS_DIR = REPO / ".clients"
 
 if CLIENTS_DIR.is_dir() and str(CLIENTS_DIR) not in sys.path:
     sys.path.append(str(CLIENTS_DIR))
-# The clients' sources hold regex strings with invalid escapes: compiling them on first
-# import warns, which is theirs to fix, not ours.
-INVALID_ESCAPES = "ignore:invalid escape sequence:DeprecationWarning"
-pytestmark = pytest.mark.filterwarnings(INVALID_ESCAPES)
 try:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "invalid escape sequence", DeprecationWarning)
-        from genlm.bytes import BeamParams, ByteBeamState
-        from genlm.control import (
-            EOS,
-            SMC,
-            BoolFSA,
-            PromptedLLM,
-            direct_token_sampler,
-            eager_token_sampler,
-        )
+    from genlm.bytes import BeamParams, ByteBeamState
+    from genlm.control import (
+        EOS,
+        SMC,
+        BoolFSA,
+        PromptedLLM,
+        direct_token_sampler,
+        eager_token_sampler,
+    )
 except ImportError as error:
     reason = f"genlm-control / genlm-bytes not importable ({error}): run scripts/setup.sh"
     if os.environ.get("GENLM_REQUIRE_CLIENTS"):
