@@ -155,10 +155,12 @@ class AsyncLM(ABC):
         queries = self.queries(token_ids_list, lora_name)
         if not queries:
             return torch.empty(0, self.vocab_size)
-        rows = await asyncio.gather(
-            *(self.next_token_logprobs(q.token_ids, lora_name=q.lora) for q in queries)
-        )
-        return torch.stack(rows)
+        return torch.stack(await asyncio.gather(*(self._answer(q) for q in queries)))
+
+    async def _answer(self, query: Query) -> torch.Tensor:
+        """`next_token_logprobs` of a query already validated by `query`/`queries`
+        (backends override it to skip the second check)."""
+        return await self.next_token_logprobs(query.token_ids, lora_name=query.lora)
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
@@ -389,7 +391,10 @@ class BatchedAsyncLM(AsyncLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Next-token log-probabilities after ``token_ids``, batched with concurrent calls."""
-        return await self.batcher.submit(self.query(token_ids, lora_name))
+        return await self._answer(self.query(token_ids, lora_name))
+
+    async def _answer(self, query: Query) -> torch.Tensor:
+        return await self.batcher.submit(query)
 
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], *, lora_name: str | None = None

@@ -54,11 +54,8 @@ class EngineLM(BatchedAsyncLM):
         """Stop the engine and free its memory (called once, by `close`)."""
         raise NotImplementedError
 
-    async def next_token_logprobs(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Next-token log-probabilities, auto-batched with concurrent requests (cached)."""
-        query = self.query(token_ids, lora_name)
+    async def _answer(self, query: Query) -> torch.Tensor:
+        """From the output cache, else auto-batched with concurrent requests (and cached)."""
         if self.cache is not None and query in self.cache:
             return self.cache[query]
         logprobs = await self.batcher.submit(query)
