@@ -219,7 +219,34 @@ def _budgets(args: argparse.Namespace) -> dict[str, int]:
     return budgets
 
 
-async def sis(lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int) -> int:
+def draw_multinomial(logps: Any, generator: Any) -> int:
+    """The README's draw: ``torch.multinomial`` (about 1 ms for 49k tokens on one CPU core)."""
+    import torch
+
+    return int(torch.multinomial(logps.exp(), 1, generator=generator).item())
+
+
+def draw_inverse_cdf(logps: Any, generator: Any) -> int:
+    """The same distribution by inverse CDF (cumulative sum, one uniform, binary search):
+    about 12x cheaper than ``torch.multinomial`` on a CPU, so the loop times the LM."""
+    import torch
+
+    cdf = logps.exp().cumsum(0)
+    uniform = torch.rand(1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    return min(int(torch.searchsorted(cdf, uniform * cdf[-1]).item()), len(cdf) - 1)
+
+
+SAMPLERS = {"multinomial": draw_multinomial, "inverse-cdf": draw_inverse_cdf}
+
+
+async def sis(
+    lm: Any,
+    prompt: list[int],
+    n_particles: int,
+    n_tokens: int,
+    seed: int,
+    draw: Callable[[Any, Any], int] = draw_multinomial,
+) -> int:
     """The README loop; returns the number of sampled tokens."""
     import torch
 
@@ -230,20 +257,25 @@ async def sis(lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed:
             logps = await lm.next_token_logprobs(ctx)
             if generator is None:  # sample where the LM answers (on CUDA for a CUDA model)
                 generator = torch.Generator(logps.device).manual_seed(seed + index)
-            ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
+            ctx = ctx + [draw(logps, generator)]
         return len(ctx) - len(prompt)
 
     return sum(await asyncio.gather(*(particle(i) for i in range(n_particles))))
 
 
 def time_sis(
-    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+    lm: Any,
+    prompt: list[int],
+    n_particles: int,
+    n_tokens: int,
+    seed: int,
+    draw: Callable[[Any, Any], int] = draw_multinomial,
 ) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one SIS run from an empty cache."""
     lm.clear_cache()
     gc.collect()
     start, cpu = time.perf_counter(), time.process_time()
-    sampled = asyncio.run(sis(lm, prompt, n_particles, n_tokens, seed))
+    sampled = asyncio.run(sis(lm, prompt, n_particles, n_tokens, seed, draw))
     elapsed = time.perf_counter() - start, time.process_time() - cpu
     assert sampled == n_particles * n_tokens
     return elapsed

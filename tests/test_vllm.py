@@ -7,6 +7,8 @@ Runs in the vLLM environment: ``.venv-vllm/bin/pytest tests/test_vllm.py``.
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -151,6 +153,30 @@ async def test_sessions_continue_fork_close_and_reopen_and_match_transformers(vl
     await pool_close(vlm)
     counts = await step([c + [8, 1]])  # closed: re-opened from vLLM's prefix cache
     assert counts["opened"] == 1 and counts["continued"] == 0
+
+
+async def test_held_steps_leave_the_engine_running(vlm, hf_model):
+    base = vlm.tokenizer.encode("Once upon a time there was a")
+    contexts = [base + [token] for token in (21, 22, 23)]
+    for token in range(3):
+        rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
+        for context, row in zip(contexts, rows, strict=True):
+            assert_matches_reference(hf_model, context, row)
+        contexts = [c + [token + 30] for c in contexts]
+    paused = asyncio.run_coroutine_threadsafe(vlm.llm_engine.is_paused(), vlm._engine_loop.loop)
+    assert not await asyncio.wrap_future(paused)
+
+
+def test_an_engine_from_from_name_logs_its_scheduler_only_from_warning(vlm):
+    path = vlm.llm_engine.vllm_config.logging_config.pylogging_config_file
+    code = (
+        "import json, logging, logging.config\n"
+        f"logging.config.dictConfig(json.load(open({path!r})))\n"
+        "print(logging.getLogger('vllm.v1.core.sched.scheduler').isEnabledFor(logging.INFO),"
+        " logging.getLogger('vllm.v1.engine.core').isEnabledFor(logging.INFO))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["False", "True"]  # pauses unlogged, the rest as vLLM's default
 
 
 async def pool_close(vlm):

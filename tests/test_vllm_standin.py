@@ -30,6 +30,7 @@ from genlm.backend.llm.vllm import (
     LogitsProcessorCapture,
     engine_options,
     hash_to_int,
+    logging_configured,
     shutdown_engine,
 )
 from genlm.backend.llm.vllm_sessions import EngineLimits, close_engine_loop
@@ -202,6 +203,65 @@ class StandInEngine:
                 break
             context.append(token)
         return tokens
+
+
+class HoldingStandInEngine(StandInEngine):
+    """The stand-in with vLLM's scheduler hold: nothing is computed between
+    ``pause_generation(mode="keep")`` and ``resume_generation()``; as in vLLM, a task per
+    session takes its chunks as soon as they come. ``events`` records "pause", "resume",
+    "chunk" (taken) and "compute" in order; ``pause_error`` makes every pause raise."""
+
+    def __init__(self, *args, pause_error=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []
+        self.pause_error = pause_error
+        self._unpaused = None
+
+    def unpaused(self):
+        if self._unpaused is None:  # made on the engine's loop
+            self._unpaused = asyncio.Event()
+            self._unpaused.set()
+        return self._unpaused
+
+    async def pause_generation(self, *, mode="abort", clear_cache=True):
+        assert (mode, clear_cache) == ("keep", False)
+        if self.pause_error is not None:
+            raise self.pause_error
+        self.events.append("pause")
+        self.unpaused().clear()
+
+    async def resume_generation(self):
+        self.events.append("resume")
+        self.unpaused().set()
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        if isinstance(prompt, dict):
+            async for output in super().generate(prompt, params, request_id, lora_request):
+                yield output
+            return
+        taken = asyncio.Queue()
+
+        async def take_chunks():
+            async for chunk in prompt:
+                self.events.append("chunk")
+                taken.put_nowait(chunk)
+            taken.put_nowait(None)
+
+        async def chunks():
+            while (chunk := await taken.get()) is not None:
+                yield chunk
+
+        taker = asyncio.ensure_future(take_chunks())
+        try:
+            async for output in super().generate(chunks(), params, request_id, lora_request):
+                yield output
+        finally:
+            taker.cancel()
+
+    async def _compute(self, kind, context, params, lora):
+        await self.unpaused().wait()
+        self.events.append("compute")
+        return await super()._compute(kind, context, params, lora)
 
 
 @pytest.fixture
@@ -549,3 +609,65 @@ async def test_a_context_asked_again_replaces_its_paused_session(lm, engine):
             break
         await asyncio.sleep(0.01)
     assert len(engine.open_sessions) == 1
+
+
+def held_steps(engine):
+    """The engine's events as text: "(" pause, ")" resume, "c" chunk taken, "x" computed."""
+    symbols = {"pause": "(", "resume": ")", "chunk": "c", "compute": "x"}
+    return "".join(symbols[event] for event in engine.events)
+
+
+async def test_a_step_holds_the_scheduler_until_all_its_chunks_are_in(smollm2_tokenizer):
+    engine = HoldingStandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
+    contexts = [[1, 2], [3, 4], [5, 6]]
+    for token in range(3):
+        assert await step(lm, engine, contexts) == (["open"] * 3 if token == 0 else ["extend"] * 3)
+        contexts = [c + [token] for c in contexts]
+    assert held_steps(engine) == "(ccc)xxx" * 3
+    await step(lm, engine, [[9, 9]])  # a step of one request is not held
+    assert held_steps(engine).endswith(")xxxcx")
+    lm.close()
+    close_engine_loop(engine)
+
+
+async def test_a_failing_held_step_still_resumes_the_engine(smollm2_tokenizer):
+    engine = HoldingStandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
+    engine.fail_with = RuntimeError("engine exploded")
+    with pytest.raises(RuntimeError, match="exploded"):
+        await asyncio.gather(lm.next_token_logprobs([1, 2]), lm.next_token_logprobs([3, 4]))
+    assert held_steps(engine).startswith("(cc)") and engine.unpaused().is_set()
+    engine.fail_with = None
+    assert await step(lm, engine, [[1, 2, 5], [3, 4, 6]]) == ["open", "open"]
+    lm.close()
+    close_engine_loop(engine)
+
+
+async def test_an_engine_that_cannot_pause_is_no_longer_held(smollm2_tokenizer):
+    engine = HoldingStandInEngine(
+        smollm2_tokenizer,
+        len(smollm2_tokenizer.get_vocab()),
+        pause_error=TypeError("pause_generation() got an unexpected keyword argument 'mode'"),
+    )
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
+    contexts = [[1, 2], [3, 4]]
+    for token in range(3):
+        await step(lm, engine, contexts)
+        contexts = [c + [token] for c in contexts]
+    assert "(" not in held_steps(engine) and held_steps(engine).count(")") == 1
+    lm.close()
+    close_engine_loop(engine)
+
+
+def test_logging_is_left_to_callers_who_configure_it(monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    assert not logging_configured({"dtype": "float32"})
+    assert logging_configured({"logging_config": object()})
+    assert logging_configured({"log_config_file": "logging.json"})
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    assert logging_configured({})
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING")
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "/etc/vllm-logging.json")
+    assert logging_configured({})

@@ -25,8 +25,10 @@ engine is built.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
+import json
 import os
 import tempfile
 from collections.abc import Hashable, Iterator, Sequence
@@ -188,6 +190,48 @@ class EngineLogprobsCapture:
 CAPTURES = {"processor": LogitsProcessorCapture, "logprobs": EngineLogprobsCapture}
 
 
+# The logger of vLLM's scheduler, which logs every pause and resume at INFO.
+SCHEDULER_LOGGER = "vllm.v1.core.sched.scheduler"
+
+
+def quiet_scheduler_logging() -> Any:
+    """vLLM's default logging with its scheduler's logger at WARNING, as a ``LoggingConfig``.
+
+    The session pool holds vLLM's scheduler while each step's chunks go out
+    (`genlm.backend.llm.vllm_sessions.SessionPool`), and vLLM logs each hold and release
+    at INFO: two lines per step. That logger logs nothing else at INFO. The config is a
+    JSON file (named by its content) in the genlm-backend cache directory, as vLLM's
+    engine processes read it when they start.
+    """
+    from vllm.config import LoggingConfig
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    from genlm.backend.models import model_cache_dir
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["loggers"][SCHEDULER_LOGGER] = {"level": "WARNING"}
+    text = json.dumps(config, sort_keys=True)
+    path = model_cache_dir() / f"vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(text)
+        temporary.replace(path)
+    return LoggingConfig(pylogging_config_file=str(path))
+
+
+def logging_configured(opts: dict[str, Any]) -> bool:
+    """Whether the caller configures vLLM's logging: engine options ``logging_config`` or
+    ``log_config_file``, or the environment (``VLLM_LOGGING_CONFIG_PATH``,
+    ``VLLM_CONFIGURE_LOGGING=0``)."""
+    return (
+        "logging_config" in opts
+        or "log_config_file" in opts
+        or bool(os.environ.get("VLLM_LOGGING_CONFIG_PATH"))
+        or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0"
+    )
+
+
 def engine_options(engine_opts: dict[str, Any] | None, capture: Any) -> dict[str, Any]:
     """vLLM engine keyword arguments: our defaults, then ``engine_opts``, then what the capture needs."""
     opts = {
@@ -267,7 +311,8 @@ class AsyncVirtualLM(EngineLM):
                 ``gpu_memory_utilization=0.9``. Scale-out goes here too:
                 ``tensor_parallel_size`` / ``pipeline_parallel_size`` (and
                 ``distributed_executor_backend``) run the model on vLLM's own
-                distributed executor.
+                distributed executor. Unless the caller configures vLLM's logging
+                (`logging_configured`), the engine logs with `quiet_scheduler_logging`.
             capture: ``"processor"`` (logits processor, fast) or ``"logprobs"``
                 (vLLM's ``logprobs=-1``).
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
@@ -276,9 +321,10 @@ class AsyncVirtualLM(EngineLM):
             raise ValueError(f"capture must be one of {sorted(CAPTURES)}, got {capture!r}")
         vllm = import_vllm()
         logprobs_capture = CAPTURES[capture]()
-        args = vllm.AsyncEngineArgs(
-            model=model_name, **engine_options(engine_opts, logprobs_capture)
-        )
+        opts = engine_options(engine_opts, logprobs_capture)
+        if not logging_configured(opts):
+            opts["logging_config"] = quiet_scheduler_logging()
+        args = vllm.AsyncEngineArgs(model=model_name, **opts)
         return cls(vllm.AsyncLLMEngine.from_engine_args(args), logprobs_capture, **kwargs)
 
     @property

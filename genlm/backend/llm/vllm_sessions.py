@@ -83,6 +83,10 @@ def close_engine_loop(engine: Any) -> None:
         loop.close()
 
 
+# Longest wait (seconds) for a step's chunks to leave before the held scheduler resumes.
+STEP_HOLD_TIMEOUT = 1.0
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """What bounds the live sessions: the engine's request slots and KV blocks."""
@@ -120,11 +124,16 @@ class StepRequest:
 
 
 class Session:
-    """One streaming-input request: its context grows by one chunk per step."""
+    """One streaming-input request: its context grows by one chunk per step.
+
+    ``sent`` is set once the engine has sent the last chunk on to its core: vLLM asks
+    the input stream for the next chunk only after sending the previous one.
+    """
 
     def __init__(self, engine: Any, request_id: str, request: StepRequest, make_chunk: Callable):
         self.context = request.token_ids
         self.lora = request.lora
+        self.sent = asyncio.Event()
         self._make_chunk = make_chunk
         self._inputs: asyncio.Queue = asyncio.Queue()
         self._inputs.put_nowait(make_chunk(request.token_ids, request.params))
@@ -135,6 +144,7 @@ class Session:
     async def _chunks(self) -> Any:
         while (chunk := await self._inputs.get()) is not None:
             yield chunk
+            self.sent.set()
 
     async def next_output(self) -> Any:
         """The engine's output for the chunk sent last."""
@@ -142,6 +152,7 @@ class Session:
 
     def extend(self, request: StepRequest) -> None:
         """Send the request's last token as the next chunk."""
+        self.sent.clear()
         self._inputs.put_nowait(self._make_chunk(request.token_ids[-1:], request.params))
         self.context = request.token_ids
 
@@ -167,8 +178,9 @@ class SessionPool:
         self._make_chunk = make_chunk
         self._make_prompt = make_prompt
         self._ids = itertools.count()
-        self._closing: set[asyncio.Task] = set()
+        self._background_tasks: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()  # one step at a time, whichever wrapper sends it
+        self._hold_steps = True  # see _pause
         # How requests were served: "continued", "opened", "one_shot"; and "closed".
         self.counts: Counter[str] = Counter()
 
@@ -197,27 +209,35 @@ class SessionPool:
             if session is not None:
                 slots -= 1
                 blocks -= self.limits.blocks(len(request.token_ids))
-        waits: list[Awaitable[Any]] = []
-        live: list[Session] = []
-        for request, session in zip(requests, claimed, strict=True):
-            need = self.limits.blocks(len(request.token_ids))
-            if session is not None:
-                self.counts["continued"] += 1
-                session.extend(request)
-            elif slots >= 1 and blocks >= need:
-                self._make_room(slots - 1, blocks - need)
-                slots -= 1
-                blocks -= need
-                self.counts["opened"] += 1
-                session = Session(self.engine, self._request_id(), request, self._make_chunk)
-            else:
-                self.counts["one_shot"] += 1
-                waits.append(self._one_shot(request))
-                continue
-            live.append(session)
-            waits.append(session.next_output())
-        waits.extend(self._one_shot(request) for request in one_shot)
-        results = await asyncio.gather(*waits, return_exceptions=True)
+        gated = len(requests) > 1 and self._pause()
+        try:
+            waits: list[Awaitable[Any]] = []
+            live: list[Session] = []
+            for request, session in zip(requests, claimed, strict=True):
+                need = self.limits.blocks(len(request.token_ids))
+                if session is not None:
+                    self.counts["continued"] += 1
+                    session.extend(request)
+                elif slots >= 1 and blocks >= need:
+                    self._make_room(slots - 1, blocks - need)
+                    slots -= 1
+                    blocks -= need
+                    self.counts["opened"] += 1
+                    session = Session(self.engine, self._request_id(), request, self._make_chunk)
+                else:
+                    self.counts["one_shot"] += 1
+                    waits.append(self._one_shot(request))
+                    continue
+                live.append(session)
+                waits.append(session.next_output())
+            waits.extend(self._one_shot(request) for request in one_shot)
+            tasks = [asyncio.ensure_future(wait) for wait in waits]
+            if gated:
+                await self._all_sent(live, tasks)
+        finally:
+            if gated:
+                self._background(self.engine.resume_generation())
+        results = await asyncio.gather(*tasks, return_exceptions=True)
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
             for session in live:
@@ -229,6 +249,46 @@ class SessionPool:
                 self._close_later(stale)
             self.sessions[(session.context, session.lora)] = session
         return results
+
+    def _pause(self) -> bool:
+        """Hold the engine's scheduler (keeping every request) while a step's chunks go out.
+
+        Each chunk reaches the engine core as its own message; unheld, the core starts a
+        forward pass with the first few and runs the rest in a second one. Held, the
+        step is one forward pass. Engines without ``pause_generation(mode="keep")``
+        (older vLLM, stand-ins) are not held; neither after a pause fails once.
+        """
+        pause = getattr(self.engine, "pause_generation", None)
+        if not self._hold_steps or pause is None:
+            return False
+        task = self._background(pause(mode="keep", clear_cache=False))
+        task.add_done_callback(self._check_pause)
+        return True
+
+    def _check_pause(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._hold_steps = False
+
+    async def _all_sent(self, live: Sequence[Session], tasks: Sequence[asyncio.Future]) -> None:
+        """Wait until every session's chunk has gone to the engine core (or an output
+        ended early: an error), at most `STEP_HOLD_TIMEOUT` seconds."""
+        sent = asyncio.ensure_future(asyncio.gather(*(s.sent.wait() for s in live)))
+        await asyncio.wait(
+            [sent, *tasks], timeout=STEP_HOLD_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+        )
+        sent.cancel()
+
+    def _background(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Future:
+        """Run ``coroutine`` without waiting for it (kept referenced until it ends)."""
+        task = asyncio.ensure_future(coroutine)
+        self._background_tasks.add(task)
+        task.add_done_callback(self._forget_task)
+        return task
+
+    def _forget_task(self, task: asyncio.Future) -> None:
+        self._background_tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed pause or resume is seen by the step itself
 
     def _slot_budget(self) -> int:
         """Request slots sessions may hold: all but one of ``max_num_seqs``, so one-shot
@@ -266,9 +326,7 @@ class SessionPool:
 
     def _close_later(self, session: Session) -> None:
         self.counts["closed"] += 1
-        task = asyncio.ensure_future(session.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._background(session.close())
 
     async def close(self) -> None:
         """Close every live session and wait until the engine has let them go."""
@@ -279,5 +337,5 @@ class SessionPool:
         for session in self.sessions.values():
             self._close_later(session)
         self.sessions = {}
-        if self._closing:
-            await asyncio.gather(*list(self._closing), return_exceptions=True)
+        if self._background_tasks:
+            await asyncio.gather(*list(self._background_tasks), return_exceptions=True)
