@@ -183,7 +183,7 @@ async def test_removed_or_unknown_adapters_raise_value_error(lm, base_model, tmp
         lm.walk_cache(PROMPTS[0], lora_name="a")
     with pytest.raises(ValueError, match="'a'"):
         lm.remove_lora("a")
-    assert "a" not in lm._adapters and "a" not in lm._roots
+    assert "a" not in lm._adapters and "a" not in lm.store.roots
     with pytest.raises(FileNotFoundError, match="missing"):
         lm.add_new_lora(tmp_path / "missing", "c")
     assert "c" not in lm.lora_paths
