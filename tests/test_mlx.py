@@ -53,24 +53,61 @@ def reference(hf_model):
     return logprobs
 
 
+def plain_run(model, cache, ids):
+    """Plain mlx-lm: run ``ids`` through ``cache`` (mlx-lm's own), as mlx-lm's generate
+    does (a prefill whose logits are never computed, then the last token); the
+    next-token log-probabilities over the tokenizer's vocabulary."""
+    import mlx.core as mx
+
+    if len(ids) > 1:
+        model(mx.array([list(ids[:-1])]), cache=cache)
+    logits = model(mx.array([list(ids[-1:])]), cache=cache)[0, -1]
+    return torch.from_numpy(np.array(logits - mx.logsumexp(logits)))
+
+
 @pytest.fixture(scope="module")
 def plain(mlx_loaded):
     """Log-probabilities from a plain mlx-lm forward of the whole prefix (fresh cache)."""
-    import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, tokenizer = mlx_loaded
-    vocab = len(tokenizer._tokenizer)
+    model = mlx_loaded[0]
     memo = {}
 
     def logprobs(ids):
         key = tuple(ids)
         if key not in memo:
-            logits = model(mx.array([key]), cache=make_prompt_cache(model))[0, -1, :vocab]
-            memo[key] = torch.from_numpy(np.array(logits - mx.logsumexp(logits)))
+            memo[key] = plain_run(model, make_prompt_cache(model), key)
         return memo[key]
 
     return logprobs
+
+
+class PlainAfterPrompt:
+    """Plain mlx-lm with its own ``KVCache`` (no store): a prompt run once from a fresh
+    cache, then each continuation run from a copy of that cache."""
+
+    def __init__(self, model, prompt):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.prompt = model, tuple(prompt)
+        self.cache = make_prompt_cache(model)
+        self.prompt_logprobs = plain_run(model, self.cache, self.prompt)
+
+    def __call__(self, ids):
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        ids = tuple(ids)
+        assert ids[: len(self.prompt)] == self.prompt
+        if ids == self.prompt:
+            return self.prompt_logprobs
+        copies = []
+        for layer in self.cache:
+            copy = KVCache()
+            copy.keys, copy.values = mx.array(layer.keys), mx.array(layer.values)
+            copy.offset = layer.offset
+            copies.append(copy)
+        return plain_run(self.model, copies, ids[len(self.prompt) :])
 
 
 def nodes(lm):
@@ -145,7 +182,9 @@ async def test_batched_mixed_lengths_match_hf_and_plain_mlx(lm, reference, plain
     results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
     assert lm.batcher.batch_sizes[-1] == len(rows)
     # then rows over cached pasts of different lengths, extended by 1 to 3 tokens, together
-    longer = [rows[0] + [17], rows[1] + [5, 6], rows[2] + [7, 8, 9], rows[3] + [10], [900, 901]]
+    # (both prefill groups, of 1 and of 2 tokens, have left-padded pasts and per-row offsets)
+    longer = [rows[0] + [17], rows[1] + [5, 6], rows[2] + [7, 8, 9], rows[3] + [10, 11, 12]]
+    longer.append([900, 901])
     results += await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in longer))
     for ids, logps in zip(rows + longer, results, strict=True):
         assert max_diff(logps, reference(ids)) <= HF_TOLERANCE, ids
@@ -230,8 +269,11 @@ def long_prompt(lm):
     return lm.tokenizer.encode(text, add_special_tokens=False)[:40]  # 2 full blocks + 8
 
 
-async def test_particles_share_the_prompt_blocks_and_every_row_is_exact(lm, long_prompt, plain):
+async def test_particles_share_the_prompt_blocks_and_every_row_is_exact(
+    lm, mlx_loaded, long_prompt
+):
     lm.clear_cache()
+    plain = PlainAfterPrompt(mlx_loaded[0], long_prompt)
     seen = {}
 
     async def particle(index):
@@ -251,30 +293,25 @@ async def test_particles_share_the_prompt_blocks_and_every_row_is_exact(lm, long
     assert lm.kv_nbytes == lm.store.held_blocks * lm.store.block_bytes
 
 
-def test_pinned_prompt_survives_a_tiny_kv_budget_and_forks_stay_exact(
-    mlx_loaded, lm, long_prompt, plain
-):
+def test_pinned_prompt_survives_a_tiny_kv_budget_and_forks_stay_exact(mlx_loaded, lm, long_prompt):
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
-    model = mlx_loaded[0]
-    budget = 2 * lm.store.block_bytes
+    plain = PlainAfterPrompt(mlx_loaded[0], long_prompt)
+    budget = lm.store.block_bytes  # one block
     lm = AsyncMlxLM(*mlx_loaded, max_kv_bytes=budget, batch_size=8)
     lm.cache_kv(long_prompt)
     forks = [long_prompt + [t, t + 1] for t in (5, 6, 7, 8)]
     for ids, got in zip(forks, lm.batch_next_token_logprobs_sync(forks), strict=True):
         assert max_diff(got, plain(ids)) <= SELF_TOLERANCE, ids
     assert lm.kv_nbytes <= budget  # forks were evicted; the pinned prompt is outside it
-    for step in range(3):  # more forks, each over the budget on its own
-        ids = long_prompt + [100 + step] * 30
+    for step in range(2):  # more forks, each over the budget on its own (2 blocks)
+        ids = long_prompt + [100 + step] * 10
         assert max_diff(lm.next_token_logprobs_sync(ids), plain(ids)) <= SELF_TOLERANCE
         assert lm.kv_nbytes <= budget
     node, next_index, past, base = lm.walk_cache(long_prompt + [9])
     assert next_index == base == len(long_prompt) and node.pinned
-    cache = make_prompt_cache(model)
-    model(mx.array([long_prompt]), cache=cache)
     for layer in (0, 17):
-        keys, values = cache[layer].state[0], cache[layer].state[1]
+        keys, values = plain.cache[layer].keys, plain.cache[layer].values
         assert past[layer].offset == len(long_prompt)
         assert mx.abs(past[layer].keys - keys[..., : len(long_prompt), :]).max().item() <= 1e-4
         assert mx.abs(past[layer].values - values[..., : len(long_prompt), :]).max().item() <= 1e-4

@@ -153,14 +153,19 @@ class _BlockPool:
         return (blocks + np.arange(self.block_size, dtype=np.int32)).reshape(-1)[:tokens]
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
+        """Apply the store's copy-on-write copies. The copied slots are read (and evaluated)
+        first, so the write can reuse each pool's buffer instead of copying the whole pool."""
+        if not copies:
+            return
+        mx = _import_mlx()
         size = self.block_size
+        source = mx.array(np.concatenate([np.arange(c.tokens) + c.source * size for c in copies]))
+        target = mx.array(np.concatenate([np.arange(c.tokens) + c.target * size for c in copies]))
         for pool in (self.keys, self.values):
-            for layer in pool:
-                for block_copy in copies:
-                    source, target = block_copy.source * size, block_copy.target * size
-                    layer[target : target + block_copy.tokens] = layer[
-                        source : source + block_copy.tokens
-                    ]
+            copied = [layer[source] for layer in pool]
+            mx.eval(copied)
+            for layer, rows in zip(pool, copied, strict=True):
+                layer[target] = rows
 
 
 @dataclass
@@ -348,9 +353,11 @@ class AsyncMlxLM(PrefixCachedLM):
         """Rows of one adapter through the block pool: a prefill of their new tokens but the
         last (rows with as many together), then one forward over every row's last token."""
         mx = _import_mlx()
+        copies = []
         for row in rows:
-            row.chain, copies = self.store.extend(row.source, row.start, len(row.ids))
-            pool.copy(copies)
+            row.chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
+            copies += row_copies
+        pool.copy(copies)
         by_head: dict[int, list[Row]] = {}
         for row in rows:
             by_head.setdefault(row.new_tokens - 1, []).append(row)
