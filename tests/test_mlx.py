@@ -263,6 +263,22 @@ def test_cache_kv_pins_a_prompt_until_clear_cache(mlx_loaded, prompts, reference
     assert lm.walk_cache(prompt) == (lm.cache, 0, None, 0)
 
 
+def test_clear_kv_cache_keeps_logprobs_and_add_query_batches(lm, prompts, plain):
+    lm.clear_cache()
+    ids = prompts["mid"]
+    first = lm.next_token_logprobs_sync(ids)
+    assert lm.walk_cache(ids + [17])[3] == len(ids)
+    lm.clear_kv_cache()
+    assert lm.store.held_blocks == 0 and lm.walk_cache(ids + [17])[2] is None
+    assert lm.next_token_logprobs_sync(ids) is first  # the logprobs stayed
+    queries = [ids + [17], ids, ids + [17]]
+    assert [lm.add_query(q) for q in queries] == [0, 1, 2]
+    results = lm.batch_evaluate_queries()
+    assert results[1] is first and torch.equal(results[0], results[2])
+    assert max_diff(results[0], plain(queries[0])) <= SELF_TOLERANCE
+    assert lm.batch_evaluate_queries() == []
+
+
 @pytest.fixture(scope="module")
 def long_prompt(lm):
     text = "The old clockmaker opened his shop and said good morning to the town. " * 3
