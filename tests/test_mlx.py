@@ -331,6 +331,9 @@ def test_pinned_prompt_survives_a_tiny_kv_budget_and_forks_stay_exact(mlx_loaded
         assert past[layer].offset == len(long_prompt)
         assert mx.abs(past[layer].keys - keys[..., : len(long_prompt), :]).max().item() <= 1e-4
         assert mx.abs(past[layer].values - values[..., : len(long_prompt), :]).max().item() <= 1e-4
+    # an mlx-lm model continues from it
+    continued = plain_run(mlx_loaded[0], past, [9])
+    assert max_diff(continued, plain(long_prompt + [9])) <= SELF_TOLERANCE
 
 
 async def test_bad_input_is_rejected_before_any_model_work(lm):

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from genlm.backend.batching import check_int
-from genlm.backend.kv_store import BlockCopy, Chain, KVNode, PrefixKVStore
+from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
 from genlm.backend.llm.prefix import PrefixCachedLM, Row
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
@@ -297,18 +297,6 @@ class AsyncMlxLM(PrefixCachedLM):
         model, tokenizer = mlx_lm.load(model_name)[:2]
         return cls(model, tokenizer, **kwargs)
 
-    def walk_cache(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> tuple[KVNode, int, list[Any] | None, int]:
-        """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
-
-        As `PrefixCachedLM.walk_cache`; ``past`` is one mlx-lm ``KVCache`` per layer
-        holding a copy of the KV of ``token_ids[:next_token_index]`` (keys and values
-        ``[1, kv_heads, next_token_index, head_dim]``), which an mlx-lm model can continue
-        from (``model(tokens, cache=past)``), or None.
-        """
-        return super().walk_cache(token_ids, lora_name=lora_name)
-
     # -- LoRA ----------------------------------------------------------------------------------
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
@@ -433,7 +421,8 @@ class AsyncMlxLM(PrefixCachedLM):
             self._store(row, torch.from_numpy(array[i].copy()), results)
 
     def _read_past(self, chain: Chain, tokens: int) -> list[Any]:
-        """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``."""
+        """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
+        (keys and values ``[1, kv_heads, tokens, head_dim]``)."""
         from mlx_lm.models.cache import KVCache
 
         mx = _import_mlx()
