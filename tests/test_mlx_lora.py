@@ -155,6 +155,20 @@ async def test_cached_rows_and_kv_never_cross_adapters(lm, base_model, adapters)
     check(await lm.next_token_logprobs(prompt + [5]), base, prompt + [5])
 
 
+def test_each_adapter_shares_its_own_prompt_blocks_between_forks(lm, base_model, adapters):
+    models = {None: base_model[0], "a": adapters["a"][1]}
+    prompt = list(range(430, 448))  # a full block and 2 tokens
+    forks = [prompt + [1], prompt + [2]]
+    for lora, model in models.items():
+        check(lm.next_token_logprobs_sync(prompt, lora_name=lora), model, prompt)
+        results = lm.batch_next_token_logprobs_sync(forks, lora_name=lora)
+        for ids, got in zip(forks, results, strict=True):
+            check(got, model, ids)
+    # per adapter: the prompt's 2 blocks, shared by its forks; the first fork appends to the
+    # partly filled block, the second copies it
+    assert lm.store.held_blocks == len(models) * (2 + 1)
+
+
 async def test_registering_a_name_again_rebinds_it_and_drops_its_cache(lm, base_model, adapters):
     prompt = PROMPTS[0]
     await lm.next_token_logprobs(prompt, lora_name="a")
