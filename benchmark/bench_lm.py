@@ -297,15 +297,11 @@ def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def kv_bytes_per_token(lm: Any) -> int | None:
-    """Bytes of KV one token takes in every layer (None when the backend has no torch model)."""
-    model = getattr(lm, "model", None)
-    if not hasattr(model, "parameters"):
+    """Bytes of KV one token takes in every layer (None when the LM keeps no paged KV)."""
+    store = getattr(lm, "store", None)
+    if store is None or not getattr(lm, "kv_reuse", False):
         return None
-    config = model.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = next(model.parameters()).element_size()
-    return config.num_hidden_layers * 2 * heads * head_dim * itemsize
+    return store.block_bytes // store.block_size
 
 
 def kv_held(lm: Any, prompt: list[int], n_particles: int, n_tokens: int) -> dict[str, float]:

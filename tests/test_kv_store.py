@@ -147,6 +147,22 @@ def test_pinned_chains_survive_eviction_outside_the_budget():
     assert node.chain is None and store.held_blocks == 0
 
 
+def test_entry_budgets_keep_the_most_recent_chains_and_logprobs():
+    pool = FakePool()
+    store = PrefixKVStore(
+        BLOCK, BLOCK_BYTES, pool.resize, nbytes=len, max_kv_entries=2, max_logprobs_entries=1
+    )
+    nodes = [run(store, pool, [t] * 3)[0] for t in (1, 2, 3)]
+    store.touch(nodes[1])
+    run(store, pool, [4] * 3)  # the least recently used chain (nodes[0], then nodes[2]) goes
+    assert [node.chain is not None for node in nodes] == [False, True, False]
+    assert store.kv_nbytes == 2 * BLOCK_BYTES
+    for node, value in zip(nodes, "abc", strict=True):
+        store.set_logprobs(node, value)
+    assert [node.logprobs for node in nodes] == [None, None, "c"]
+    check_invariants(store, pool)
+
+
 def test_pin_keeps_a_computed_chain_and_unpins_nothing_else():
     store, pool = make_store(max_kv_bytes=2 * BLOCK_BYTES)
     node, _ = run(store, pool, [1, 2, 3, 4, 5])

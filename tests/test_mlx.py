@@ -1,7 +1,9 @@
-"""AsyncMlxLM on the real default model (MLX CPU build), checked against a plain HF forward.
+"""AsyncMlxLM on the real default model (MLX CPU build), checked against independent forwards.
 
-The reference is an uncached float32 transformers forward of the whole prefix. MLX's
-Linux CPU wheel multiplies matrices with a reference BLAS, so prompts stay short.
+The references are an uncached float32 transformers forward of the whole prefix and a
+plain mlx-lm forward of the whole prefix through a fresh ``make_prompt_cache`` (no
+store). MLX's Linux CPU wheel multiplies matrices with a reference BLAS, so prompts stay
+short.
 """
 
 import asyncio
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from genlm.backend.llm.mlx import AsyncMlxLM
+from genlm.backend.llm.mlx import BLOCK_SIZE, AsyncMlxLM
 
 HF_TOLERANCE = 5e-4  # MLX vs transformers, both float32
 SELF_TOLERANCE = 1e-4  # batched / cached vs single uncached, same backend
@@ -49,6 +51,72 @@ def reference(hf_model):
         return memo[key]
 
     return logprobs
+
+
+def plain_run(model, cache, ids):
+    """Plain mlx-lm: run ``ids`` through ``cache`` (mlx-lm's own), as mlx-lm's generate
+    does (a prefill whose logits are never computed, then the last token); the
+    next-token log-probabilities over the tokenizer's vocabulary."""
+    import mlx.core as mx
+
+    if len(ids) > 1:
+        model(mx.array([list(ids[:-1])]), cache=cache)
+    logits = model(mx.array([list(ids[-1:])]), cache=cache)[0, -1]
+    return torch.from_numpy(np.array(logits - mx.logsumexp(logits)))
+
+
+@pytest.fixture(scope="module")
+def plain(mlx_loaded):
+    """Log-probabilities from a plain mlx-lm forward of the whole prefix (fresh cache)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = mlx_loaded[0]
+    memo = {}
+
+    def logprobs(ids):
+        key = tuple(ids)
+        if key not in memo:
+            memo[key] = plain_run(model, make_prompt_cache(model), key)
+        return memo[key]
+
+    return logprobs
+
+
+class PlainAfterPrompt:
+    """Plain mlx-lm with its own ``KVCache`` (no store): a prompt run once from a fresh
+    cache, then each continuation run from a copy of that cache."""
+
+    def __init__(self, model, prompt):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.prompt = model, tuple(prompt)
+        self.cache = make_prompt_cache(model)
+        self.prompt_logprobs = plain_run(model, self.cache, self.prompt)
+
+    def __call__(self, ids):
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        ids = tuple(ids)
+        assert ids[: len(self.prompt)] == self.prompt
+        if ids == self.prompt:
+            return self.prompt_logprobs
+        copies = []
+        for layer in self.cache:
+            copy = KVCache()
+            copy.keys, copy.values = mx.array(layer.keys), mx.array(layer.values)
+            copy.offset = layer.offset
+            copies.append(copy)
+        return plain_run(self.model, copies, ids[len(self.prompt) :])
+
+
+def nodes(lm):
+    """Every node of every prefix tree of ``lm``'s store."""
+    stack = list(lm.store.roots.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        yield node
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +161,7 @@ def test_loads_float32_weights_and_the_configs_rope_theta(lm, default_model_dir)
     dtypes = {str(p.dtype) for _, p in tree_flatten(lm.model.parameters())}
     assert dtypes == {"mlx.core.float32"}
     assert not type(lm.tokenizer).__module__.startswith("mlx_lm")  # the HF tokenizer itself
-    assert lm.prefix_caching
+    assert lm.kv_reuse
 
 
 async def test_single_request_matches_hf(lm, prompts, reference):
@@ -108,15 +176,19 @@ async def test_single_request_matches_hf(lm, prompts, reference):
     assert max_diff(lm.next_token_logprobs_sync(ids), reference(ids)) <= HF_TOLERANCE
 
 
-async def test_batched_mixed_lengths_match_hf_and_single_requests(lm, mlx_loaded, reference):
+async def test_batched_mixed_lengths_match_hf_and_plain_mlx(lm, reference, plain):
     lm.clear_cache()
     rows = [[504], [504, 3458, 282], list(range(400, 406)), list(range(700, 708))]
     results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
     assert lm.batcher.batch_sizes[-1] == len(rows)
-    single = AsyncMlxLM(*mlx_loaded, cache_size=0)
-    for ids, logps in zip(rows, results, strict=True):
+    # then rows over cached pasts of different lengths, extended by 1 to 3 tokens, together
+    # (both prefill groups, of 1 and of 2 tokens, have left-padded pasts and per-row offsets)
+    longer = [rows[0] + [17], rows[1] + [5, 6], rows[2] + [7, 8, 9], rows[3] + [10, 11, 12]]
+    longer.append([900, 901])
+    results += await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in longer))
+    for ids, logps in zip(rows + longer, results, strict=True):
         assert max_diff(logps, reference(ids)) <= HF_TOLERANCE, ids
-        assert max_diff(logps, single.next_token_logprobs_sync(ids)) <= SELF_TOLERANCE, ids
+        assert max_diff(logps, plain(ids)) <= SELF_TOLERANCE, ids
 
 
 async def test_cached_prefixes_run_only_the_new_tokens_and_match_hf(mlx_loaded, prompts, reference):
@@ -126,17 +198,19 @@ async def test_cached_prefixes_run_only_the_new_tokens_and_match_hf(mlx_loaded, 
     await lm.next_token_logprobs(base)
     assert lm.walk_cache(base)[3] == len(base)
 
-    rows = [base + [330], base + [330, 5099], base + [28], prompts["short"]]
+    rows = [base + [330], base + [330, 5099], base + [28], prompts["long"][:2]]
     model.shapes.clear()
     results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
     assert lm.batcher.batch_sizes[-1] == len(rows)
-    # A prefill pass over the tokens before each row's last, then one pass on the last tokens.
-    assert model.shapes == [(len(rows), 1), (len(rows), 1)]
+    # A prefill pass over the tokens before each row's last (rows with one such token
+    # together), then one pass on every row's last token.
+    assert model.shapes == [(2, 1), (len(rows), 1)]
     for ids, logps in zip(rows, results, strict=True):
         assert max_diff(logps, reference(ids)) <= HF_TOLERANCE, ids
         node, next_index, past, depth = lm.walk_cache(ids)
-        assert (next_index, depth, len(past)) == (len(ids), len(ids), len(mlx_loaded[0].layers))
-        assert node.logprobs is not None
+        # the last token always runs: the KV used stops one token short of the prefix
+        assert (next_index, depth, len(past)) == (len(ids) - 1, len(ids), len(model.layers))
+        assert node.logprobs is not None and past[0].keys.shape[2] == len(ids) - 1
 
     model.shapes.clear()
     again = await lm.next_token_logprobs(rows[1])
@@ -152,31 +226,114 @@ async def test_identical_prefixes_in_a_batch_run_once(lm, prompts):
     assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_cache_is_bounded_by_cache_size_and_evicts_least_recently_used(mlx_loaded, reference):
+def test_cache_is_bounded_by_cache_size_and_evicts_least_recently_used(mlx_loaded, plain):
     lm = AsyncMlxLM(*mlx_loaded, cache_size=2)
-    rows = [[500 + i, 17] for i in range(4)]
+    rows = [[500 + i, 17, 18] for i in range(4)]
     for ids in rows:
         lm.next_token_logprobs_sync(ids)
-    kv_nodes = [n for n in lm.cache if n.past_key_values is not None]
-    logprob_nodes = [n for n in lm.cache if n.logprobs is not None]
-    assert len(kv_nodes) == 2 and len(logprob_nodes) == 2
+    assert len([n for n in nodes(lm) if n.chain is not None]) == 2
+    assert len([n for n in nodes(lm) if n.logprobs is not None]) == 2
+    assert lm.store.held_blocks == 2  # the evicted prefixes' blocks are free again
     assert lm.walk_cache(rows[0])[2] is None  # the oldest was evicted
-    assert lm.walk_cache(rows[3])[3] == 2
-    assert max_diff(lm.next_token_logprobs_sync(rows[0]), reference(rows[0])) <= HF_TOLERANCE
+    assert lm.walk_cache(rows[3])[3] == 3
+    for ids in [*rows, rows[3] + [19], rows[0] + [19]]:
+        assert max_diff(lm.next_token_logprobs_sync(ids), plain(ids)) <= SELF_TOLERANCE, ids
+    assert len([n for n in nodes(lm) if n.chain is not None]) == 2
+
+
+def test_cache_size_zero_keeps_nothing_between_batches(mlx_loaded, plain):
+    lm = AsyncMlxLM(*mlx_loaded, cache_size=0)
+    ids = [510, 511, 512]
+    for _ in range(2):
+        assert max_diff(lm.next_token_logprobs_sync(ids), plain(ids)) <= SELF_TOLERANCE
+        assert lm.store.held_blocks == 0 and not any(n.logprobs is not None for n in nodes(lm))
 
 
 def test_cache_kv_pins_a_prompt_until_clear_cache(mlx_loaded, prompts, reference):
     lm = AsyncMlxLM(*mlx_loaded, cache_size=1)
     prompt = prompts["mid"]
-    node = lm.cache_kv(prompt)
-    assert node.past_key_values is not None and node.depth == len(prompt)
+    assert lm.cache_kv(prompt) is None
     for i in range(3):
         lm.next_token_logprobs_sync([600 + i, 5])
-    assert lm.walk_cache(prompt + [28])[3] == len(prompt)
+    node, next_index, _, base = lm.walk_cache(prompt + [28])
+    assert node.pinned and next_index == base == len(prompt)
     ids = prompt + [28]
     assert max_diff(lm.next_token_logprobs_sync(ids), reference(ids)) <= HF_TOLERANCE
     lm.clear_cache()
     assert lm.walk_cache(prompt) == (lm.cache, 0, None, 0)
+
+
+def test_clear_kv_cache_keeps_logprobs_and_add_query_batches(lm, prompts, plain):
+    lm.clear_cache()
+    ids = prompts["mid"]
+    first = lm.next_token_logprobs_sync(ids)
+    assert lm.walk_cache(ids + [17])[3] == len(ids)
+    lm.clear_kv_cache()
+    assert lm.store.held_blocks == 0 and lm.walk_cache(ids + [17])[2] is None
+    assert lm.next_token_logprobs_sync(ids) is first  # the logprobs stayed
+    queries = [ids + [17], ids, ids + [17]]
+    assert [lm.add_query(q) for q in queries] == [0, 1, 2]
+    results = lm.batch_evaluate_queries()
+    assert results[1] is first and torch.equal(results[0], results[2])
+    assert max_diff(results[0], plain(queries[0])) <= SELF_TOLERANCE
+    assert lm.batch_evaluate_queries() == []
+
+
+@pytest.fixture(scope="module")
+def long_prompt(lm):
+    text = "The old clockmaker opened his shop and said good morning to the town. " * 3
+    return lm.tokenizer.encode(text, add_special_tokens=False)[:40]  # 2 full blocks + 8
+
+
+async def test_particles_share_the_prompt_blocks_and_every_row_is_exact(
+    lm, mlx_loaded, long_prompt
+):
+    lm.clear_cache()
+    plain = PlainAfterPrompt(mlx_loaded[0], long_prompt)
+    seen = {}
+
+    async def particle(index):
+        generator = torch.Generator().manual_seed(index)
+        ctx = list(long_prompt)
+        for _ in range(3):
+            seen[tuple(ctx)] = await lm.next_token_logprobs(ctx)
+            ctx = ctx + [torch.randint(0, 40_000, (1,), generator=generator).item()]
+
+    particles = 4
+    await asyncio.gather(*(particle(i) for i in range(particles)))
+    for ids, got in seen.items():
+        assert max_diff(got, plain(ids)) <= SELF_TOLERANCE, ids
+    # the prompt's blocks are held once; each particle adds its own partly filled block
+    prompt_blocks = -(-len(long_prompt) // BLOCK_SIZE)
+    assert lm.store.held_blocks <= prompt_blocks + particles
+    assert lm.kv_nbytes == lm.store.held_blocks * lm.store.block_bytes
+
+
+def test_pinned_prompt_survives_a_tiny_kv_budget_and_forks_stay_exact(mlx_loaded, lm, long_prompt):
+    import mlx.core as mx
+
+    plain = PlainAfterPrompt(mlx_loaded[0], long_prompt)
+    budget = lm.store.block_bytes  # one block
+    lm = AsyncMlxLM(*mlx_loaded, max_kv_bytes=budget, batch_size=8)
+    lm.cache_kv(long_prompt)
+    forks = [long_prompt + [t, t + 1] for t in (5, 6, 7, 8)]
+    for ids, got in zip(forks, lm.batch_next_token_logprobs_sync(forks), strict=True):
+        assert max_diff(got, plain(ids)) <= SELF_TOLERANCE, ids
+    assert lm.kv_nbytes <= budget  # forks were evicted; the pinned prompt is outside it
+    for step in range(2):  # more forks, each over the budget on its own (2 blocks)
+        ids = long_prompt + [100 + step] * 10
+        assert max_diff(lm.next_token_logprobs_sync(ids), plain(ids)) <= SELF_TOLERANCE
+        assert lm.kv_nbytes <= budget
+    node, next_index, past, base = lm.walk_cache(long_prompt + [9])
+    assert next_index == base == len(long_prompt) and node.pinned
+    for layer in (0, 17):
+        keys, values = plain.cache[layer].keys, plain.cache[layer].values
+        assert past[layer].offset == len(long_prompt)
+        assert mx.abs(past[layer].keys - keys[..., : len(long_prompt), :]).max().item() <= 1e-4
+        assert mx.abs(past[layer].values - values[..., : len(long_prompt), :]).max().item() <= 1e-4
+    # an mlx-lm model continues from it
+    continued = plain_run(mlx_loaded[0], past, [9])
+    assert max_diff(continued, plain(long_prompt + [9])) <= SELF_TOLERANCE
 
 
 async def test_bad_input_is_rejected_before_any_model_work(lm):
@@ -210,7 +367,7 @@ async def test_a_failing_batch_reaches_every_caller_and_later_requests_work(mlx_
         *(lm.next_token_logprobs(ids) for ids in rows), return_exceptions=True
     )
     assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results)
-    assert not any(n.logprobs is not None for n in lm.cache)
+    assert not any(n.logprobs is not None for n in nodes(lm)) and lm.store.held_blocks == 0
     model.fail = False
     logps = await lm.next_token_logprobs(rows[1])
     assert max_diff(logps, reference(rows[1])) <= HF_TOLERANCE
@@ -285,9 +442,9 @@ def uncached_logprobs(model, ids):
 async def test_unreusable_cache_layers_warn_once_and_disable_prefix_caching(smollm2_tokenizer):
     pytest.importorskip("mlx_lm")
     model = tiny_llama(len(smollm2_tokenizer), ["sliding_attention", "full_attention"], 4)
-    with pytest.warns(UserWarning, match="prefix .KV. caching is disabled"):
+    with pytest.warns(UserWarning, match="KV reuse is off.*RotatingKVCache"):
         lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
-    assert not lm.prefix_caching
+    assert not lm.kv_reuse
     rows = [list(range(1, 8)), [8], [9, 10, 11], list(range(1, 10))]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -297,19 +454,19 @@ async def test_unreusable_cache_layers_warn_once_and_disable_prefix_caching(smol
     assert lm.walk_cache(rows[3])[2] is None
     for ids, logps in zip(rows, [*first, second], strict=True):
         assert max_diff(logps, uncached_logprobs(model, ids)) <= SELF_TOLERANCE, ids
-    with pytest.raises(RuntimeError, match="prefix caching"):
+    with pytest.raises(NotImplementedError, match="KV reuse"):
         lm.cache_kv(rows[0])
 
 
-async def test_cache_layers_without_merge_run_row_by_row(smollm2_tokenizer):
+async def test_other_cache_layers_run_whole_prefixes(smollm2_tokenizer):
     pytest.importorskip("mlx_lm")
     from mlx_lm.models.cache import ConcatenateKVCache
 
     layers = ["full_attention", "full_attention"]
     model = tiny_llama(len(smollm2_tokenizer), layers, cache_class=ConcatenateKVCache)
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="ConcatenateKVCache"):
         lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
-    rows = [[1, 2, 3], [4], [5, 6]]
+    rows = [[1, 2, 3], [4], [5, 6], [7, 8, 9]]
     results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
     for ids, logps in zip(rows, results, strict=True):
         assert max_diff(logps, uncached_logprobs(model, ids)) <= SELF_TOLERANCE, ids
@@ -329,6 +486,15 @@ def test_constructor_rejects_bad_options(mlx_loaded):
         AsyncMlxLM(*mlx_loaded, prefill_step_size=0)
     with pytest.raises(ValueError, match="cache_size"):
         AsyncMlxLM(*mlx_loaded, cache_size=-1)
+    with pytest.raises(TypeError, match="max_kv_bytes"):
+        AsyncMlxLM(*mlx_loaded, max_kv_bytes=1.5)
+
+
+def test_a_model_with_fewer_outputs_than_tokens_is_rejected(smollm2_tokenizer):
+    pytest.importorskip("mlx_lm")
+    model = tiny_llama(100, ["full_attention"])
+    with pytest.raises(ValueError, match="output layer only 100"):
+        AsyncMlxLM(model, smollm2_tokenizer)
 
 
 def test_prefill_in_small_steps_matches_hf(mlx_loaded, prompts, reference):

@@ -155,6 +155,20 @@ async def test_cached_rows_and_kv_never_cross_adapters(lm, base_model, adapters)
     check(await lm.next_token_logprobs(prompt + [5]), base, prompt + [5])
 
 
+def test_each_adapter_shares_its_own_prompt_blocks_between_forks(lm, base_model, adapters):
+    models = {None: base_model[0], "a": adapters["a"][1]}
+    prompt = list(range(430, 448))  # a full block and 2 tokens
+    forks = [prompt + [1], prompt + [2]]
+    for lora, model in models.items():
+        check(lm.next_token_logprobs_sync(prompt, lora_name=lora), model, prompt)
+        results = lm.batch_next_token_logprobs_sync(forks, lora_name=lora)
+        for ids, got in zip(forks, results, strict=True):
+            check(got, model, ids)
+    # per adapter: the prompt's 2 blocks, shared by its forks; the first fork appends to the
+    # partly filled block, the second copies it
+    assert lm.store.held_blocks == len(models) * (2 + 1)
+
+
 async def test_registering_a_name_again_rebinds_it_and_drops_its_cache(lm, base_model, adapters):
     prompt = PROMPTS[0]
     await lm.next_token_logprobs(prompt, lora_name="a")
@@ -183,7 +197,7 @@ async def test_removed_or_unknown_adapters_raise_value_error(lm, base_model, tmp
         lm.walk_cache(PROMPTS[0], lora_name="a")
     with pytest.raises(ValueError, match="'a'"):
         lm.remove_lora("a")
-    assert "a" not in lm._adapters and "a" not in lm._roots
+    assert "a" not in lm._adapters and "a" not in lm.store.roots
     with pytest.raises(FileNotFoundError, match="missing"):
         lm.add_new_lora(tmp_path / "missing", "c")
     assert "c" not in lm.lora_paths

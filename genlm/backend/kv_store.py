@@ -11,9 +11,11 @@ preallocated pool; this module only hands out block ids and decides what they ho
 - Extending a prefix (`extend`) shares its full blocks; its partly filled last block is
   appended to in place when nobody has written past the prefix in it yet, and copied
   otherwise (copy-on-write: only a partly filled last block is ever copied).
-- The budget counts exactly the blocks held by unpinned chains; least recently used
-  chains are released first. Pinned chains (`pin`) are outside the budget.
-- Next-token log-probabilities cached at the nodes have their own LRU byte budget.
+- The budget counts exactly the blocks held by unpinned chains (optionally also how
+  many such chains there are); least recently used chains are released first. Pinned
+  chains (`pin`) are outside the budget.
+- Next-token log-probabilities cached at the nodes have their own LRU budget (bytes,
+  optionally also entries).
 
 The backend implements only the forward: given a row's chain and its new tokens it
 reads the chain's blocks and writes the new tokens' KV into the blocks `extend`
@@ -66,6 +68,8 @@ class PrefixKVStore:
         max_kv_bytes: budget for blocks held by unpinned chains (None: unbounded).
         max_logprobs_bytes: budget for cached logprobs (None: unbounded).
         nbytes: size of a logprobs value.
+        max_kv_entries: most unpinned chains kept (None: unbounded).
+        max_logprobs_entries: most logprobs values kept (None: unbounded).
     """
 
     def __init__(
@@ -76,11 +80,15 @@ class PrefixKVStore:
         max_kv_bytes: int | None = None,
         max_logprobs_bytes: int | None = None,
         nbytes: Callable[[Any], int] = lambda value: int(value.nbytes),
+        max_kv_entries: int | None = None,
+        max_logprobs_entries: int | None = None,
     ):
         self.block_size = block_size
         self.block_bytes = block_bytes
         self.max_kv_bytes = max_kv_bytes
         self.max_logprobs_bytes = max_logprobs_bytes
+        self.max_kv_entries = max_kv_entries
+        self.max_logprobs_entries = max_logprobs_entries
         self._grow = grow
         self._nbytes = nbytes
         self.reset()
@@ -248,11 +256,16 @@ class PrefixKVStore:
             self._kv_lru[id(node)] = node
 
     def evict(self, reserve_blocks: int = 0) -> None:
-        """Release least recently used unpinned chains until ``reserve_blocks`` more fit."""
-        if self.max_kv_bytes is None:
-            return
-        limit = self.max_kv_bytes // self.block_bytes - reserve_blocks
-        while self._kv_lru and self._counted > limit:
+        """Release least recently used unpinned chains until ``reserve_blocks`` more fit
+        (and at most ``max_kv_entries`` chains are left)."""
+        limit = None
+        if self.max_kv_bytes is not None:
+            limit = self.max_kv_bytes // self.block_bytes - reserve_blocks
+        entries = self.max_kv_entries
+        while self._kv_lru and (
+            (limit is not None and self._counted > limit)
+            or (entries is not None and len(self._kv_lru) > entries)
+        ):
             node = next(iter(self._kv_lru.values()))
             self.set_chain(node, None)
             self._emptied.append(node)
@@ -275,8 +288,11 @@ class PrefixKVStore:
             return
         self.logprobs_nbytes += self._nbytes(logprobs)
         self._logprobs_lru[id(node)] = node
-        limit = self.max_logprobs_bytes
-        while limit is not None and self.logprobs_nbytes > limit and self._logprobs_lru:
+        limit, entries = self.max_logprobs_bytes, self.max_logprobs_entries
+        while self._logprobs_lru and (
+            (limit is not None and self.logprobs_nbytes > limit)
+            or (entries is not None and len(self._logprobs_lru) > entries)
+        ):
             oldest = next(iter(self._logprobs_lru.values()))
             self.set_logprobs(oldest, None)
             self._emptied.append(oldest)

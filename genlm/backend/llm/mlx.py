@@ -1,24 +1,49 @@
 """`AsyncMlxLM`: the `AsyncLM` interface on an mlx-lm model (Apple silicon, or Linux CPU).
 
-Requests are auto-batched by the shared `AutoBatcher`. A batch runs as mlx-lm's own
-batch generator does: each row's cached KV state is merged into one left-padded batch
-cache (``KVCache.merge``), the new tokens but the last are right-padded and prefilled
-(``prepare``/``finalize`` move the padding to the left), and one more forward pass on
-every row's last token gives the next-token logits. The batch cache handles the
-attention mask and the RoPE offset of each row. Each row's KV state is then extracted
-into a `DynamicTokenTrie` node, so a later request only runs the tokens past its deepest
-cached prefix; at most ``cache_size`` KV states are kept, evicting the least recently used.
+The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
+`clear_kv_cache`, `reset_async_queries`), input validation and the batcher come from
+`genlm.backend.llm.prefix.PrefixCachedLM`, with the same meanings as for
+`AsyncTransformer`; this module is the forward over rows of (block chain, new tokens).
+KV states live in the shared paged store (`genlm.backend.kv_store.PrefixKVStore`):
+16-token blocks in one pool per layer (`_BlockPool`: a keys and a values ``mx.array`` of
+``[blocks * 16, kv_heads, head_dim]``, block 0 all zeros), reference-counted, a prefix
+tree mapping token prefixes to block chains, shared between particles, copy-on-write
+where they fork. Per adapter, a batch:
+
+1. gives each row its own chain for its whole prefix (`PrefixKVStore.extend`: the
+   source's full blocks shared, its partly filled last block appended to or copied,
+   fresh blocks for the new tokens);
+2. prefills each row's new tokens but the last (rows with as many such tokens together,
+   in steps of ``prefill_step_size``), then runs every row's last token in one forward.
+   Each layer gets a `_PagedCache` (mlx-lm's cache protocol: ``offset``,
+   ``update_and_fetch``, ``make_mask``): it scatters the new tokens' K/V into their chain
+   slots and returns each row's K/V gathered through its chain, left-padded to the
+   longest row with block-0 slots that the mask hides; RoPE gets each row's own offset,
+   as with mlx-lm's ``BatchKVCache``;
+3. keeps the logits of the last position only (MLX is lazy: the prefill's logits are
+   never computed), over the tokenizer's vocabulary, as float32 log-probabilities;
+4. stores at each request's node its logprobs and its chain.
+
+``cache_size`` bounds how many prefixes keep their KV (unpinned chains) and how many
+keep their logprobs, least recently used first; ``max_kv_bytes`` optionally bounds the
+bytes of those chains' blocks. Prompts pinned with `cache_kv` are outside both.
+
+Models whose cache layers are not all plain ``KVCache`` (sliding windows, quantized or
+recurrent states) still work, without KV reuse: a warning says so, each request runs its
+whole prefix with a fresh ``make_prompt_cache`` (rows of one length together), and
+`cache_kv` raises ``NotImplementedError``.
 
 LoRA adapters are loaded by mlx-lm itself (``mlx_lm.tuner.utils.load_adapters``: an
 ``adapter_config.json`` and ``adapters.safetensors`` directory, as ``mlx_lm.lora`` writes)
 into a copy of the model that holds the very same base weight arrays, so an adapter costs
-only its own low-rank matrices. Each adapter has its own prefix tree (all under the same
-``cache_size`` budget), so a row is only ever reused for the adapter it was computed with;
+only its own low-rank matrices. Each adapter has its own prefix tree in the store (all
+under the same budgets), so KV is only ever reused for the adapter it was computed with;
 a batch mixing adapters runs one batched forward per adapter.
 
 mlx streams belong to the thread that created them, so every MLX graph is built and
-evaluated on the batcher's single worker thread (the blocking calls and adapter loading go
-through `AutoBatcher.run_sync` too); the model's weights are evaluated up front.
+evaluated on the batcher's single worker thread (the base routes the blocking calls and
+cache calls there, adapter loading goes through `AutoBatcher.run_sync` too); the model's
+weights, the probe forward and the pool are evaluated up front where they are created.
 """
 
 from __future__ import annotations
@@ -26,16 +51,18 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from genlm.backend.batching import AutoBatcher
-from genlm.backend.cache import DynamicTokenTrie
-from genlm.backend.llm.base import BatchedAsyncLM, Query
+from genlm.backend.batching import check_int
+from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
+from genlm.backend.llm.prefix import PrefixCachedLM, Row
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
+BLOCK_SIZE = 16
 
 
 def _import_mlx() -> Any:
@@ -75,29 +102,144 @@ def _share_weights_copy(model: Any) -> Any:
     return copy.deepcopy(model, shared)
 
 
-def _prefix_cache_supported(model: Any) -> bool:
-    """Whether every layer of the model keeps a plain, full-history ``KVCache``.
+@dataclass(frozen=True)
+class _KVLayout:
+    """Shape of the model's KV state: the same for every layer."""
 
-    Only those states can be cut out of a batch and extended later by any request
-    sharing the prefix; sliding-window, quantized or recurrent caches cannot.
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    dtype: Any  # an mx.Dtype
+
+
+class _BlockPool:
+    """The KV blocks of every layer: ``keys[layer][block * block_size + offset, head, dim]``
+    (``values`` alike)."""
+
+    def __init__(self, layout: _KVLayout, block_size: int):
+        self.layout = layout
+        self.block_size = block_size
+        self.keys: list[Any] = []
+        self.values: list[Any] = []
+
+    @property
+    def block_bytes(self) -> int:
+        layout = self.layout
+        per_token = layout.num_layers * 2 * layout.num_heads * layout.head_dim
+        return per_token * self.block_size * layout.dtype.size
+
+    def resize(self, blocks: int) -> None:
+        """Hold ``blocks`` blocks, keeping the first ones' contents (block 0 stays zero)."""
+        mx = _import_mlx()
+        layout = self.layout
+        slots = blocks * self.block_size
+
+        def resized(old: Any) -> Any:
+            new = mx.zeros((slots, layout.num_heads, layout.head_dim), dtype=layout.dtype)
+            kept = min(slots, old.shape[0]) if old is not None else 0
+            if kept:
+                new[:kept] = old[:kept]
+            return new
+
+        old_keys = self.keys or [None] * layout.num_layers
+        old_values = self.values or [None] * layout.num_layers
+        self.keys = [resized(old) for old in old_keys]
+        self.values = [resized(old) for old in old_values]
+        mx.eval(self.keys, self.values)
+
+    def slots(self, chain: Chain, tokens: int) -> np.ndarray:
+        """Pool positions of a chain's first ``tokens`` tokens."""
+        blocks = np.asarray(chain, dtype=np.int32)[:, None] * self.block_size
+        return (blocks + np.arange(self.block_size, dtype=np.int32)).reshape(-1)[:tokens]
+
+    def copy(self, copies: Sequence[BlockCopy]) -> None:
+        """Apply the store's copy-on-write copies. The copied slots are read (and evaluated)
+        first, so the write can reuse each pool's buffer instead of copying the whole pool."""
+        if not copies:
+            return
+        mx = _import_mlx()
+        size = self.block_size
+        source = mx.array(np.concatenate([np.arange(c.tokens) + c.source * size for c in copies]))
+        target = mx.array(np.concatenate([np.arange(c.tokens) + c.target * size for c in copies]))
+        for pool in (self.keys, self.values):
+            copied = [layer[source] for layer in pool]
+            mx.eval(copied)
+            for layer, rows in zip(pool, copied, strict=True):
+                layer[target] = rows
+
+
+@dataclass
+class _Step:
+    """One forward over the pool, shared by every layer's `_PagedCache`.
+
+    ``read``: ``[rows, width]`` pool slots of each row's tokens up to the last one this
+    forward runs, left-padded with slot 0; ``write``: the slots of the tokens it runs,
+    row after row; ``offset``: each row's position of its first token run (an int when
+    all rows agree); ``left_padding``: each row's padded slots (None: none).
     """
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    return all(type(layer) is KVCache for layer in make_prompt_cache(model))
+    read: Any
+    write: Any
+    offset: Any
+    left_padding: Any
+    width: int
 
 
-class AsyncMlxLM(BatchedAsyncLM):
-    """Asynchronous, auto-batched mlx-lm model with a prefix cache of KV states.
+class _PagedCache:
+    """mlx-lm's cache protocol for one layer of one forward over the block pool.
+
+    ``update_and_fetch`` scatters the new tokens' K/V into their slots and returns each
+    row's K/V gathered through its chain (``[rows, kv_heads, width, head_dim]``).
+    """
+
+    def __init__(self, pool: _BlockPool, layer: int, step: _Step):
+        self.pool, self.layer, self.step = pool, layer, step
+
+    @property
+    def offset(self) -> Any:
+        return self.step.offset
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        rows, heads, new, dim = keys.shape
+        step = self.step
+        fetched = []
+        for pool, states in ((self.pool.keys, keys), (self.pool.values, values)):
+            # Gathered after the write, so the scatter can reuse the pool's buffer.
+            layer = pool[self.layer]
+            layer[step.write] = states.transpose(0, 2, 1, 3).reshape(rows * new, heads, dim)
+            fetched.append(layer[step.read].transpose(0, 2, 1, 3))
+        return fetched[0], fetched[1]
+
+    def make_mask(
+        self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any
+    ) -> Any:
+        from mlx_lm.models.base import create_causal_mask
+        from mlx_lm.models.cache import create_attention_mask
+
+        past = self.step.width - n
+        if self.step.left_padding is None:
+            return create_attention_mask(n, past, return_array, window_size)
+        return create_causal_mask(
+            n, past, window_size=window_size, left_padding=self.step.left_padding
+        )
+
+
+class AsyncMlxLM(PrefixCachedLM):
+    """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
+
+    Returned log-probability vectors are shared with the cache (each a tensor of its own):
+    read them, do not modify them in place.
 
     Args:
         mlx_lm_model: a model from ``mlx_lm.load``.
         tokenizer: its tokenizer (mlx-lm's ``TokenizerWrapper`` or the Hugging Face one).
-        batch_size: most requests per forward pass.
+        batch_size: most requests per batch.
         timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
         prefill_step_size: most tokens per row fed to the model in one prefill pass.
-        cache_size: most prefixes whose KV state (and logprobs) are kept, LRU (0: none),
-            over every adapter's prefix tree together.
-        max_kv_bytes: optional cap on the bytes of cached KV state, LRU.
+        cache_size: most prefixes whose KV (and, apart, logprobs) are kept, least recently
+            used evicted first (0: nothing is kept between batches), over every adapter's
+            prefix tree together; prompts pinned with `cache_kv` are outside it.
+        max_kv_bytes: optional cap on the bytes of the KV blocks those prefixes hold.
     """
 
     def __init__(
@@ -108,13 +250,12 @@ class AsyncMlxLM(BatchedAsyncLM):
         timeout: float | None = 0.001,
         prefill_step_size: int = 2048,
         cache_size: int = 400,
-        max_kv_bytes: float | None = None,
+        max_kv_bytes: int | None = None,
     ):
         mx = _import_mlx()
-        if prefill_step_size < 1:
-            raise ValueError(f"prefill_step_size must be >= 1, got {prefill_step_size}")
-        if cache_size < 0:
-            raise ValueError(f"cache_size must be >= 0, got {cache_size}")
+        check_int("prefill_step_size", prefill_step_size, minimum=1)
+        check_int("cache_size", cache_size)
+        check_int("max_kv_bytes", max_kv_bytes, optional=True)
         super().__init__(_hf_tokenizer(tokenizer))
         self.mlx_tokenizer = tokenizer
         self.model = mlx_lm_model
@@ -122,17 +263,27 @@ class AsyncMlxLM(BatchedAsyncLM):
         self.cache_size = cache_size
         self.max_kv_bytes = max_kv_bytes
         mx.eval(mlx_lm_model.parameters())
-        self.prefix_caching = _prefix_cache_supported(mlx_lm_model)
-        if not self.prefix_caching:
+        layout, reason = self._probe_kv_layout()
+        if layout is None:
             warnings.warn(
-                f"{type(mlx_lm_model).__module__}: the model's cache layers cannot be reused "
-                "across requests; prefix (KV) caching is disabled and every request runs "
-                "its whole prefix.",
+                f"KV reuse is off for this model ({reason}): every request runs its whole prefix",
                 stacklevel=2,
             )
+            self._pool: _BlockPool | None = None
+            block_bytes, grow = 1, lambda blocks: None
+        else:
+            self._pool = _BlockPool(layout, BLOCK_SIZE)
+            block_bytes, grow = self._pool.block_bytes, self._pool.resize
         self._adapters: dict[str, Any] = {}  # adapter name -> model holding its LoRA layers
-        self._reset_trie()
-        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name="genlm-mlx")
+        store = PrefixKVStore(
+            BLOCK_SIZE,
+            block_bytes,
+            grow,
+            max_kv_bytes=max_kv_bytes,
+            max_kv_entries=cache_size,
+            max_logprobs_entries=cache_size,
+        )
+        self._init_prefix_cache(store, layout is not None, batch_size, timeout, "genlm-mlx")
 
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> AsyncMlxLM:
@@ -145,82 +296,6 @@ class AsyncMlxLM(BatchedAsyncLM):
 
         model, tokenizer = mlx_lm.load(model_name)[:2]
         return cls(model, tokenizer, **kwargs)
-
-    @property
-    def cache(self) -> DynamicTokenTrie:
-        """The base model's prefix tree (each adapter has its own, under the same budget)."""
-        return self._roots[None]
-
-    def walk_cache(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> tuple[DynamicTokenTrie, int, list[Any] | None, int]:
-        """Follow ``token_ids`` down the prefix tree of adapter ``lora_name``.
-
-        Returns ``(node, next_token_index, past, base)``: the deepest node reached, the
-        number of tokens it covers, and the KV state (one mlx-lm ``KVCache`` per layer)
-        of the deepest node on that path holding one, covering ``token_ids[:base]``
-        (``None`` and 0 when there is none).
-        """
-        ids, lora = self.query(token_ids, lora_name)
-        return self.batcher.run_sync(self._walk_cache, ids, lora)
-
-    def _walk_cache(
-        self, ids: tuple[int, ...], lora: str | None
-    ) -> tuple[DynamicTokenTrie, int, list[Any] | None, int]:
-        node, next_token_index = self._root(lora).walk(ids)
-        kv_node = node.nearest_kv()
-        if kv_node is None:
-            return node, next_token_index, None, 0
-        return node, next_token_index, kv_node.past_key_values, kv_node.depth
-
-    def cache_kv(
-        self, prompt_tokens: Sequence[int], *, lora_name: str | None = None
-    ) -> DynamicTokenTrie:
-        """Compute the KV state of ``prompt_tokens`` under adapter ``lora_name`` and pin it
-        (never evicted until `clear_cache`, or until the adapter is registered again)."""
-        query = self.query(prompt_tokens, lora_name)
-        if not self.prefix_caching:
-            raise RuntimeError(
-                "cache_kv needs prefix caching, which is disabled for this model's cache layers"
-            )
-        return self.batcher.run_sync(self._cache_kv, query)
-
-    def _cache_kv(self, query: Query) -> DynamicTokenTrie:
-        root = self._root(query.lora)
-        node, depth = root.walk(query.token_ids)
-        if depth == len(query.token_ids) and node.past_key_values is not None:
-            node.set_past_key_values(node.past_key_values, pinned=True)
-            return node
-        (logprobs,), (past,) = self._forward([query], keep_kv=True)
-        node = root.extend_cache(0, query.token_ids, None)
-        node.set_logprobs(logprobs)
-        node.set_past_key_values(past, pinned=True)
-        return node
-
-    def clear_cache(self) -> None:
-        """Forget every cached KV state and logprobs (pinned ones included), of every adapter."""
-        self.batcher.run_sync(self._reset_trie)
-
-    def _reset_trie(self) -> None:
-        # On the worker thread, so a batch never sees the trees swapped under it.
-        base = DynamicTokenTrie(
-            max_kv_entries=self.cache_size,
-            max_kv_bytes=self.max_kv_bytes,
-            max_logprobs_entries=self.cache_size,
-        )
-        self._roots: dict[str | None, DynamicTokenTrie] = {None: base}
-
-    def _root(self, lora: str | None) -> DynamicTokenTrie:
-        """The prefix tree of one adapter (created on first use, under the shared budget)."""
-        root = self._roots.get(lora)
-        if root is None:
-            root = self._roots[lora] = DynamicTokenTrie(share_budgets_with=self.cache)
-        return root
-
-    def _drop_tree(self, lora: str) -> None:
-        root = self._roots.pop(lora, None)
-        if root is not None:
-            root.clear()
 
     # -- LoRA ----------------------------------------------------------------------------------
 
@@ -239,132 +314,150 @@ class AsyncMlxLM(BatchedAsyncLM):
         model.eval()
         mx.eval(model.parameters())
         self._adapters[lora_name] = model
-        self._drop_tree(lora_name)
+        self.store.drop_root(lora_name)
 
     def _delete_adapter(self, lora_name: str) -> None:
         del self._adapters[lora_name]
-        self._drop_tree(lora_name)
+        self.store.drop_root(lora_name)
 
     def _model(self, lora: str | None) -> Any:
         """The model serving adapter ``lora`` (``None``: the base model)."""
-        if lora is None:
-            return self.model
-        model = self._adapters.get(lora)
-        if model is None:  # removed while its request waited in the queue
-            raise self._unknown_lora(lora)
-        return model
+        return self.model if lora is None else self._adapters[lora]
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _process_batch(self, queries: list[Query]) -> list[torch.Tensor | None]:
-        """Answer distinct queries from their adapter's cache or batched forward passes
-        (every entry is filled)."""
-        results: list[torch.Tensor | None] = [None] * len(queries)
-        missing = []
-        for i, (ids, lora) in enumerate(queries):
-            node, depth = self._root(lora).walk(ids)
-            if depth == len(ids) and node.logprobs is not None:
-                node.touch()
-                results[i] = node.logprobs
-            else:
-                missing.append(i)
-        if missing:
-            rows = [queries[i] for i in missing]
-            keep_kv = self.prefix_caching and self.cache_size > 0
-            logprobs, pasts = self._forward(rows, keep_kv)
-            for i, query, row_logprobs, past in zip(missing, rows, logprobs, pasts, strict=True):
-                results[i] = row_logprobs
-                self._store(query, row_logprobs, past)
-        return results
-
-    def _store(self, query: Query, logprobs: torch.Tensor, past: list[Any] | None) -> None:
-        if self.cache_size == 0:
-            return
-        node = self._root(query.lora).extend_cache(0, query.token_ids, None)
-        node.set_logprobs(logprobs)
-        if past is not None and node.past_key_values is None:
-            node.set_past_key_values(past)
-
-    def _forward(
-        self, rows: list[Query], keep_kv: bool
-    ) -> tuple[list[torch.Tensor], list[list[Any] | None]]:
-        """Next-token logprobs of each row, reusing cached prefixes of its adapter; with
-        ``keep_kv`` also each row's whole KV state (one ``KVCache`` per layer).
-
-        One batched forward per adapter (row by row for cache layers that cannot merge).
-        """
-        mx = _import_mlx()
-        starts = [self._start(query) for query in rows]
-        by_adapter: dict[str | None, list[int]] = {}
-        for i, query in enumerate(rows):
-            by_adapter.setdefault(query.lora, []).append(i)
-        if all(hasattr(layer, "merge") for layer in starts[0][0]):
-            groups = list(by_adapter.items())
-        else:
-            groups = [(lora, [i]) for lora, same in by_adapter.items() for i in same]
-        logprobs: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
-        pasts: list[list[Any] | None] = [None] * len(rows)
-        for lora, group in groups:
-            cache = self._batch_cache([starts[i][0] for i in group])
+    def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
+        by_adapter: dict[str | None, list[Row]] = {}
+        for row in rows:
+            by_adapter.setdefault(row.lora, []).append(row)
+        for lora, same in by_adapter.items():
             model = self._model(lora)
-            group_logprobs = self._run(mx, model, cache, [starts[i][1] for i in group])
-            kept = []
-            if keep_kv:
-                kept = [[layer.extract(j) for layer in cache] for j in range(len(group))]
-            mx.eval(group_logprobs, [[(c.keys, c.values) for c in row] for row in kept])
-            array = np.array(group_logprobs)
-            for j, i in enumerate(group):
-                logprobs[i] = torch.from_numpy(array[j].copy())
-                if keep_kv:
-                    pasts[i] = kept[j]
-        return logprobs, pasts
+            if self._pool is None:
+                self._run_without_kv(model, same, results)
+            else:
+                self._run_paged(model, self._pool, same, results)
 
-    def _start(self, query: Query) -> tuple[list[Any], list[int]]:
-        """A row's starting cache (its adapter's deepest cached prefix, else empty) and the
-        tokens to run."""
+    def _run_paged(self, model: Any, pool: _BlockPool, rows: list[Row], results: list[Any]) -> None:
+        """Rows of one adapter through the block pool: a prefill of their new tokens but the
+        last (rows with as many together), then one forward over every row's last token."""
+        mx = _import_mlx()
+        copies = []
+        for row in rows:
+            row.chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
+            copies += row_copies
+        pool.copy(copies)
+        by_head: dict[int, list[Row]] = {}
+        for row in rows:
+            by_head.setdefault(row.new_tokens - 1, []).append(row)
+        for head, same in by_head.items():
+            for begin in range(0, head, self.prefill_step_size):
+                tokens = min(self.prefill_step_size, head - begin)
+                firsts = [row.start + begin for row in same]
+                inputs, cache = self._paged_inputs(pool, same, firsts, tokens)
+                model(inputs, cache=cache)
+                mx.eval(pool.keys, pool.values)
+        firsts = [len(row.ids) - 1 for row in rows]
+        inputs, cache = self._paged_inputs(pool, rows, firsts, 1)
+        logprobs = self._logprobs(model(inputs, cache=cache))
+        mx.eval(logprobs, pool.keys, pool.values)
+        self._store_rows(rows, logprobs, results)
+
+    def _paged_inputs(
+        self, pool: _BlockPool, rows: list[Row], firsts: list[int], tokens: int
+    ) -> tuple[Any, list[_PagedCache]]:
+        """The model's inputs to run ``row.ids[first : first + tokens]`` of each row: the
+        token ids and a `_PagedCache` per layer (every row's chain is set)."""
+        mx = _import_mlx()
+        ends = [first + tokens for first in firsts]
+        width = max(ends)
+        read = np.zeros((len(rows), width), dtype=np.int32)
+        write = []
+        for i, (row, first, end) in enumerate(zip(rows, firsts, ends, strict=True)):
+            slots = pool.slots(row.chain or (), end)
+            read[i, width - end :] = slots
+            write.append(slots[first:])
+        padding = [width - end for end in ends]
+        step = _Step(
+            read=mx.array(read),
+            write=mx.array(np.concatenate(write)),
+            offset=firsts[0] if max(padding) == 0 else mx.array(firsts),
+            left_padding=mx.array(padding) if max(padding) else None,
+            width=width,
+        )
+        inputs = mx.array(
+            [row.ids[first:end] for row, first, end in zip(rows, firsts, ends, strict=True)]
+        )
+        return inputs, [_PagedCache(pool, layer, step) for layer in range(len(pool.keys))]
+
+    def _run_without_kv(self, model: Any, rows: list[Row], results: list[Any]) -> None:
+        """Whole prefixes through a fresh mlx-lm cache, rows of one length together."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        ids = query.token_ids
-        if self.prefix_caching:
-            # Look only above the last token: it always runs, so its logits come out.
-            kv_node = self._root(query.lora).walk(ids[:-1])[0].nearest_kv()
-            if kv_node is not None:
-                kv_node.touch()
-                return kv_node.past_key_values, list(ids[kv_node.depth :])
-        return make_prompt_cache(self.model), list(ids)
-
-    @staticmethod
-    def _batch_cache(row_caches: list[list[Any]]) -> list[Any]:
-        """One batch cache per layer, merging the rows' states (left-padded to a common length)."""
-        if len(row_caches) == 1 and not hasattr(row_caches[0][0], "merge"):
-            return row_caches[0]  # a fresh single-row cache that cannot be merged
-        return [type(layers[0]).merge(list(layers)) for layers in zip(*row_caches, strict=True)]
-
-    def _run(self, mx: Any, model: Any, cache: list[Any], new_tokens: list[list[int]]) -> Any:
-        """Prefill every row's new tokens but the last through ``model``, then return
-        ``[B, V]`` next-token logprobs."""
-        heads = [tokens[:-1] for tokens in new_tokens]
-        lengths = [len(head) for head in heads]
-        width = max(lengths)
-        if width > 0:
-            padding = [width - length for length in lengths]
-            tokens = mx.array([head + [0] * pad for head, pad in zip(heads, padding, strict=True)])
-            if max(padding) > 0:
-                for layer in cache:
-                    layer.prepare(lengths=lengths, right_padding=padding)
-            for start in range(0, width, self.prefill_step_size):
-                model(tokens[:, start : start + self.prefill_step_size], cache=cache)
+        mx = _import_mlx()
+        by_length: dict[int, list[Row]] = {}
+        for row in rows:
+            by_length.setdefault(len(row.ids), []).append(row)
+        for length, same in by_length.items():
+            cache = make_prompt_cache(self.model)
+            tokens = mx.array([row.ids for row in same])
+            for begin in range(0, length - 1, self.prefill_step_size):
+                end = min(length - 1, begin + self.prefill_step_size)
+                model(tokens[:, begin:end], cache=cache)
                 mx.eval([layer.state for layer in cache])
-            if max(padding) > 0:
-                for layer in cache:
-                    layer.finalize()
-        last = mx.array([[row[-1]] for row in new_tokens])
-        logits = model(last, cache=cache)[:, -1, :].astype(mx.float32)
-        vocab_size = self.vocab_size
-        if logits.shape[-1] < vocab_size:
-            raise RuntimeError(
-                f"the model has {logits.shape[-1]} output logits, fewer than the "
-                f"{vocab_size} tokens of its tokenizer"
-            )
-        logits = logits[:, :vocab_size]
+            logprobs = self._logprobs(model(tokens[:, -1:], cache=cache))
+            mx.eval(logprobs)
+            self._store_rows(same, logprobs, results)
+
+    def _logprobs(self, logits: Any) -> Any:
+        """``[rows, V]`` float32 log-probabilities of the last position, over the tokenizer's
+        vocabulary (a model's padding columns dropped)."""
+        mx = _import_mlx()
+        logits = logits[:, -1, : self.vocab_size].astype(mx.float32)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _store_rows(self, rows: list[Row], logprobs: Any, results: list[Any]) -> None:
+        array = np.array(logprobs)
+        for i, row in enumerate(rows):
+            self._store(row, torch.from_numpy(array[i].copy()), results)
+
+    def _read_past(self, chain: Chain, tokens: int) -> list[Any]:
+        """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
+        (keys and values ``[1, kv_heads, tokens, head_dim]``)."""
+        from mlx_lm.models.cache import KVCache
+
+        mx = _import_mlx()
+        pool = self._pool
+        assert pool is not None, "KV reuse is off for this model"
+        slots = mx.array(pool.slots(chain, tokens))
+        past = []
+        for keys, values in zip(pool.keys, pool.values, strict=True):
+            layer = KVCache()
+            layer.keys = keys[slots].transpose(1, 0, 2)[None]
+            layer.values = values[slots].transpose(1, 0, 2)[None]
+            layer.offset = tokens
+            past.append(layer)
+        mx.eval([layer.state[:2] for layer in past])
+        return past
+
+    def _probe_kv_layout(self) -> tuple[_KVLayout | None, str]:
+        """Run one token to learn the KV shape, and whether this design can reuse it; check
+        that the output layer covers the tokenizer's vocabulary."""
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        mx = _import_mlx()
+        cache = make_prompt_cache(self.model)
+        logits = self.model(mx.array([[0]]), cache=cache)
+        mx.eval(logits, [layer.state for layer in cache])
+        if logits.shape[-1] < self.vocab_size:
+            raise ValueError(
+                f"The tokenizer has {self.vocab_size} tokens but the model's output layer only "
+                f"{logits.shape[-1]}: they do not belong together"
+            )
+        kinds = {type(layer).__name__ for layer in cache if type(layer) is not KVCache}
+        if kinds or not cache:
+            return None, f"its cache layers are {sorted(kinds)}, not only plain KVCache"
+        shapes = {(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache}
+        (keys, values, dtype) = next(iter(shapes))
+        if len(shapes) > 1 or keys != values:
+            return None, "its layers' KV shapes differ"
+        return _KVLayout(len(cache), keys[1], keys[3], dtype), ""

@@ -101,7 +101,8 @@ class PrefixCachedLM(BatchedAsyncLM):
 
         ``node`` holds the KV used (the root if none), ``base`` is its depth (the tokens its
         KV covers), ``past`` is a copy of that KV cut to ``token_ids[:next_token_index]``
-        (backend-specific; for HF ``[layers, 2, kv_heads, next_token_index, head_dim]``), or
+        (backend-specific; for HF ``[layers, 2, kv_heads, next_token_index, head_dim]``, for
+        MLX one mlx-lm ``KVCache`` per layer, which an mlx-lm model can continue from), or
         None, and ``next_token_index`` is the first token still to run (at most ``len - 1``:
         the last token always runs, to get the logits).
         """
