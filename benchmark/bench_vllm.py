@@ -36,6 +36,7 @@ import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import bench_lm  # noqa: E402
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         help="how the library gets full rows: the logits processor (default) or vLLM's "
         "logprobs=-1 (the engine then runs with max_logprobs=-1)",
     )
+    parser.add_argument(
+        "--out", default=str(RESULTS_DIR / "vllm.json"), help="where the JSON results go"
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -184,8 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         },
         "rows": rows,
     }
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "vllm.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Two ways to get it, chosen by ``logprobs_capture``:
 - `EngineLogprobsCapture`: asks vLLM for ``logprobs=-1`` (engine option ``max_logprobs=-1``).
   Public API only, and works wherever the sampler runs, but every row travels as Python
   lists through vLLM's output processing, and the first such request pays a one-off
-  warm-up (seconds on CPU). Compared in ``benchmark/bench_vllm.py``.
+  warm-up (seconds on CPU). Compared in ``benchmark/bench_vllm.py --captures``.
 
 Requests (next-token log-probabilities and samples alike) go through the shared
 `AutoBatcher`: each batch is one step of the session pool, run on the engine's loop
