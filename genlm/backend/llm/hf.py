@@ -141,12 +141,15 @@ class _PagedLayer(DynamicLayer):
 
 
 class _BlockPool:
-    """The KV blocks of every layer: ``kv[layer, 0 / 1, block * block_size + offset, head, dim]``."""
+    """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
+
+    One tensor per layer, so that a resize holds only one layer twice while it copies.
+    """
 
     def __init__(self, layout: _KVLayout, block_size: int):
         self.layout = layout
         self.block_size = block_size
-        self.kv = torch.zeros(0, device=layout.device, dtype=layout.dtype)
+        self.layers: list[torch.Tensor] = []
 
     @property
     def block_bytes(self) -> int:
@@ -155,16 +158,25 @@ class _BlockPool:
         return per_token * self.block_size * layout.dtype.itemsize
 
     def resize(self, blocks: int) -> None:
-        """Hold ``blocks`` blocks, keeping the first ones' contents (block 0 stays zero)."""
+        """Hold ``blocks`` blocks, keeping the contents of the blocks both sizes have (block 0
+        stays zero), one layer at a time."""
         layout = self.layout
-        shape = (layout.num_layers, 2, blocks * self.block_size, layout.num_heads, layout.head_dim)
-        kv = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-        kept = min(blocks * self.block_size, self.kv.shape[2] if self.kv.dim() > 1 else 0)
-        if kept:
-            kv[:, :, :kept].copy_(self.kv[:, :, :kept])
-        else:
-            kv[:, :, : self.block_size].zero_()
-        self.kv = kv
+        slots = blocks * self.block_size
+        shape = (2, slots, layout.num_heads, layout.head_dim)
+        if not self.layers:
+            self.layers = [
+                torch.empty(shape, dtype=layout.dtype, device=layout.device)
+                for _ in range(layout.num_layers)
+            ]
+            for layer in self.layers:
+                layer[:, : self.block_size].zero_()
+            return
+        for index, old in enumerate(self.layers):
+            kept = min(slots, old.shape[1])
+            layer = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+            layer[:, :kept].copy_(old[:, :kept])
+            self.layers[index] = layer
+            del old, layer  # the old layer goes before the next one is allocated
 
     def slots(self, chain: Chain, tokens: int) -> torch.Tensor:
         """Pool positions of a chain's first ``tokens`` tokens."""
@@ -176,9 +188,13 @@ class _BlockPool:
         size = self.block_size
         for copy in copies:
             source, target = copy.source * size, copy.target * size
-            self.kv[:, :, target : target + copy.tokens] = self.kv[
-                :, :, source : source + copy.tokens
-            ]
+            for layer in self.layers:
+                layer[:, target : target + copy.tokens] = layer[:, source : source + copy.tokens]
+
+    def read(self, chain: Chain, tokens: int) -> torch.Tensor:
+        """``[layers, 2, heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
+        slots = self.slots(chain, tokens)
+        return torch.stack([layer[:, slots] for layer in self.layers]).permute(0, 1, 3, 2, 4)
 
     def cache(
         self,
@@ -192,7 +208,7 @@ class _BlockPool:
         return Cache(
             layers=[
                 _PagedLayer(layer[0], layer[1], write, read, past_length, shared)
-                for layer in self.kv.unbind(0)
+                for layer in self.layers
             ]
         )
 
@@ -460,8 +476,7 @@ class AsyncTransformer(PrefixCachedLM):
 
     def _read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
         """``[layers, 2, kv_heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
-        pool = self._kv_pool
-        return pool.kv[:, :, pool.slots(chain, tokens)].permute(0, 1, 3, 2, 4).clone()
+        return self._kv_pool.read(chain, tokens)
 
     def _groups(self, rows: list[Row]) -> list[list[Row]]:
         """Rows with the same number of new tokens (and adapter, with ``lora_batching=
