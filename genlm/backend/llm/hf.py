@@ -185,11 +185,18 @@ class _BlockPool:
         return (blocks[:, None] * self.block_size + offsets).flatten()[:tokens]
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
+        """Apply `BlockCopy`s (no target is another's source): one indexed copy per layer."""
+        if not copies:
+            return
         size = self.block_size
-        for copy in copies:
-            source, target = copy.source * size, copy.target * size
-            for layer in self.layers:
-                layer[:, target : target + copy.tokens] = layer[:, source : source + copy.tokens]
+        pairs = [
+            (copy.source * size + j, copy.target * size + j)
+            for copy in copies
+            for j in range(copy.tokens)
+        ]
+        source, target = torch.tensor(pairs, device=self.layout.device).unbind(1)
+        for layer in self.layers:
+            layer[:, target] = layer[:, source]
 
     def read(self, chain: Chain, tokens: int) -> torch.Tensor:
         """``[layers, 2, heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
@@ -496,12 +503,13 @@ class AsyncTransformer(PrefixCachedLM):
         pool = self._kv_pool
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
-        slots = []
+        slots, copies = [], []
         for row in rows:
-            chain, copies = self.store.extend(row.source, row.start, len(row.ids))
+            chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
             row.chain = chain
-            pool.copy(copies)
+            copies += row_copies
             slots.append(pool.slots(chain, len(row.ids)))
+        pool.copy(copies)
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
         write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])
