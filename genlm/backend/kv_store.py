@@ -1,7 +1,7 @@
 """`PrefixKVStore`: a paged prefix-KV store shared by particles (framework-agnostic policy).
 
-KV states live in fixed-size blocks of ``block_size`` tokens inside a backend's
-preallocated pool; this module only hands out block ids and decides what they hold.
+KV states live in fixed-size blocks of ``block_size`` tokens inside a backend's pool,
+whose size this module sets; it hands out block ids and decides what they hold.
 
 - A prefix tree (`KVNode`, a plain record per token prefix, one tree per adapter) maps
   a prefix to its *chain*: the ids of the blocks holding its KV, token ``j`` in block
@@ -210,7 +210,7 @@ class PrefixKVStore:
         for chain, length, total in extensions:
             full, partial = divmod(length, size) if chain else (0, 0)
             blocks += -(-total // size) - full
-            if partial and chain is not None:
+            if partial and chain:
                 last = chain[full]
                 if self._fill[last] == partial and last not in claimed:
                     claimed.add(last)

@@ -4,10 +4,10 @@ Many particles await ``next_token_logprobs`` on prefixes that share most of thei
 tokens. The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`, ...)
 and the batcher come from `genlm.backend.llm.prefix.PrefixCachedLM`; this module is the
 forward over rows of (block chain, new tokens). KV states live in a paged store
-(`genlm.backend.kv_store.PrefixKVStore`: fixed-size blocks in one preallocated pool per
-layer, reference-counted, a prefix tree mapping token prefixes to block chains, shared
-between particles, copy-on-write where they fork). Each batch does, per group of rows
-that need the same number ``t`` of new tokens:
+(`genlm.backend.kv_store.PrefixKVStore`: fixed-size blocks in one pool tensor per layer,
+sized by the store, reference-counted, a prefix tree mapping token prefixes to block
+chains, shared between particles, copy-on-write where they fork). Each batch does, per
+group of rows that need the same number ``t`` of new tokens:
 
 1. walk the prefix tree to the deepest node holding KV along the request, or below its
    end (a descendant's chain starts with it), and hold that chain's blocks;
@@ -36,7 +36,9 @@ Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 - Memory: the budget counts exactly the blocks held by unpinned prefixes; least recently
   used chains are released when a block is needed and after every batch, so KV stays
   within ``max_kv_bytes`` between batches (during one, the blocks its rows hold are kept).
-  Prompts pinned with `cache_kv` are outside the budget.
+  Prompts pinned with `cache_kv` are outside the budget. The pool grows before a batch to
+  what the budget (or the batch's rows) need, shrinks on cache clears and when mostly
+  free, and resizes one layer at a time so it is never held twice while it copies.
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's
