@@ -55,6 +55,8 @@ request then runs its whole prefix.
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -166,19 +168,26 @@ class _BlockPool:
         slots = blocks * self.block_size
         shape = (2, slots, layout.num_heads, layout.head_dim)
         if not self.layers:
-            self.layers = [
-                torch.empty(shape, dtype=layout.dtype, device=layout.device)
-                for _ in range(layout.num_layers)
-            ]
+            self.layers = [self._empty(shape) for _ in range(layout.num_layers)]
             for layer in self.layers:
                 layer[:, : self.block_size].zero_()
             return
         for index, old in enumerate(self.layers):
             kept = min(slots, old.shape[1])
-            layer = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+            layer = self._empty(shape)
             layer[:, :kept].copy_(old[:, :kept])
             self.layers[index] = layer
             del old, layer  # the old layer goes before the next one is allocated
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost
+        memory once written and go back to the system when it is freed (the C allocator
+        would keep freed layers and, by raising its mmap threshold, later tensors too)."""
+        layout = self.layout
+        if layout.device.type != "cpu":
+            return torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        buffer = mmap.mmap(-1, math.prod(shape) * layout.dtype.itemsize)
+        return torch.frombuffer(buffer, dtype=layout.dtype).view(shape)
 
     def slots(self, chain: Chain, tokens: int) -> torch.Tensor:
         """Pool positions of a chain's first ``tokens`` tokens."""
