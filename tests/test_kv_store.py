@@ -271,6 +271,23 @@ def test_pinned_blocks_raise_the_bound_and_clear_kv_gives_the_memory_back():
     check_invariants(store, pool)
 
 
+def test_reserve_counts_exactly_the_blocks_a_batch_allocates():
+    store, pool = make_store(max_kv_bytes=0)  # no slack: the pool grows to exactly the need
+    prompt = [1, 2, 3, 4, 5, 6]  # a full block and a partial one, pinned
+    chain, _ = store.extend(None, 0, len(prompt))
+    pool.write(chain, 0, prompt)
+    node = store.node_at(store.root(None), prompt)
+    store.set_chain(node, chain)
+    store.pin(node)
+    forks = [prompt + [t] * 90 for t in (7, 8, 9)]  # 24 blocks each
+    _, in_flight = run_batch(store, pool, forks)
+    # the first fork appends to the partial block in place (22 new), the others copy it (23)
+    assert in_flight == 2 + 22 + 23 + 23
+    # one resize, to the exact need; once the rows let go (budget 0) trim shrinks it back
+    assert pool.sizes == [INITIAL_BLOCKS, 1 + in_flight, INITIAL_BLOCKS]
+    check_invariants(store, pool)
+
+
 def test_trim_halves_a_mostly_free_pool_keeping_the_held_blocks():
     store, pool = make_store()
     keep, _ = run(store, pool, list(range(3 * BLOCK)))  # the lowest blocks
