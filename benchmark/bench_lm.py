@@ -448,10 +448,11 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
     baseline = _rss_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # reset the peak (VmHWM) to the current RSS
-    max_accounted = 0
+    max_accounted = max_pool = 0
+    store = getattr(lm, "store", None)  # a paged store: its pool's size too
 
     async def run() -> None:
-        nonlocal max_accounted
+        nonlocal max_accounted, max_pool
         generators = [torch.Generator().manual_seed(i) for i in range(n)]
 
         async def step(ctx: list[int], index: int) -> list[int]:
@@ -465,6 +466,8 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
             contexts = list(await asyncio.gather(*(step(c, i) for i, c in enumerate(contexts))))
             held = lm.kv_nbytes if hasattr(lm, "kv_nbytes") else lm.cache.kv_nbytes
             max_accounted = max(max_accounted, held)
+            if store is not None:
+                max_pool = max(max_pool, store.capacity * store.block_bytes)
 
     start = time.perf_counter()
     asyncio.run(run())
@@ -486,6 +489,7 @@ def memory(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_mb": peak / 2**20,
         "peak_growth_mb": (peak - baseline) / 2**20,
         "max_accounted_kv_mb": max_accounted / 2**20,
+        "max_pool_mb": max_pool / 2**20,
         "growth_over_kv_budget": (peak - baseline) / kv_budget,
         "growth_over_both_budgets": (peak - baseline) / (kv_budget + logprobs_budget),
     }

@@ -181,6 +181,80 @@ def test_after_clear_kv_cache_and_clear_cache(lm, prompt):
     assert_close(lm, ids, lm.next_token_logprobs_sync(ids))
 
 
+def pool_blocks(lm):
+    """Blocks the backend's pool tensors really hold (each layer's K and V)."""
+    layers = lm._pool.layers
+    assert len(layers) == lm._pool.layout.num_layers
+    assert {layer.shape[1] for layer in layers} == {lm.store.capacity * lm.store.block_size}
+    return lm.store.capacity
+
+
+async def test_the_pool_stays_within_budget_plus_the_rows_and_shrinks_on_clears(
+    hf_model, smollm2_tokenizer, prompt, monkeypatch
+):
+    import genlm.backend.kv_store as kv_store
+
+    monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)  # small steps: many resizes
+    budget_blocks = 6
+    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=budget_blocks * 737_280)
+    assert lm.store.block_bytes == 737_280  # SmolLM2-135M fp32: 30 layers x 2 x 3 x 64 x 4 x 16
+    size = lm.store.block_size
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    contexts = [list(prompt) + [i] for i in range(4)]
+    seen, bound = {}, 1 + budget_blocks
+    for step in range(12):
+        # what the rows of this batch may hold: their KV, plus one partly filled block each
+        bound = max(bound, 1 + sum(-(-len(ctx) // size) + 1 for ctx in contexts))
+        answers = await asyncio.gather(*(lm.next_token_logprobs(ctx) for ctx in contexts))
+        assert pool_blocks(lm) <= bound
+        if step % 3 == 2:  # checked against plain forwards below (a sample: they are slow)
+            seen.update(zip(map(tuple, contexts), answers, strict=True))
+        contexts = [
+            ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
+            for ctx, logps, generator in zip(contexts, answers, generators, strict=True)
+        ]
+        if step % 4 == 3:  # resample: pairs of particles fork from one ancestor
+            contexts = [list(contexts[i // 2 * 2]) for i in range(4)]
+    assert pool_blocks(lm) > 1 + budget_blocks  # the rows held more than the budget
+    for ids, got in seen.items():
+        assert_close(lm, ids, got)
+    lm.cache_kv(contexts[0])
+    lm.clear_kv_cache()
+    assert pool_blocks(lm) == 4
+    assert_close(lm, contexts[1], lm.next_token_logprobs_sync(contexts[1]))
+    await asyncio.gather(*(lm.next_token_logprobs(ctx + [5]) for ctx in contexts))
+    assert pool_blocks(lm) > 4
+    lm.clear_cache()
+    assert pool_blocks(lm) == 4
+    assert_close(lm, contexts[2], lm.next_token_logprobs_sync(contexts[2]))
+
+
+def test_a_trimmed_pool_keeps_the_pinned_prompt_exact(
+    hf_model, smollm2_tokenizer, prompt, monkeypatch
+):
+    import genlm.backend.kv_store as kv_store
+
+    monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)
+    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=0)
+    lm.cache_kv(prompt)  # one block, the lowest free one
+    sizes = []
+    resize = lm._pool.resize
+    monkeypatch.setattr(lm.store, "_grow", lambda blocks: sizes.append(blocks) or resize(blocks))
+    long = [prompt + [t] * 40 for t in (5, 6, 7, 8)]  # 4 rows of 4 blocks
+    lm.batch_next_token_logprobs_sync(long)
+    # the batch grew the pool; once its rows let go (nothing unpinned kept) trim halved it
+    assert max(sizes) >= 16 and pool_blocks(lm) == max(sizes) // 2
+    lm.batch_next_token_logprobs_sync([prompt + [9]])
+    assert pool_blocks(lm) == max(sizes) // 4
+    log = ForwardLog(lm.model, monkeypatch)
+    got = lm.next_token_logprobs_sync(prompt + [77])
+    assert log.shapes == [(1, 1)]  # the pinned prompt's KV was used after the shrinks
+    assert_close(lm, prompt + [77], got)
+    past = lm.walk_cache(prompt + [77])[2]
+    expected = hf_model(input_ids=torch.tensor([prompt]), use_cache=True).past_key_values
+    assert torch.allclose(past[5, 1], expected.layers[5].values[0], atol=1e-4)
+
+
 def test_cache_kv_pins_the_prompt(hf_model, smollm2_tokenizer, prompt, monkeypatch):
     lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=400_000)
     lm.cache_kv(prompt)

@@ -8,7 +8,7 @@ unpinned chains counted by brute force.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm.backend.kv_store import ZERO_BLOCK, PrefixKVStore
+from genlm.backend.kv_store import INITIAL_BLOCKS, ZERO_BLOCK, PrefixKVStore
 
 BLOCK = 4
 BLOCK_BYTES = 10
@@ -55,20 +55,39 @@ def make_store(max_kv_bytes=None, max_logprobs_bytes=None):
 
 def run(store, pool, ids, key=None):
     """What a backend does for one request: reuse the deepest KV, write the rest, store."""
-    ids = tuple(ids)
-    node, _ = store.walk(store.root(key), ids)
-    source = store.kv_source(node)
-    start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
-    held = store.hold(source.chain[: -(-start // BLOCK)]) if source else ()
-    chain, copies = store.extend(held, start, len(ids))
-    pool.apply(copies)
-    pool.write(chain, start, ids)
-    node = store.node_at(node, ids)
-    store.set_chain(node, chain)
-    store.release(held)
-    store.evict()
-    store.prune()
+    [(node, start)], _ = run_batch(store, pool, [ids], key)
     return node, start
+
+
+def run_batch(store, pool, requests, key=None):
+    """What `PrefixCachedLM` does for a batch: plan every row (hold the deepest KV),
+    reserve, extend and write every row, store, release, evict, trim, prune.
+    Returns ``[(node, start)]`` and the blocks held while all rows were extended."""
+    rows = []
+    for ids in map(tuple, requests):
+        node, _ = store.walk(store.root(key), ids)
+        source = store.kv_source(node)
+        start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
+        held = store.hold(source.chain[: -(-start // BLOCK)]) if source else ()
+        rows.append((ids, node, start, held))
+    store.reserve([(held, start, len(ids)) for ids, _, start, held in rows])
+    chains = []
+    for ids, _, start, held in rows:
+        chain, copies = store.extend(held, start, len(ids))
+        pool.apply(copies)
+        pool.write(chain, start, ids)
+        chains.append(chain)
+    in_flight = store.held_blocks
+    done = []
+    for (ids, node, start, held), chain in zip(rows, chains, strict=True):
+        node = store.node_at(node, ids)
+        store.set_chain(node, chain)
+        store.release(held)
+        done.append((node, start))
+    store.evict()
+    store.trim()
+    store.prune()
+    return done, in_flight
 
 
 def prefix_of(node):
@@ -207,13 +226,100 @@ def test_a_descendant_chain_serves_its_prefix():
     check_invariants(store, pool)
 
 
-def test_the_pool_grows_by_doubling_and_reset_shrinks_it():
+def test_without_a_budget_the_pool_doubles_and_clears_shrink_it():
     store, pool = make_store()
-    assert pool.sizes == [64]
-    run(store, pool, list(range(64 * BLOCK)))
-    assert pool.sizes == [64, 128]
+    assert pool.sizes == [INITIAL_BLOCKS]
+    node, _ = run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
+    assert pool.sizes == [INITIAL_BLOCKS, 2 * INITIAL_BLOCKS]
+    store.pin(node)
+    store.clear_kv()
+    assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
+    run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
     store.reset()
-    assert pool.sizes[-1] == 64 and store.held_blocks == 0
+    assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
+
+
+def particle_steps(store, pool, particles, steps, prompt):
+    """``particles`` contexts forking from ``prompt``, one token per step, one batch per step;
+    the most blocks held while a batch ran."""
+    contexts = [list(prompt) + [p] for p in range(particles)]
+    peak = 0
+    for step in range(steps):
+        _, in_flight = run_batch(store, pool, contexts)
+        peak = max(peak, in_flight)
+        contexts = [ctx + [(step + p) % 7] for p, ctx in enumerate(contexts)]
+        check_invariants(store, pool)
+    return peak
+
+
+def test_under_a_budget_the_pool_stays_within_budget_plus_what_the_rows_hold():
+    budget_blocks = 70
+    store, pool = make_store(max_kv_bytes=budget_blocks * BLOCK_BYTES)
+    # 8 particles x 60 tokens: about 120 blocks live, over the budget while a batch runs
+    peak = particle_steps(store, pool, 8, 50, list(range(10)))
+    assert peak > budget_blocks  # the rows legitimately hold more than the budget
+    assert max(pool.sizes) <= max(1 + budget_blocks, 1 + peak)
+    # the first step stops at the budget; past it the pool grows only to what rows need
+    assert pool.sizes[:2] == [INITIAL_BLOCKS, 1 + budget_blocks]
+    assert pool.sizes == sorted(pool.sizes)
+    # a budget above the need: the pool grows only as far as the need
+    store, pool = make_store(max_kv_bytes=10_000 * BLOCK_BYTES)
+    peak = particle_steps(store, pool, 4, 40, list(range(10)))
+    assert max(pool.sizes) <= max(INITIAL_BLOCKS, peak + 1) + max(INITIAL_BLOCKS, peak // 4)
+
+
+def test_pinned_blocks_raise_the_bound_and_clear_kv_gives_the_memory_back():
+    budget_blocks = 20
+    store, pool = make_store(max_kv_bytes=budget_blocks * BLOCK_BYTES)
+    prompt = list(range(100, 100 + 90 * BLOCK))  # 90 pinned blocks, outside the budget
+    store.reserve([(None, 0, len(prompt))])
+    chain, _ = store.extend(None, 0, len(prompt))
+    pool.write(chain, 0, prompt)
+    node = store.node_at(store.root(None), prompt)
+    store.set_chain(node, chain)
+    store.pin(node)
+    peak = particle_steps(store, pool, 6, 12, prompt)
+    assert node.chain is not None and store.kv_nbytes <= budget_blocks * BLOCK_BYTES
+    assert max(pool.sizes) <= max(1 + budget_blocks + 90, 1 + peak)
+    store.clear_kv()
+    assert store.capacity == pool.sizes[-1] == INITIAL_BLOCKS
+    node, _ = run(store, pool, list(range(5)))  # the shrunk pool still serves requests
+    check_invariants(store, pool)
+
+
+def test_reserve_counts_exactly_the_blocks_a_batch_allocates():
+    store, pool = make_store(max_kv_bytes=0)  # no slack: the pool grows to exactly the need
+    prompt = [1, 2, 3, 4, 5, 6]  # a full block and a partial one, pinned
+    chain, _ = store.extend(None, 0, len(prompt))
+    pool.write(chain, 0, prompt)
+    node = store.node_at(store.root(None), prompt)
+    store.set_chain(node, chain)
+    store.pin(node)
+    forks = [prompt + [t] * 90 for t in (7, 8, 9)]  # 24 blocks each
+    _, in_flight = run_batch(store, pool, forks)
+    # the first fork appends to the partial block in place (22 new), the others copy it (23)
+    assert in_flight == 2 + 22 + 23 + 23
+    # one resize, to the exact need; once the rows let go (budget 0) trim shrinks it back
+    assert pool.sizes == [INITIAL_BLOCKS, 1 + in_flight, INITIAL_BLOCKS]
+    check_invariants(store, pool)
+
+
+def test_trim_halves_a_mostly_free_pool_keeping_the_held_blocks():
+    store, pool = make_store()
+    keep, _ = run(store, pool, list(range(3 * BLOCK)))  # the lowest blocks
+    big, _ = run(store, pool, [7] * (8 * INITIAL_BLOCKS - 4) * BLOCK)  # block 0 + 3 + these
+    assert store.capacity == 8 * INITIAL_BLOCKS
+    store.trim()  # still in use: no shrink
+    assert store.capacity == 8 * INITIAL_BLOCKS
+    store.set_chain(big, None)
+    sizes = []
+    for _ in range(4):
+        store.trim()
+        sizes.append(store.capacity)
+    assert sizes == [4 * INITIAL_BLOCKS, 2 * INITIAL_BLOCKS, INITIAL_BLOCKS, INITIAL_BLOCKS]
+    check_invariants(store, pool)  # the kept chain reads back exactly after the shrinks
+    run(store, pool, list(range(3 * BLOCK)) + [1, 2])
+    check_invariants(store, pool)
 
 
 @settings(max_examples=60, deadline=None)
@@ -234,12 +340,16 @@ def test_random_forks_evictions_and_pins_keep_every_chain_exact(steps, budget_bl
     budget = None if budget_blocks is None else budget_blocks * BLOCK_BYTES
     store, pool = make_store(max_kv_bytes=budget)
     history = [[0, 1, 2]]
+    bound = INITIAL_BLOCKS
     for pick, tokens, key, pin in steps:
         ids = history[pick % len(history)] + tokens
         history.append(ids)
-        node, _ = run(store, pool, ids, key=key)
+        [(node, _)], in_flight = run_batch(store, pool, [ids], key=key)
         if pin:
             store.pin(node)
         check_invariants(store, pool)
         if budget is not None:
             assert store.kv_nbytes <= budget
+            pinned = store.held_blocks - store.kv_nbytes // BLOCK_BYTES
+            bound = max(bound, 1 + budget_blocks + pinned, 1 + in_flight)
+            assert store.capacity <= bound

@@ -1,7 +1,7 @@
 """`PrefixKVStore`: a paged prefix-KV store shared by particles (framework-agnostic policy).
 
-KV states live in fixed-size blocks of ``block_size`` tokens inside a backend's
-preallocated pool; this module only hands out block ids and decides what they hold.
+KV states live in fixed-size blocks of ``block_size`` tokens inside a backend's pool,
+whose size this module sets; it hands out block ids and decides what they hold.
 
 - A prefix tree (`KVNode`, a plain record per token prefix, one tree per adapter) maps
   a prefix to its *chain*: the ids of the blocks holding its KV, token ``j`` in block
@@ -16,6 +16,13 @@ preallocated pool; this module only hands out block ids and decides what they ho
   chains (`pin`) are outside the budget.
 - Next-token log-probabilities cached at the nodes have their own LRU budget (bytes,
   optionally also entries).
+- The pool's size (`capacity`) follows what is held: the lowest free block is handed
+  out first, so held blocks stay at the low end; before a batch `reserve` evicts for the
+  blocks its rows will allocate and grows the pool once, in steps of a quarter (at least
+  `INITIAL_BLOCKS`) but never past what the budget allows (plus pinned blocks) or, when
+  the rows need more, past what they need; `reset` and `clear_kv` shrink the pool back
+  to `INITIAL_BLOCKS`, and `trim` halves it between batches while three quarters of it
+  are free. Without a byte budget the pool doubles.
 
 The backend implements only the forward: given a row's chain and its new tokens it
 reads the chain's blocks and writes the new tokens' KV into the blocks `extend`
@@ -24,6 +31,7 @@ returned, applying the copies `extend` asked for first.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +41,8 @@ Chain = tuple[int, ...]
 
 # Block 0 is never handed out: backends keep it zeroed and point padding at it.
 ZERO_BLOCK = 0
+# Blocks in the pool after a reset, and the smallest growth step under a budget.
+INITIAL_BLOCKS = 64
 
 
 @dataclass(eq=False)
@@ -63,8 +73,9 @@ class PrefixKVStore:
     Args:
         block_size: tokens per block.
         block_bytes: bytes of one block in the backend's pool (all layers, K and V).
-        grow: ``grow(num_blocks)`` resizes the backend's pool to that many blocks, keeping
-            the contents of the blocks both sizes have (block 0 must stay zero).
+        grow: ``grow(num_blocks)`` resizes the backend's pool to that many blocks, larger or
+            smaller, keeping the contents of the blocks both sizes have (block 0 must stay
+            zero). The store calls it only when every block from ``num_blocks`` on is free.
         max_kv_bytes: budget for blocks held by unpinned chains (None: unbounded).
         max_logprobs_bytes: budget for cached logprobs (None: unbounded).
         nbytes: size of a logprobs value.
@@ -96,22 +107,28 @@ class PrefixKVStore:
     # -- state -------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget every tree, chain and logprob (the pool keeps its blocks, all free)."""
+        """Forget every tree, chain and logprob; the pool goes back to `INITIAL_BLOCKS`."""
         self.roots: dict[Hashable, KVNode] = {}
         self._refs: list[int] = [1]  # block 0 (ZERO_BLOCK) is held forever
         self._pins: list[int] = [1]
         self._fill: list[int] = [0]
-        self._free: list[int] = []
+        self._free: list[int] = []  # a heap: the lowest free block is handed out first
         self._counted = 0  # blocks held by some chain and by no pinned one
+        self._pinned = 0  # blocks held by some pinned chain
         self._kv_lru: OrderedDict[int, KVNode] = OrderedDict()
         self._logprobs_lru: OrderedDict[int, KVNode] = OrderedDict()
         self.logprobs_nbytes = 0
         self._emptied: list[KVNode] = []
-        self._grow_to(64)
+        self._resize(INITIAL_BLOCKS)
 
     @property
     def capacity(self) -> int:
-        """Blocks in the pool (block 0 included)."""
+        """Blocks in the pool (block 0 included).
+
+        With a budget, growing never takes it past ``1 + budget blocks + pinned blocks``,
+        or, when more are held or reserved, past ``1 + held blocks + the blocks asked for``
+        (the rows of a running batch may hold blocks beyond the budget).
+        """
         return len(self._refs)
 
     @property
@@ -122,7 +139,7 @@ class PrefixKVStore:
     @property
     def held_blocks(self) -> int:
         """Blocks held by any chain, pinned or not (block 0 excluded)."""
-        return sum(1 for refs in self._refs[1:] if refs)
+        return self._counted + self._pinned
 
     def root(self, key: Hashable) -> KVNode:
         """The root of the prefix tree for ``key`` (an adapter name, None for the base model)."""
@@ -190,6 +207,24 @@ class PrefixKVStore:
             self._logprobs_lru.move_to_end(id(node))
 
     # -- chains ------------------------------------------------------------------------------
+
+    def reserve(self, extensions: Sequence[tuple[Chain | None, int, int]]) -> None:
+        """Make room for the `extend` calls ``(chain, length, total)`` of a batch about to
+        run: release least recently used chains for the blocks they will allocate, then
+        grow the pool once if the free blocks fall short (see `capacity`)."""
+        size = self.block_size
+        claimed: set[int] = set()  # partly filled blocks an earlier extension appends to in place
+        blocks = 0
+        for chain, length, total in extensions:
+            full, partial = divmod(length, size) if chain else (0, 0)
+            blocks += -(-total // size) - full
+            if partial and chain:
+                last = chain[full]
+                if self._fill[last] == partial and last not in claimed:
+                    claimed.add(last)
+                    blocks -= 1
+        self.evict(blocks)
+        self._grow_for(blocks)
 
     def extend(self, chain: Chain | None, length: int, total: int) -> tuple[Chain, list[BlockCopy]]:
         """A new chain for ``total`` tokens whose first ``length`` are those of ``chain``.
@@ -271,10 +306,21 @@ class PrefixKVStore:
             self._emptied.append(node)
 
     def clear_kv(self) -> None:
-        """Release every chain (pinned ones too); logprobs stay."""
+        """Release every chain (pinned ones too); logprobs stay. The pool shrinks back to
+        `INITIAL_BLOCKS` (or to the highest block a caller still holds)."""
         for root in self.roots.values():
             for node in _subtree(root):
                 self.set_chain(node, None)
+        self._resize(max(INITIAL_BLOCKS, self._top()))
+
+    def trim(self) -> None:
+        """Halve the pool (not below `INITIAL_BLOCKS`) when its upper three quarters are
+        free; call between batches. Repeated calls follow a lasting drop in use without
+        shrinking a pool that the next batch will grow again."""
+        capacity = self.capacity
+        if capacity > INITIAL_BLOCKS and 4 * (self.held_blocks + 1) <= capacity:
+            if 4 * self._top() <= capacity:
+                self._resize(max(INITIAL_BLOCKS, capacity // 2))
 
     # -- logprobs ----------------------------------------------------------------------------
 
@@ -317,29 +363,61 @@ class PrefixKVStore:
 
     def _hold(self, block: int, refs: int, pins: int) -> None:
         before = self._refs[block] > 0 and self._pins[block] == 0
+        pinned_before = self._pins[block] > 0
         self._refs[block] += refs
         self._pins[block] += pins
         after = self._refs[block] > 0 and self._pins[block] == 0
         self._counted += after - before
+        self._pinned += (self._pins[block] > 0) - pinned_before
         if not self._refs[block]:
             self._fill[block] = 0
-            self._free.append(block)
+            heapq.heappush(self._free, block)
 
     def _allocate(self) -> int:
         self.evict(1)
-        if not self._free:
-            self._grow_to(2 * self.capacity)
-        block = self._free.pop()
+        self._grow_for(1)
+        block = heapq.heappop(self._free)
         self._hold(block, 1, 0)
         return block
 
-    def _grow_to(self, capacity: int) -> None:
+    def _grow_for(self, blocks: int) -> None:
+        """Grow the pool so that ``blocks`` blocks are free: doubling without a budget; with
+        one, by a quarter (at least `INITIAL_BLOCKS`), capped at the budget's blocks plus
+        the pinned ones, unless what is held and asked for needs more (then exactly that)."""
+        short = blocks - len(self._free)
+        if short <= 0:
+            return
+        capacity = self.capacity
+        needed = capacity + short
+        if self.max_kv_bytes is None:
+            self._resize(max(needed, 2 * capacity))
+            return
+        bound = 1 + self.max_kv_bytes // self.block_bytes + self._pinned
+        step = max(INITIAL_BLOCKS, capacity // 4)
+        self._resize(max(needed, min(capacity + step, bound)))
+
+    def _top(self) -> int:
+        """One past the highest held block (1 when only block 0 is held)."""
+        top = self.capacity
+        while top > 1 and not self._refs[top - 1]:
+            top -= 1
+        return top
+
+    def _resize(self, capacity: int) -> None:
+        """Resize the pool to ``capacity`` blocks (every block from ``capacity`` on is free)."""
         old = self.capacity
+        if capacity == old:
+            return
         self._grow(capacity)
-        self._refs += [0] * (capacity - old)
-        self._pins += [0] * (capacity - old)
-        self._fill += [0] * (capacity - old)
-        self._free.extend(range(capacity - 1, old - 1, -1))
+        if capacity < old:
+            del self._refs[capacity:], self._pins[capacity:], self._fill[capacity:]
+            self._free = [block for block in self._free if block < capacity]
+        else:
+            self._refs += [0] * (capacity - old)
+            self._pins += [0] * (capacity - old)
+            self._fill += [0] * (capacity - old)
+            self._free.extend(range(old, capacity))
+        heapq.heapify(self._free)
 
 
 def _subtree(root: KVNode) -> list[KVNode]:

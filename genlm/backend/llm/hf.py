@@ -4,10 +4,10 @@ Many particles await ``next_token_logprobs`` on prefixes that share most of thei
 tokens. The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`, ...)
 and the batcher come from `genlm.backend.llm.prefix.PrefixCachedLM`; this module is the
 forward over rows of (block chain, new tokens). KV states live in a paged store
-(`genlm.backend.kv_store.PrefixKVStore`: fixed-size blocks in one preallocated pool per
-layer, reference-counted, a prefix tree mapping token prefixes to block chains, shared
-between particles, copy-on-write where they fork). Each batch does, per group of rows
-that need the same number ``t`` of new tokens:
+(`genlm.backend.kv_store.PrefixKVStore`: fixed-size blocks in one pool tensor per layer,
+sized by the store, reference-counted, a prefix tree mapping token prefixes to block
+chains, shared between particles, copy-on-write where they fork). Each batch does, per
+group of rows that need the same number ``t`` of new tokens:
 
 1. walk the prefix tree to the deepest node holding KV along the request, or below its
    end (a descendant's chain starts with it), and hold that chain's blocks;
@@ -36,7 +36,9 @@ Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 - Memory: the budget counts exactly the blocks held by unpinned prefixes; least recently
   used chains are released when a block is needed and after every batch, so KV stays
   within ``max_kv_bytes`` between batches (during one, the blocks its rows hold are kept).
-  Prompts pinned with `cache_kv` are outside the budget.
+  Prompts pinned with `cache_kv` are outside the budget. The pool grows before a batch to
+  what the budget (or the batch's rows) need, shrinks on cache clears and when mostly
+  free, and resizes one layer at a time so it is never held twice while it copies.
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's
@@ -53,6 +55,8 @@ request then runs its whole prefix.
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,12 +145,15 @@ class _PagedLayer(DynamicLayer):
 
 
 class _BlockPool:
-    """The KV blocks of every layer: ``kv[layer, 0 / 1, block * block_size + offset, head, dim]``."""
+    """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
+
+    One tensor per layer, so that a resize holds only one layer twice while it copies.
+    """
 
     def __init__(self, layout: _KVLayout, block_size: int):
         self.layout = layout
         self.block_size = block_size
-        self.kv = torch.zeros(0, device=layout.device, dtype=layout.dtype)
+        self.layers: list[torch.Tensor] = []
 
     @property
     def block_bytes(self) -> int:
@@ -155,16 +162,32 @@ class _BlockPool:
         return per_token * self.block_size * layout.dtype.itemsize
 
     def resize(self, blocks: int) -> None:
-        """Hold ``blocks`` blocks, keeping the first ones' contents (block 0 stays zero)."""
+        """Hold ``blocks`` blocks, keeping the contents of the blocks both sizes have (block 0
+        stays zero), one layer at a time."""
         layout = self.layout
-        shape = (layout.num_layers, 2, blocks * self.block_size, layout.num_heads, layout.head_dim)
-        kv = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-        kept = min(blocks * self.block_size, self.kv.shape[2] if self.kv.dim() > 1 else 0)
-        if kept:
-            kv[:, :, :kept].copy_(self.kv[:, :, :kept])
-        else:
-            kv[:, :, : self.block_size].zero_()
-        self.kv = kv
+        slots = blocks * self.block_size
+        shape = (2, slots, layout.num_heads, layout.head_dim)
+        if not self.layers:
+            self.layers = [self._empty(shape) for _ in range(layout.num_layers)]
+            for layer in self.layers:
+                layer[:, : self.block_size].zero_()
+            return
+        for index, old in enumerate(self.layers):
+            kept = min(slots, old.shape[1])
+            layer = self._empty(shape)
+            layer[:, :kept].copy_(old[:, :kept])
+            self.layers[index] = layer
+            del old, layer  # the old layer goes before the next one is allocated
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost
+        memory once written and go back to the system when it is freed (the C allocator
+        would keep freed layers and, by raising its mmap threshold, later tensors too)."""
+        layout = self.layout
+        if layout.device.type != "cpu":
+            return torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        buffer = mmap.mmap(-1, math.prod(shape) * layout.dtype.itemsize)
+        return torch.frombuffer(buffer, dtype=layout.dtype).view(shape)
 
     def slots(self, chain: Chain, tokens: int) -> torch.Tensor:
         """Pool positions of a chain's first ``tokens`` tokens."""
@@ -173,12 +196,23 @@ class _BlockPool:
         return (blocks[:, None] * self.block_size + offsets).flatten()[:tokens]
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
+        """Apply `BlockCopy`s (no target is another's source): one indexed copy per layer."""
+        if not copies:
+            return
         size = self.block_size
-        for copy in copies:
-            source, target = copy.source * size, copy.target * size
-            self.kv[:, :, target : target + copy.tokens] = self.kv[
-                :, :, source : source + copy.tokens
-            ]
+        pairs = [
+            (copy.source * size + j, copy.target * size + j)
+            for copy in copies
+            for j in range(copy.tokens)
+        ]
+        source, target = torch.tensor(pairs, device=self.layout.device).unbind(1)
+        for layer in self.layers:
+            layer[:, target] = layer[:, source]
+
+    def read(self, chain: Chain, tokens: int) -> torch.Tensor:
+        """``[layers, 2, heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
+        slots = self.slots(chain, tokens)
+        return torch.stack([layer[:, slots] for layer in self.layers]).permute(0, 1, 3, 2, 4)
 
     def cache(
         self,
@@ -192,7 +226,7 @@ class _BlockPool:
         return Cache(
             layers=[
                 _PagedLayer(layer[0], layer[1], write, read, past_length, shared)
-                for layer in self.kv.unbind(0)
+                for layer in self.layers
             ]
         )
 
@@ -460,8 +494,7 @@ class AsyncTransformer(PrefixCachedLM):
 
     def _read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
         """``[layers, 2, kv_heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
-        pool = self._kv_pool
-        return pool.kv[:, :, pool.slots(chain, tokens)].permute(0, 1, 3, 2, 4).clone()
+        return self._kv_pool.read(chain, tokens)
 
     def _groups(self, rows: list[Row]) -> list[list[Row]]:
         """Rows with the same number of new tokens (and adapter, with ``lora_batching=
@@ -481,12 +514,13 @@ class AsyncTransformer(PrefixCachedLM):
         pool = self._kv_pool
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
-        slots = []
+        slots, copies = [], []
         for row in rows:
-            chain, copies = self.store.extend(row.source, row.start, len(row.ids))
+            chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
             row.chain = chain
-            pool.copy(copies)
+            copies += row_copies
             slots.append(pool.slots(chain, len(row.ids)))
+        pool.copy(copies)
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
         write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])

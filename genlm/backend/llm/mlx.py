@@ -129,7 +129,8 @@ class _BlockPool:
         return per_token * self.block_size * layout.dtype.size
 
     def resize(self, blocks: int) -> None:
-        """Hold ``blocks`` blocks, keeping the first ones' contents (block 0 stays zero)."""
+        """Hold ``blocks`` blocks (more or fewer), keeping the first ones' contents (block 0
+        stays zero)."""
         mx = _import_mlx()
         layout = self.layout
         slots = blocks * self.block_size
@@ -141,11 +142,13 @@ class _BlockPool:
                 new[:kept] = old[:kept]
             return new
 
-        old_keys = self.keys or [None] * layout.num_layers
-        old_values = self.values or [None] * layout.num_layers
-        self.keys = [resized(old) for old in old_keys]
-        self.values = [resized(old) for old in old_values]
-        mx.eval(self.keys, self.values)
+        if not self.keys:
+            self.keys, self.values = [None] * layout.num_layers, [None] * layout.num_layers
+        for pool in (self.keys, self.values):  # one array at a time: old and new never all live
+            for layer, old in enumerate(pool):
+                pool[layer] = resized(old)
+                mx.eval(pool[layer])
+                del old
 
     def slots(self, chain: Chain, tokens: int) -> np.ndarray:
         """Pool positions of a chain's first ``tokens`` tokens."""

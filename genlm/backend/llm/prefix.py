@@ -146,6 +146,7 @@ class PrefixCachedLM(BatchedAsyncLM):
                 else:
                     rows.append(self._plan(slot, ids, lora, node))
             if rows:
+                self._reserve(rows)
                 self._run_rows(rows, results)
         finally:
             self._finish(rows)
@@ -162,6 +163,11 @@ class PrefixCachedLM(BatchedAsyncLM):
         held = self.store.hold(source.chain[: -(-start // self.store.block_size)])
         return Row(slot, ids, lora, node, start, held)
 
+    def _reserve(self, rows: Sequence[Row]) -> None:
+        """Make room in the pool for the blocks the rows' `extend` calls will allocate."""
+        if self.kv_reuse:
+            self.store.reserve([(row.source, row.start, len(row.ids)) for row in rows])
+
     def _store(self, row: Row, logprobs: Any, results: list[Any]) -> None:
         """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
         chain to its node (unless the node holds a pinned chain)."""
@@ -174,12 +180,14 @@ class PrefixCachedLM(BatchedAsyncLM):
             results[row.slot] = logprobs
 
     def _finish(self, rows: Sequence[Row]) -> None:
-        """Let go of what the rows still hold, bring KV back within budget, prune the trees."""
+        """Let go of what the rows still hold, bring KV back within budget, shrink a mostly
+        free pool, prune the trees."""
         for row in rows:
             self.store.release(row.source)
             self.store.release(row.chain)
             row.source, row.chain = (), None
         self.store.evict()
+        self.store.trim()
         self.store.prune()
 
     def _cache_kv(self, ids: tuple[int, ...], lora: str | None) -> None:
@@ -193,6 +201,7 @@ class PrefixCachedLM(BatchedAsyncLM):
             return
         row = self._plan(None, ids, lora, node)
         try:
+            self._reserve([row])
             self._run_rows([row], [])
             self.store.pin(self.store.node_at(node, ids))
         finally:
