@@ -279,6 +279,25 @@ def test_clear_kv_cache_keeps_logprobs_and_add_query_batches(lm, prompts, plain)
     assert lm.batch_evaluate_queries() == []
 
 
+def test_the_pool_grows_and_shrinks_back_with_every_row_exact(mlx_loaded, prompts, plain):
+    import genlm.backend.kv_store as kv_store
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_store, "INITIAL_BLOCKS", 4)  # small steps: many resizes
+        lm = AsyncMlxLM(*mlx_loaded, batch_size=8)
+        pool_slots = lambda: lm._pool.keys[0].shape[0]  # noqa: E731
+        contexts = [prompts["mid"] + [t] for t in range(8)]  # 8 rows, 2 blocks each
+        lm.batch_next_token_logprobs_sync(contexts)
+        grown = pool_slots()
+        assert grown > 4 * BLOCK_SIZE
+        lm.clear_kv_cache()
+        assert pool_slots() == 4 * BLOCK_SIZE == lm._pool.values[-1].shape[0]
+        rows = lm.batch_next_token_logprobs_sync([c + [9] for c in contexts[:3]])
+        for context, row in zip(contexts[:3], rows, strict=True):
+            assert max_diff(row, plain(context + [9])) <= SELF_TOLERANCE
+        lm.close()
+
+
 @pytest.fixture(scope="module")
 def long_prompt(lm):
     text = "The old clockmaker opened his shop and said good morning to the town. " * 3
