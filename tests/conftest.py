@@ -55,3 +55,28 @@ def random_lora(default_model_dir):
         return adapted
 
     return make
+
+
+@pytest.fixture(scope="session")
+def random_walks():
+    """``await random_walks(lm, prompt, particles, steps=3)``: concurrent particles, each
+    extending ``prompt`` by ``steps`` random tokens (seeded by its index) and awaiting the
+    logprobs of every prefix on the way; returns ``{prefix: logprobs}``."""
+    import asyncio
+
+    import torch
+
+    async def walk(lm, prompt, particles, steps=3):
+        seen = {}
+
+        async def particle(index):
+            generator = torch.Generator().manual_seed(index)
+            ctx = list(prompt)
+            for _ in range(steps):
+                seen[tuple(ctx)] = await lm.next_token_logprobs(ctx)
+                ctx = ctx + [torch.randint(0, 40_000, (1,), generator=generator).item()]
+
+        await asyncio.gather(*(particle(i) for i in range(particles)))
+        return seen
+
+    return walk

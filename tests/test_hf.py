@@ -485,7 +485,7 @@ def long_prompt(smollm2_tokenizer):
 
 
 async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
-    lm, long_prompt, monkeypatch
+    lm, long_prompt, monkeypatch, random_walks
 ):
     from transformers import AttentionInterface
 
@@ -499,16 +499,7 @@ async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
 
     AttentionInterface.register(hf.CASCADE, counted)
     try:
-        seen = {}
-
-        async def particle(index):
-            generator = torch.Generator().manual_seed(index)
-            ctx = list(long_prompt)
-            for _ in range(3):
-                seen[tuple(ctx)] = await lm.next_token_logprobs(ctx)
-                ctx = ctx + [torch.randint(0, 40_000, (1,), generator=generator).item()]
-
-        await asyncio.gather(*(particle(i) for i in range(5)))
+        seen = await random_walks(lm, long_prompt, 5)
     finally:
         AttentionInterface.register(hf.CASCADE, hf.cascade_attention)
     assert calls  # the shared prompt was read once per layer for all rows

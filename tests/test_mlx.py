@@ -305,21 +305,12 @@ def long_prompt(lm):
 
 
 async def test_particles_share_the_prompt_blocks_and_every_row_is_exact(
-    lm, mlx_loaded, long_prompt
+    lm, mlx_loaded, long_prompt, random_walks
 ):
     lm.clear_cache()
     plain = PlainAfterPrompt(mlx_loaded[0], long_prompt)
-    seen = {}
-
-    async def particle(index):
-        generator = torch.Generator().manual_seed(index)
-        ctx = list(long_prompt)
-        for _ in range(3):
-            seen[tuple(ctx)] = await lm.next_token_logprobs(ctx)
-            ctx = ctx + [torch.randint(0, 40_000, (1,), generator=generator).item()]
-
     particles = 4
-    await asyncio.gather(*(particle(i) for i in range(particles)))
+    seen = await random_walks(lm, long_prompt, particles)
     for ids, got in seen.items():
         assert max_diff(got, plain(ids)) <= SELF_TOLERANCE, ids
     # the prompt's blocks are held once; each particle adds its own partly filled block
