@@ -209,12 +209,14 @@ class HoldingStandInEngine(StandInEngine):
     """The stand-in with vLLM's scheduler hold: nothing is computed between
     ``pause_generation(mode="keep")`` and ``resume_generation()``; as in vLLM, a task per
     session takes its chunks as soon as they come. ``events`` records "pause", "resume",
-    "chunk" (taken) and "compute" in order; ``pause_error`` makes every pause raise."""
+    "chunk" (taken) and "compute" in order; ``pause_error`` / ``resume_error`` make every
+    pause / resume raise."""
 
     def __init__(self, *args, pause_error=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.events = []
         self.pause_error = pause_error
+        self.resume_error = None
         self._unpaused = None
 
     def unpaused(self):
@@ -231,6 +233,8 @@ class HoldingStandInEngine(StandInEngine):
         self.unpaused().clear()
 
     async def resume_generation(self):
+        if self.resume_error is not None:
+            raise self.resume_error
         self.events.append("resume")
         self.unpaused().set()
 
@@ -513,6 +517,21 @@ async def test_lora_requests_are_per_request_and_cached_per_adapter(engine):
         lm.next_token_logprobs_sync([1, 2], lora_name="a")
 
 
+async def test_a_step_with_adapter_rows_closes_the_sessions_and_runs_every_row_once(engine):
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
+    lm.add_new_lora("/adapters/a", "a")
+    await step(lm, engine, [[1, 2], [3, 4]])
+    assert len(engine.open_sessions) == 2
+    before = len(engine.requests)
+    rows = await asyncio.gather(
+        lm.next_token_logprobs([1, 2, 5]), lm.next_token_logprobs([3, 4, 6], lora_name="a")
+    )
+    torch.testing.assert_close(rows[0], expected_logprobs([1, 2, 5], lm.vocab_size))
+    assert [r.kind for r in engine.requests[before:]] == ["one_shot", "one_shot"]
+    assert engine.open_sessions == set()  # closed before the adapter row ran
+    assert await step(lm, engine, [[1, 2, 5, 7], [8, 9]]) == ["open", "open"]
+
+
 async def test_cleanup_is_idempotent_and_later_calls_raise(lm, engine):
     assert lm.underlying_model is engine
     lm.cleanup()
@@ -671,3 +690,19 @@ def test_logging_is_left_to_callers_who_configure_it(monkeypatch):
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING")
     monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "/etc/vllm-logging.json")
     assert logging_configured({})
+
+
+async def test_a_failed_resume_fails_the_step_instead_of_hanging(smollm2_tokenizer):
+    engine = HoldingStandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
+    engine.resume_error = RuntimeError("resume lost")
+    contexts = [[1, 2], [3, 4]]
+    with pytest.raises(RuntimeError, match="resume lost"):
+        await asyncio.wait_for(
+            asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts)), timeout=10
+        )
+    assert "x" not in held_steps(engine)  # nothing ran while the engine was held
+    engine.resume_error = None
+    assert await step(lm, engine, [c + [5] for c in contexts]) == ["open", "open"]
+    lm.close()
+    close_engine_loop(engine)

