@@ -119,7 +119,10 @@ def _hand_written_loop(
     forward and one batched ``multinomial`` per token, on the model's device."""
     import torch
 
+    from genlm.backend.llm.hf import cache_keyword
+
     model = lm.model
+    keyword = cache_keyword(model)
     vocab = lm.vocab_size
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device).manual_seed(seed)
@@ -127,7 +130,7 @@ def _hand_written_loop(
     with torch.inference_mode():
         out = model(
             input_ids=torch.tensor([prompt], device=device),
-            past_key_values=cache,
+            **{keyword: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -141,7 +144,7 @@ def _hand_written_loop(
             out = model(
                 input_ids=tokens,
                 position_ids=positions,
-                past_key_values=cache,
+                **{keyword: cache},
                 use_cache=True,
                 logits_to_keep=1,
             )

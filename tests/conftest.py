@@ -1,11 +1,34 @@
-"""Shared fixtures: the offline default model (converted once per machine) and its tokenizer."""
+"""Shared fixtures: the offline default model (converted once per machine) and its tokenizer;
+the guard against deprecated calls from our code (tests/deprecations.py)."""
 
 import os
 
 import pytest
+from deprecations import DeprecationGuard
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEPRECATION_GUARD = DeprecationGuard()
+
+
+def pytest_configure(config):
+    DEPRECATION_GUARD.install()
+
+
+def pytest_unconfigure(config):
+    DEPRECATION_GUARD.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def no_deprecated_calls_from_our_code():
+    """Fails the test in which genlm.backend called a deprecated API of another library
+    (also from a worker thread or a shared fixture it set up)."""
+    yield
+    found = list(DEPRECATION_GUARD.found)
+    DEPRECATION_GUARD.found.clear()
+    if found:
+        pytest.fail("genlm.backend called deprecated APIs:\n" + "\n".join(found), pytrace=False)
 
 
 @pytest.fixture(scope="session")

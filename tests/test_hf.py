@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from genlm.backend.llm.hf import AsyncTransformer
+from genlm.backend.llm.hf import AsyncTransformer, cache_keyword
 
 TOL = 1e-4
 
@@ -30,6 +30,11 @@ def reference(model, ids, vocab_size):
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([list(ids)])).logits[0, -1, :vocab_size]
         return torch.log_softmax(logits.float(), -1)
+
+
+def kv_cache(model, **inputs):
+    """The KV cache of a plain forward (named ``cache`` or ``past_key_values`` by release)."""
+    return getattr(model(**inputs, use_cache=True), cache_keyword(model))
 
 
 def assert_close(lm, ids, got):
@@ -251,7 +256,7 @@ def test_a_trimmed_pool_keeps_the_pinned_prompt_exact(
     assert log.shapes == [(1, 1)]  # the pinned prompt's KV was used after the shrinks
     assert_close(lm, prompt + [77], got)
     past = lm.walk_cache(prompt + [77])[2]
-    expected = hf_model(input_ids=torch.tensor([prompt]), use_cache=True).past_key_values
+    expected = kv_cache(hf_model, input_ids=torch.tensor([prompt]))
     assert torch.allclose(past[5, 1], expected.layers[5].values[0], atol=1e-4)
 
 
@@ -525,7 +530,7 @@ def test_pinned_long_prompt_forks_and_evictions_stay_exact(
         assert_close(lm, ids, got)
     node, next_index, past, base = lm.walk_cache(long_prompt + [9])
     assert next_index == base == len(long_prompt) and node.pinned
-    reference_past = hf_model(input_ids=torch.tensor([long_prompt]), use_cache=True).past_key_values
+    reference_past = kv_cache(hf_model, input_ids=torch.tensor([long_prompt]))
     assert torch.allclose(past[3, 0], reference_past.layers[3].keys[0], atol=1e-4)
 
 

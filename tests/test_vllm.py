@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from genlm.backend.llm.hf import cache_keyword  # noqa: E402
 from genlm.backend.llm.vllm import (  # noqa: E402
     AsyncVirtualLM,
     EngineLogprobsCapture,
@@ -196,11 +197,11 @@ async def test_128_particles_with_600_token_prompts_return_every_row_right(vlm, 
     assert lm._sessions.counts["one_shot"] > 0 and lm._sessions.counts["continued"] > 0
     assert len(lm._sessions.sessions) < ENGINE_OPTS["max_num_seqs"]
     with torch.no_grad():
-        out = hf_model(torch.tensor([prefix]), use_cache=True)
-        cache = out.past_key_values
+        keyword = cache_keyword(hf_model)
+        cache = getattr(hf_model(torch.tensor([prefix]), use_cache=True), keyword)
         cache.batch_repeat_interleave(n)
         suffixes = torch.tensor([[p[-2], p[-1]] for p in second])
-        logits = hf_model(suffixes, past_key_values=cache).logits
+        logits = hf_model(suffixes, **{keyword: cache}).logits
     expected = torch.log_softmax(logits.float(), dim=-1)  # [n, 2, V]: after first, second
     for j in range(2):
         assert (rows[j] - expected[:, j]).abs().max().item() <= TOLERANCE

@@ -54,6 +54,7 @@ request then runs its whole prefix.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import mmap
@@ -287,6 +288,14 @@ def cascade_attention(
     return out.reshape(rows, q_heads, new, dim).transpose(1, 2), None
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name under which ``model``'s forward takes and returns its KV cache: ``cache``
+    from transformers 5.24 on (there ``past_key_values`` is deprecated, to go in 5.40),
+    ``past_key_values`` in older releases and in remote-code models that keep it."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def _normalize_dtype(opts: dict[str, Any]) -> None:
     """Accept ``torch_dtype`` or ``dtype``, as a `torch.dtype` or a name; store it as ``dtype``."""
     if "torch_dtype" in opts:
@@ -355,6 +364,7 @@ class AsyncTransformer(PrefixCachedLM):
         self._peft_names: dict[str, str] = {}  # adapter name -> its name inside peft
         self._adapter_ids = itertools.count()
         self._input_device = self.model.get_input_embeddings().weight.device
+        self._cache_keyword = cache_keyword(self.model)
         self._layout, reason = self._probe_kv_layout()
         if self._layout is None:
             warnings.warn(
@@ -469,8 +479,13 @@ class AsyncTransformer(PrefixCachedLM):
                 self._peft.delete_adapter(peft_name)
         self.store.drop_root(lora_name)
 
-    def _forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
-        """The model's forward for rows served by ``loras`` (one adapter name or None per row)."""
+    def _forward(
+        self, loras: Sequence[str | None], cache: Cache | None = None, **kwargs: Any
+    ) -> Any:
+        """The model's forward for rows served by ``loras`` (one adapter name or None per row),
+        reading and writing KV through ``cache``."""
+        if cache is not None:
+            kwargs[self._cache_keyword] = cache
         if self._peft is None:
             return self.model(**kwargs)
         names = [BASE_ADAPTER if lora is None else self._peft_names[lora] for lora in loras]
@@ -536,7 +551,7 @@ class AsyncTransformer(PrefixCachedLM):
                     starts - shared, past_length - shared, new_tokens, boolean=True
                 ),
                 position_ids=starts[:, None] + torch.arange(new_tokens, device=self._input_device),
-                past_key_values=pool.cache(write.flatten(), read, past_length, slots[0][:shared]),
+                cache=pool.cache(write.flatten(), read, past_length, slots[0][:shared]),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits
@@ -559,7 +574,7 @@ class AsyncTransformer(PrefixCachedLM):
                     attention_mask=mask,
                     position_ids=(starts + chunk)[:, None]
                     + torch.arange(end - chunk, device=self._input_device),
-                    past_key_values=cache,
+                    cache=cache,
                     use_cache=True,
                     logits_to_keep=1,
                 ).logits
@@ -601,7 +616,7 @@ class AsyncTransformer(PrefixCachedLM):
         for config in configs:
             config._attn_implementation_internal = CASCADE
         try:
-            return self._forward(loras, **kwargs, genlm_cache=kwargs["past_key_values"])
+            return self._forward(loras, **kwargs, genlm_cache=kwargs["cache"])
         finally:
             for config, name in zip(configs, previous, strict=True):
                 config._attn_implementation_internal = name
@@ -673,9 +688,8 @@ class AsyncTransformer(PrefixCachedLM):
             return None, f"attention implementation {implementation!r}"
         with torch.inference_mode():
             input_ids = torch.zeros((1, 1), dtype=torch.long, device=self._input_device)
-            cache = self.model(
-                input_ids=input_ids, use_cache=True, logits_to_keep=1
-            ).past_key_values
+            output = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+            cache = getattr(output, self._cache_keyword)
         if not isinstance(cache, DynamicCache) or not cache.layers:
             return None, f"its cache is a {type(cache).__name__}"
         kinds = set()
