@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         "setup": {
             "model": args.model or "SmolLM2-135M-Instruct (float32)",
             "adapters": "2 random peft LoRA, r=8 on q/k/v/o",
-            "split": "particle i on [base, a, b][i % 3]",
+            "split": "particle i on base, a, b in turn (i mod 3)",
             "prompt_tokens": args.prompt_tokens,
             "tokens_per_particle": args.tokens,
             "repeats": args.repeats,

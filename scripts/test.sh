@@ -12,7 +12,7 @@ if [ "${1:-}" = "--latest" ]; then
 else
     MAIN=.venv VLLM_VENV=.venv-vllm SETUP=(--vllm)
 fi
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false NO_MKDOCS_2_WARNING=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # tests/test_clients.py fails, rather than skips, without the client libraries in .clients/
 # (GENLM_REQUIRE_CLIENTS= make test opts out, e.g. on Python 3.10, which they do not support)
 export GENLM_REQUIRE_CLIENTS=${GENLM_REQUIRE_CLIENTS-1}
@@ -37,6 +37,6 @@ step "vLLM test suite ($VLLM_VENV)"
 $VLLM_VENV/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
 
 step "docs (mkdocs build --strict)"
-$MAIN/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
+MKDOCS=$MAIN/bin/mkdocs bash scripts/docs.sh
 
 step "all checks passed in $((SECONDS - started)) s"

@@ -58,3 +58,30 @@ def test_readme_pattern_runs(default_model_dir):
     samples, prompt = namespace["samples"], namespace["prompt_ids"]
     assert len(samples) == 32
     assert all(len(s) == len(prompt) + 10 and s[: len(prompt)] == prompt for s in samples)
+
+
+def test_the_docs_check_fails_on_a_broken_reference(tmp_path):
+    """`scripts/docs.sh` (the docs step of `make test`) on a copy of the docs with one
+    planted cross-reference to nothing: the build must fail and name it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    parts = ("mkdocs.yml", "docs", "genlm", "DEVELOPING.md", "benchmark/README.md", "scripts")
+    for part in parts:
+        source, target = ROOT / part, tmp_path / part
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+    page = tmp_path / "docs" / "index.md"
+    page.write_text(page.read_text() + "\nSee [a page][no-such-target].\n")
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    run = subprocess.run(
+        ["bash", "scripts/docs.sh"],
+        cwd=tmp_path,
+        env={**os.environ, "MKDOCS": str(mkdocs)},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode != 0
+    assert "no-such-target" in run.stderr + run.stdout
