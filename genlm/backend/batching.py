@@ -238,6 +238,10 @@ class AutoBatcher(Generic[K, R]):
             executor.shutdown(wait=True)
 
 
+# Seeds go to torch.Generator.manual_seed (and vLLM's sampler): signed 64-bit integers.
+SEED_LIMIT = 2**63
+
+
 def check_int(name: str, value: Any, minimum: int = 0, optional: bool = False) -> None:
     """Raise ``TypeError`` unless ``value`` is an int (or None, if ``optional``), and
     ``ValueError`` if it is below ``minimum``; the message names the argument."""

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from genlm.backend.batching import AutoBatcher, BatchResults
+from genlm.backend.batching import SEED_LIMIT, AutoBatcher, BatchResults
 from genlm.backend.tokenization import decode_vocab
 
 
@@ -55,14 +55,18 @@ class AsyncLM(ABC):
             )
         self.tokenizer = tokenizer
         self.byte_vocab, self.str_vocab = decode_vocab(tokenizer)
+        # Fixed here: callers append to byte_vocab (an end-of-sequence symbol for a trie),
+        # which must not let an id past the model's rows through validation.
+        self._vocab_size = len(self.byte_vocab)
         self.lora_paths: dict[str, str] = {}
         self.default_lora: str | None = None
         self._closed = False
 
     @property
     def vocab_size(self) -> int:
-        """Number of tokens: the length of every next-token log-probability vector."""
-        return len(self.byte_vocab)
+        """Number of tokens: the length of every next-token log-probability vector (the
+        tokenizer's vocabulary at construction; later additions to ``byte_vocab`` do not count)."""
+        return self._vocab_size
 
     @property
     def max_context_length(self) -> int | None:
@@ -116,6 +120,25 @@ class AsyncLM(ABC):
                 )
             checked.append(int(token_id))
         return tuple(checked)
+
+    def check_eos_token_ids(self, eos_token_ids: Any) -> tuple[int, ...]:
+        """End-of-sequence ids as a tuple of ints in ``[0, vocab_size)``, read once (a
+        generator is consumed here, not once per prompt); ``TypeError``/``ValueError``
+        naming a bad id."""
+        if isinstance(eos_token_ids, str | bytes) or not hasattr(eos_token_ids, "__iter__"):
+            raise TypeError(
+                f"eos_token_ids must be a collection of token ids, got "
+                f"{type(eos_token_ids).__name__}"
+            )
+        ids = tuple(eos_token_ids)
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
+                raise TypeError(f"eos token id {token_id!r} is not an integer")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"eos token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        return tuple(int(token_id) for token_id in ids)
 
     def query(self, token_ids: Any, lora_name: str | None = None) -> Query:
         """Validate a request before any model work: its prefix and the adapter serving it."""
@@ -252,23 +275,33 @@ class AsyncLM(ABC):
     ) -> list[int]:
         """Ancestral sampling from the model.
 
-        Stops at the first token in ``eos_token_ids`` (not included) or after
-        ``max_tokens`` tokens. The same ``seed`` gives the same tokens.
+        Stops at the first token in ``eos_token_ids`` (not included), after ``max_tokens``
+        tokens, or at the model's context length: the last token returned is the one sampled
+        after a prefix of ``max_context_length`` tokens (a prompt longer than that is refused
+        before any work). The same ``seed`` gives the same tokens.
         """
         check_sampling_args(max_tokens, temperature, seed)
         query = self.query(prompt_token_ids, lora_name)
+        eos = frozenset(self.check_eos_token_ids(eos_token_ids))
+        return await self._sample(query, max_tokens, eos, temperature, seed)
+
+    async def _sample(
+        self, query: Query, max_tokens: int, eos: frozenset[int], temperature: float, seed: Any
+    ) -> list[int]:
+        """`sample` with its arguments checked."""
         context = list(query.token_ids)
-        eos = set(check_eos_token_ids(eos_token_ids))
+        limit = self.max_context_length
         generator = torch.Generator()
         if seed is None:
             generator.seed()
         else:
-            generator.manual_seed(seed)
+            generator.manual_seed(int(seed))
         generated: list[int] = []
         for _ in range(max_tokens):
+            if limit is not None and len(context) > limit:
+                break
             logprobs = await self.next_token_logprobs(context, lora_name=query.lora)
-            probs = torch.softmax(logprobs.float().cpu() / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator).item())
+            token = draw(logprobs, temperature, generator)
             if token in eos:
                 break
             generated.append(token)
@@ -285,19 +318,16 @@ class AsyncLM(ABC):
         *,
         lora_name: str | None = None,
     ) -> list[list[int]]:
-        """`sample` for several prompts at once (their steps are batched together)."""
-        check_sampling_args(max_tokens, temperature, seed)
+        """`sample` for several prompts at once (their steps are batched together); prompt
+        ``i`` uses the seed ``seed + i``."""
         queries = self.queries(prompt_token_ids_list, lora_name)
+        check_sampling_args(max_tokens, temperature, seed, seeds=len(queries))
+        eos = frozenset(self.check_eos_token_ids(eos_token_ids))
         return list(
             await asyncio.gather(
                 *(
-                    self.sample(
-                        query.token_ids,
-                        max_tokens,
-                        eos_token_ids,
-                        temperature,
-                        None if seed is None else seed + i,
-                        lora_name=query.lora,
+                    self._sample(
+                        query, max_tokens, eos, temperature, None if seed is None else seed + i
                     )
                     for i, query in enumerate(queries)
                 )
@@ -343,9 +373,12 @@ class AsyncLM(ABC):
         )
 
 
-def check_sampling_args(max_tokens: Any, temperature: Any, seed: Any = None) -> None:
+def check_sampling_args(
+    max_tokens: Any, temperature: Any, seed: Any = None, seeds: int = 1
+) -> None:
     """Raise for a ``max_tokens`` that is not an int >= 0, a ``temperature`` that is not a
-    finite number > 0, or a ``seed`` that is not an int."""
+    finite number > 0, or a ``seed`` that is not an int with ``seed + seeds - 1`` in
+    ``[0, 2**63)``. Any such temperature works: `draw` scales in float64, from the top."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
         raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
     if max_tokens < 0:
@@ -354,21 +387,22 @@ def check_sampling_args(max_tokens: Any, temperature: Any, seed: Any = None) -> 
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed <= SEED_LIMIT - max(seeds, 1):
+        which = "" if seeds <= 1 else f" (prompt i uses seed + i, for {seeds} prompts)"
+        raise ValueError(f"seed must be in [0, 2**63){which}, got {seed}")
 
 
-def check_eos_token_ids(eos_token_ids: Any) -> tuple[int, ...]:
-    """The end-of-sequence ids as a tuple of ints (``TypeError`` for anything else)."""
-    if isinstance(eos_token_ids, str | bytes) or not hasattr(eos_token_ids, "__iter__"):
-        raise TypeError(
-            f"eos_token_ids must be a collection of token ids, got {type(eos_token_ids).__name__}"
-        )
-    ids = tuple(eos_token_ids)
-    for token_id in ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
-            raise TypeError(f"eos token id {token_id!r} is not an integer")
-    return tuple(int(token_id) for token_id in ids)
+def draw(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """One token from ``softmax(logprobs / temperature)``. Scaled in float64 after subtracting
+    the largest logprob, so the top token stays at 0 and a tiny temperature (down to the
+    smallest positive float) gives the greedy token rather than inf or nan."""
+    scores = logprobs.detach().double().cpu()
+    probs = torch.softmax((scores - scores.max()) / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 class BatchedAsyncLM(AsyncLM):
@@ -455,8 +489,7 @@ class MockAsyncLM(BatchedAsyncLM):
     of it. Any path registers as an adapter. Cheap enough to serve thousands of
     concurrent requests, for testing code built on `AsyncLM`.
 
-    Returned vectors are views of the shared tables (no copy per request): read
-    them, do not modify them in place.
+    Each returned vector is a copy of its own: editing it changes nothing else.
     """
 
     NUM_TABLES = 8
@@ -485,7 +518,7 @@ class MockAsyncLM(BatchedAsyncLM):
         code = int.from_bytes(digest.digest(), "little")
         shift = (code // self.NUM_TABLES) % self.vocab_size
         start = self.vocab_size - shift  # torch.roll(table, shift) starts here
-        return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size]
+        return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size].clone()
 
     def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         return [self._logprobs(key) for key in keys]

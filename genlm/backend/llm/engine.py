@@ -57,7 +57,7 @@ class EngineLM(BatchedAsyncLM):
     async def _answer(self, query: Query) -> torch.Tensor:
         """From the output cache, else auto-batched with concurrent requests (and cached)."""
         if self.cache is not None and query in self.cache:
-            return self.cache[query]
+            return self.cache[query].clone()  # the caller's own: its edits stay its own
         logprobs = await self.batcher.submit(query)
         self._store(query, logprobs)
         return logprobs
@@ -68,12 +68,14 @@ class EngineLM(BatchedAsyncLM):
         """Blocking `next_token_logprobs` (consults and fills the cache)."""
         query = self.query(token_ids, lora_name)
         if self.cache is not None and query in self.cache:
-            return self.cache[query]
+            return self.cache[query].clone()
         logprobs = self._run_batch([query])[0]
         self._store(query, logprobs)
         return logprobs
 
     def _store(self, query: Query, logprobs: torch.Tensor) -> None:
+        """Cache a copy of the row (of its own: no batch storage kept; a caller's edit of the
+        row it got does not reach the cache)."""
         if self.cache is not None:
             self.cache[query] = logprobs.clone()
 

@@ -288,6 +288,13 @@ class AsyncMlxLM(PrefixCachedLM):
         )
         self._init_prefix_cache(store, layout is not None, batch_size, timeout, "genlm-mlx")
 
+    @property
+    def max_context_length(self) -> int | None:
+        """The model's ``max_position_embeddings`` (None if its arguments have none), as HF."""
+        args = getattr(self.model, "args", None)
+        limit = getattr(args, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> AsyncMlxLM:
         """Load ``model_name`` (a local directory or hub id) with ``mlx_lm.load``.

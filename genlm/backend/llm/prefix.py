@@ -150,7 +150,8 @@ class PrefixCachedLM(BatchedAsyncLM):
                 self._run_rows(rows, results)
         finally:
             self._finish(rows)
-        return results
+        # Callers get copies: a row edited in place must not change what the tree holds.
+        return [row.clone() for row in results]
 
     def _plan(self, slot: int | None, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on

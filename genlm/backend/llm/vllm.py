@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genlm.backend.llm.base import check_eos_token_ids, check_sampling_args
+from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.vllm_sessions import SessionPool, StepRequest, close_engine_loop, engine_loop
 
@@ -409,34 +409,21 @@ class AsyncVirtualLM(EngineLM):
             answers[request] = tokens[: stops[0]] if stops else tokens
         return [answers[key] for key in keys]
 
-    async def sample(
-        self,
-        prompt_token_ids: Sequence[int],
-        max_tokens: int,
-        eos_token_ids: Sequence[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        *,
-        lora_name: str | None = None,
+    async def _sample(
+        self, query: Query, max_tokens: int, eos: frozenset[int], temperature: float, seed: Any
     ) -> list[int]:
-        """Sample with vLLM's own sampler; concurrent calls share one engine step.
-
-        Stops at the first token in ``eos_token_ids`` (not included) or after
-        ``max_tokens``; the same ``seed`` gives the same tokens.
-        """
-        check_sampling_args(max_tokens, temperature, seed)
-        prompt, lora = self.query(prompt_token_ids, lora_name)
-        eos_token_ids = check_eos_token_ids(eos_token_ids)
+        """Sample with vLLM's own sampler; concurrent calls share one engine step (vLLM stops
+        at the model's context length by itself)."""
         if max_tokens == 0:
             return []
         request = _SampleRequest(
-            prompt=prompt,
+            prompt=query.token_ids,
             max_tokens=int(max_tokens),
-            eos_token_ids=tuple(sorted(set(eos_token_ids))),
+            eos_token_ids=tuple(sorted(eos)),
             temperature=float(temperature),
             seed=None if seed is None else int(seed),
             nonce=next(self._nonces) if seed is None else None,
-            lora=lora,
+            lora=query.lora,
         )
         return list(await self.batcher.submit(request))
 

@@ -113,7 +113,8 @@ class AsyncTokenCharacterTrie:
         return process
 
     async def weight_sum(self, ws: Any) -> np.ndarray:
-        """`TokenCharacterTrie.weight_sum`, batched with concurrent calls."""
+        """`TokenCharacterTrie.weight_sum`, batched with concurrent calls (``ws`` is copied
+        when called: later changes to it do not reach the result)."""
         return await self._submit("sum", ws)
 
     async def weight_max(self, ws: Any) -> np.ndarray:
@@ -125,6 +126,9 @@ class AsyncTokenCharacterTrie:
         # Bad input fails its own caller here, not the whole batch it would have joined.
         ws = as_weights(ws)
         check_weights_shape(tuple(ws.shape), len(self.trie.decode), batched=False)
+        # Taken as given at the call: the batch runs later, and the caller may change ``ws``
+        # in between (a copy of one vector costs far less than the batched kernel).
+        ws = ws.clone() if hasattr(ws, "clone") else np.array(ws, copy=True)
         return await self._batchers[name].submit(_Request(ws))
 
     def start(self) -> None:
