@@ -213,3 +213,94 @@ async def test_async_trie_weights_changed_before_the_batch_runs_do_not_count(for
     assert result[trie.trie.root] == pytest.approx(1.0)
     node_a = trie.trie.children[trie.trie.root][b"a"[0]]
     assert result[node_a] == pytest.approx(0.75)
+
+
+# -- loading: errors that name what is wrong, before the work ---------------------------------
+
+
+def test_a_tokenizer_of_another_model_is_refused(hf_model):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # every byte: a complete tokenizer
+    vocab = {symbol: i for i, symbol in enumerate(alphabet + [f"<t{i}>" for i in range(28)])}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    small = PreTrainedTokenizerFast(tokenizer_object=raw)
+    with pytest.raises(ValueError, match="284 tokens but the model's output layer 49152"):
+        AsyncTransformer(hf_model, small)
+
+
+def test_decode_vocab_of_a_raw_tokenizers_object_says_what_to_pass(smollm2_tokenizer):
+    from genlm.backend import decode_vocab
+
+    with pytest.raises(TypeError, match="PreTrainedTokenizerFast"):
+        decode_vocab(smollm2_tokenizer.backend_tokenizer)
+
+
+@pytest.fixture
+def model_copy(default_model_dir, tmp_path):
+    """A copy of the default model's directory, to break."""
+    import shutil
+
+    target = tmp_path / "model"
+    shutil.copytree(default_model_dir, target)
+    return target
+
+
+def test_a_home_relative_path_is_expanded(model_copy, monkeypatch):
+    monkeypatch.setenv("HOME", str(model_copy.parent))
+    with MockAsyncLM.from_name("~/model") as lm:
+        assert lm.vocab_size == 49152
+    with AsyncTransformer.from_name("~/model", hf_opts={"dtype": "float32"}) as lm:
+        assert lm.vocab_size == 49152
+
+
+def test_a_directory_without_config_or_tokenizer_names_the_missing_file(model_copy):
+    (model_copy / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json"):
+        AsyncTransformer.from_name(str(model_copy))
+    MockAsyncLM.from_name(str(model_copy)).close()  # the tokenizer alone is enough there
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_copy / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="has no tokenizer files"):
+        MockAsyncLM.from_name(str(model_copy))
+
+
+def test_truncated_weights_name_the_model_path(model_copy):
+    weights = next(model_copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=str(model_copy)) as caught:
+        AsyncTransformer.from_name(str(model_copy))
+    assert caught.value.__cause__ is None  # one error, no chained loader traceback
+
+
+def test_a_hub_id_offline_says_what_to_pass_instead(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match="default_model_path"):
+        AsyncTransformer.from_name("someone/not-downloaded")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, needle",
+    [
+        ({"hf_opts": "float16"}, TypeError, "hf_opts"),
+        ({"bitsandbytes_opts": "8bit"}, TypeError, "bitsandbytes_opts"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"batch_size": "8"}, TypeError, "batch_size"),
+        ({"timeout": -1}, ValueError, "timeout"),
+        ({"max_kv_bytes": 1.5}, TypeError, "max_kv_bytes"),
+        ({"cache_sizes": 3}, TypeError, "cache_sizes"),
+    ],
+)
+def test_from_name_checks_its_options_before_loading(monkeypatch, kwargs, error, needle):
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the options")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
+    with pytest.raises(error, match=needle):
+        AsyncTransformer.from_name("someone/any", **kwargs)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from genlm.backend.batching import SEED_LIMIT
+from genlm.backend.batching import SEED_LIMIT, first_line
 
 DESCRIPTION = "Demos of genlm.backend, the auto-batched LM engine for probabilistic programs."
 SIS_HELP = (
@@ -157,11 +157,6 @@ def llm_options(args: argparse.Namespace) -> dict:
     if args.backend in ("vllm", "sgl") and args.dtype is not None:
         return {"engine_opts": {"dtype": args.dtype}}
     return {}
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (loaders chain long explanations)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def positive_int(text: str) -> int:

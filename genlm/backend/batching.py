@@ -60,16 +60,7 @@ class AutoBatcher(Generic[K, R]):
         timeout: float | None = 0.02,
         name: str = "genlm-batcher",
     ):
-        check_int("batch_size", batch_size, minimum=1)
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not timeout >= 0
-            or timeout == float("inf")
-        ):
-            raise ValueError(
-                f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}"
-            )
+        check_batching(batch_size, timeout)
         self.process_batch = process_batch
         self.batch_size = batch_size
         self.timeout = timeout
@@ -240,6 +231,26 @@ class AutoBatcher(Generic[K, R]):
 
 # Seeds go to torch.Generator.manual_seed (and vLLM's sampler): signed 64-bit integers.
 SEED_LIMIT = 2**63
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (loaders chain long explanations)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def check_batching(batch_size: Any, timeout: Any) -> None:
+    """Raise for a ``batch_size`` that is not an int >= 1 or a ``timeout`` that is not a
+    finite number of seconds >= 0 or None."""
+    check_int("batch_size", batch_size, minimum=1)
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not timeout >= 0
+        or timeout == float("inf")
+    ):
+        raise ValueError(
+            f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}"
+        )
 
 
 def check_int(name: str, value: Any, minimum: int = 0, optional: bool = False) -> None:

@@ -14,6 +14,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,17 +81,24 @@ def default_model_path() -> Path:
 EXPECTED_MODEL = (
     "expected a hub id ('org/name'), a local model directory with config.json, or a .gguf file"
 )
+OFFLINE_HINT = (
+    "a hub id loads only when online or already in the hub cache; offline, pass a local "
+    "model directory (config.json, weights and tokenizer files), a .gguf file, or "
+    "genlm.backend.models.default_model_path() for the bundled SmolLM2-135M-Instruct"
+)
 GGUF_MAGIC = b"GGUF"
-_MODEL_DIR_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+# Any of these makes a directory hold a tokenizer transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def check_model_name(name: Any) -> str:
-    """``name`` as a str, checked before anything is loaded.
+def check_model_name(name: Any, model: bool = True) -> str:
+    """``name`` as a str (a local path with ``~`` expanded), checked before anything is loaded.
 
     Raises `TypeError` unless it is a str or path, and `ValueError` (naming the path and
     what was expected) for a local path that does not exist, a directory without
-    config.json or tokenizer files, another file that is not a .gguf, or a .gguf file that
-    does not start with the GGUF magic bytes. Other names are hub ids (``org/name``, or
+    config.json (when ``model``: weights are to be loaded, not only the tokenizer) or
+    without tokenizer files, another file that is not a .gguf, or a .gguf file that does
+    not start with the GGUF magic bytes. Other names are hub ids (``org/name``, or
     ``org/name/file.gguf`` for a GGUF file in a hub repository), left to the hub.
     """
     if isinstance(name, os.PathLike):
@@ -110,11 +119,15 @@ def check_model_name(name: Any) -> str:
                     f"{name!r} is not a GGUF file (it does not start with {GGUF_MAGIC!r}; "
                     f"corrupt, or not a model?): {EXPECTED_MODEL}"
                 )
+        return str(path)
     elif path.is_dir():
-        if not any((path / f).is_file() for f in _MODEL_DIR_FILES):
+        if model and not (path / "config.json").is_file():
+            raise ValueError(f"directory {name!r} has no config.json: {EXPECTED_MODEL}")
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
             raise ValueError(
-                f"directory {name!r} has no config.json (nor tokenizer files): {EXPECTED_MODEL}"
+                f"directory {name!r} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
             )
+        return str(path)
     elif path.exists():
         raise ValueError(f"{name!r} is a file but not a .gguf file: {EXPECTED_MODEL}")
     elif _looks_like_path(name):
@@ -127,14 +140,37 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "~")) or os.path.isabs(name) or name.count("/") > 1
 
 
-def gguf_from_pretrained_args(model_id: str) -> tuple[str, dict[str, str]]:
+@contextmanager
+def explained_load_errors(name: str) -> Iterator[None]:
+    """Turn a loader's failure for ``name`` into one error that names it and says what to
+    do: ``OSError`` (not found, offline) or ``ValueError`` (a corrupt or incomplete file),
+    the loader's first line included, without its chained traceback."""
+    from genlm.backend.batching import first_line
+
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        local = Path(name).expanduser().exists()
+        hint = "are its files complete and not corrupt?" if local else OFFLINE_HINT
+        what = f"could not load {name!r} ({type(error).__name__}: {first_line(error)}); {hint}"
+        raise (OSError if isinstance(error, OSError) else ValueError)(what) from None
+    except Exception as error:
+        if type(error).__name__ != "SafetensorError":  # safetensors' own, for a bad header
+            raise
+        raise ValueError(
+            f"could not load {name!r}: a safetensors file is corrupt or truncated "
+            f"({first_line(error)})"
+        ) from None
+
+
+def gguf_from_pretrained_args(model_id: str, model: bool = True) -> tuple[str, dict[str, str]]:
     """What to pass to `from_pretrained` for `model_id`: `(path, extra_kwargs)`.
 
     `model_id` is checked first (`check_model_name`). A path ending in `.gguf` becomes
     `(its directory, {"gguf_file": its file name})`; anything else (hub id, local
-    directory) is passed through unchanged.
+    directory) is passed through (a local path with ``~`` expanded).
     """
-    model_id = check_model_name(model_id)
+    model_id = check_model_name(model_id, model)
     if model_id.endswith(".gguf"):
         path = Path(model_id).expanduser()
         return str(path.parent), {"gguf_file": path.name}
@@ -148,9 +184,10 @@ def load_tokenizer(model_id: str, **kwargs: Any) -> Any:
     """
     from transformers import AutoTokenizer
 
-    path, extra = gguf_from_pretrained_args(model_id)
+    path, extra = gguf_from_pretrained_args(model_id, model=False)
     if not extra:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
+        with explained_load_errors(model_id):
+            return AutoTokenizer.from_pretrained(path, **kwargs)
     try:
         return AutoTokenizer.from_pretrained(path, **extra, **kwargs)
     except Exception as error:  # the gguf reader's own errors say nothing about the file

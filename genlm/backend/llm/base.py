@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import math
 import os
 from abc import ABC, abstractmethod
@@ -24,8 +25,26 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from genlm.backend.batching import SEED_LIMIT, AutoBatcher, BatchResults
+from genlm.backend.batching import (
+    SEED_LIMIT,
+    AutoBatcher,
+    BatchResults,
+    check_batching,
+    check_int,
+)
 from genlm.backend.tokenization import decode_vocab
+
+
+def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
+    """Refuse a tokenizer that does not belong to the model: it has more tokens than the
+    model has output rows, or far fewer (a model pads its output layer beyond its tokenizer
+    by a little: at most max(128, 1%) rows here; Qwen2.5 pads 271 of 151,936)."""
+    padding = model_vocab - tokenizer_vocab
+    if padding < 0 or padding > max(128, model_vocab // 100):
+        raise ValueError(
+            f"The tokenizer has {tokenizer_vocab} tokens but the model's output layer "
+            f"{model_vocab}: they do not belong together (pass the model's own tokenizer)"
+        )
 
 
 class Query(NamedTuple):
@@ -336,6 +355,29 @@ class AsyncLM(ABC):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    @classmethod
+    def check_constructor_options(cls, options: Mapping[str, Any]) -> None:
+        """What `from_name` checks before it loads anything: every option is a keyword of
+        the constructor (``TypeError`` naming it and the ones there are), ``batch_size`` and
+        ``timeout`` are valid, and integer options are ints (the constructor checks the rest)."""
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        parameters = {
+            p.name: p
+            for p in inspect.signature(cls.__init__).parameters.values()
+            if p.kind in named and p.default is not p.empty
+        }
+        for name, value in options.items():
+            if name not in parameters:
+                raise TypeError(
+                    f"{cls.__name__} takes no option {name!r}; it takes: {sorted(parameters)}"
+                )
+            default = parameters[name].default
+            if isinstance(default, int) and not isinstance(default, bool):
+                check_int(name, value)
+            elif default is None and name.startswith("max_"):
+                check_int(name, value, optional=True)
+        check_batching(options.get("batch_size", 1), options.get("timeout"))
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
@@ -509,6 +551,7 @@ class MockAsyncLM(BatchedAsyncLM):
         """Load only the tokenizer of ``model_name`` (a hub id, a local dir or a .gguf file)."""
         from genlm.backend.models import load_tokenizer
 
+        cls.check_constructor_options(kwargs)
         return cls(load_tokenizer(model_name), **kwargs)
 
     def _logprobs(self, query: Query) -> torch.Tensor:

@@ -68,6 +68,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from genlm.backend.batching import check_int
 from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
+from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, Row
 
 # peft's name for "no adapter" in a mixed-adapter batch.
@@ -315,8 +316,7 @@ def _normalize_dtype(opts: dict[str, Any]) -> None:
 class AsyncTransformer(PrefixCachedLM):
     """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
 
-    Returned log-probability vectors are shared with the cache (each a tensor of its own):
-    read them, do not modify them in place.
+    Each returned log-probability vector is the caller's own copy.
 
     Args:
         hf_model: an ``AutoModelForCausalLM`` (put in eval mode).
@@ -350,12 +350,7 @@ class AsyncTransformer(PrefixCachedLM):
             raise ValueError(f"lora_batching must be one of {LORA_BATCHING}, got {lora_batching!r}")
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
-        model_vocab = self.model.get_output_embeddings().weight.shape[0]
-        if model_vocab < self.vocab_size:
-            raise ValueError(
-                f"The tokenizer has {self.vocab_size} tokens but the model's output layer only "
-                f"{model_vocab}: they do not belong together"
-            )
+        check_vocab_fits(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])
         self.max_kv_bytes = max_kv_bytes
         self.max_logprobs_bytes = max_logprobs_bytes
         self.max_batch_tokens = max_batch_tokens
@@ -401,8 +396,19 @@ class AsyncTransformer(PrefixCachedLM):
         """
         from transformers import AutoModelForCausalLM
 
-        from genlm.backend.models import gguf_from_pretrained_args, load_tokenizer
+        from genlm.backend.models import (
+            explained_load_errors,
+            gguf_from_pretrained_args,
+            load_tokenizer,
+        )
 
+        for name, value in (("hf_opts", hf_opts), ("bitsandbytes_opts", bitsandbytes_opts)):
+            if value is not None and not isinstance(value, dict):
+                raise TypeError(
+                    f"{name} must be a dict of keyword arguments or None, got "
+                    f"{type(value).__name__}: {value!r} (e.g. hf_opts={{'dtype': 'float16'}})"
+                )
+        cls.check_constructor_options(kwargs)
         opts = dict(hf_opts or {})
         _normalize_dtype(opts)
         opts = {"device_map": "auto", "dtype": "auto", **opts}
@@ -418,7 +424,8 @@ class AsyncTransformer(PrefixCachedLM):
             opts["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
         path, gguf = gguf_from_pretrained_args(model_id)
         tokenizer = load_tokenizer(model_id)
-        model = AutoModelForCausalLM.from_pretrained(path, **gguf, **opts)
+        with explained_load_errors(model_id):
+            model = AutoModelForCausalLM.from_pretrained(path, **gguf, **opts)
         return cls(model, tokenizer, **kwargs)
 
     # -- public API ---------------------------------------------------------------------------

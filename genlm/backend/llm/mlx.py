@@ -59,6 +59,7 @@ import torch
 
 from genlm.backend.batching import check_int
 from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
+from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, Row
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
@@ -304,7 +305,12 @@ class AsyncMlxLM(PrefixCachedLM):
         _import_mlx()
         import mlx_lm
 
-        model, tokenizer = mlx_lm.load(model_name)[:2]
+        from genlm.backend.models import check_model_name, explained_load_errors
+
+        cls.check_constructor_options(kwargs)
+        path = check_model_name(model_name)
+        with explained_load_errors(model_name):
+            model, tokenizer = mlx_lm.load(path)[:2]
         return cls(model, tokenizer, **kwargs)
 
     # -- LoRA ----------------------------------------------------------------------------------
@@ -458,11 +464,7 @@ class AsyncMlxLM(PrefixCachedLM):
         cache = make_prompt_cache(self.model)
         logits = self.model(mx.array([[0]]), cache=cache)
         mx.eval(logits, [layer.state for layer in cache])
-        if logits.shape[-1] < self.vocab_size:
-            raise ValueError(
-                f"The tokenizer has {self.vocab_size} tokens but the model's output layer only "
-                f"{logits.shape[-1]}: they do not belong together"
-            )
+        check_vocab_fits(self.vocab_size, logits.shape[-1])
         kinds = {type(layer).__name__ for layer in cache if type(layer) is not KVCache}
         if kinds or not cache:
             return None, f"its cache layers are {sorted(kinds)}, not only plain KVCache"

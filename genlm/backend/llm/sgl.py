@@ -96,6 +96,7 @@ class AsyncSGLTransformer(EngineLM):
             gpu_id: the first GPU to use (``base_gpu_id``).
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
         """
+        cls.check_constructor_options(kwargs)
         sglang = import_sglang()
         engine = sglang.Engine(model_path=model_id, base_gpu_id=gpu_id, **(engine_opts or {}))
         return cls(engine, **kwargs)

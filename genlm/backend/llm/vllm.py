@@ -341,6 +341,7 @@ class AsyncVirtualLM(EngineLM):
         """
         if capture not in CAPTURES:
             raise ValueError(f"capture must be one of {sorted(CAPTURES)}, got {capture!r}")
+        cls.check_constructor_options(kwargs)
         vllm = import_vllm()
         logprobs_capture = CAPTURES[capture]()
         opts = engine_options(engine_opts, logprobs_capture)

@@ -28,6 +28,11 @@ def decode_vocab(
     naming the tokenizer) when no method finds the exact bytes.
     """
     _check_fallback(byte2str_fallback)
+    if type(tokenizer).__module__.startswith("tokenizers"):  # a raw `tokenizers.Tokenizer`
+        raise TypeError(
+            "decode_vocab takes a transformers tokenizer, got a tokenizers.Tokenizer: wrap it "
+            "as transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)"
+        )
     byte_strings = get_byte_vocab(tokenizer)
     str_vocab = bytes_to_strs(tokenizer, byte_strings, byte2str_fallback)
     return _as_tokens(byte_strings), str_vocab
