@@ -184,3 +184,91 @@ async def test_one_forward_per_adapter_when_grouped(
 def test_bad_lora_batching_is_refused(base_model, smollm2_tokenizer):
     with pytest.raises(ValueError, match="lora_batching"):
         AsyncTransformer(base_model, smollm2_tokenizer, lora_batching="interleaved")
+
+
+# -- a failed add_new_lora changes nothing -----------------------------------------------------
+
+
+def broken_adapters(adapter_dirs, tmp_path):
+    """Adapter directories that fail in different ways, from copies of adapter "a"."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def copy(name):
+        target = tmp_path / name
+        shutil.copytree(adapter_dirs["a"], target)
+        return target
+
+    no_weights = copy("no-weights")
+    (no_weights / "adapter_model.safetensors").unlink()
+    truncated = copy("truncated")
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    wrong_shape = copy("wrong-shape")
+    tensors = load_file(wrong_shape / "adapter_model.safetensors")
+    key = next(k for k in tensors if ".lora_A." in k)
+    tensors[key] = torch.zeros(tensors[key].shape[0], 7)  # 7 inputs: no layer of the model
+    save_file(tensors, wrong_shape / "adapter_model.safetensors")
+    no_config = copy("no-config")
+    (no_config / "adapter_config.json").unlink()
+    return [
+        (no_weights, FileNotFoundError, "has no weights"),
+        (truncated, ValueError, "truncated or corrupt"),
+        (wrong_shape, ValueError, "does not fit the base model"),
+        (no_config, FileNotFoundError, "adapter_config.json"),
+        (tmp_path / "missing", FileNotFoundError, "does not exist"),
+    ]
+
+
+def assert_untouched(lm, references, prompt):
+    """Base rows equal the plain base model; no peft layer is left in it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    assert (lm.next_token_logprobs_uncached(prompt) - references[None](prompt)).abs().max() <= TOL
+    if lm._peft is None:
+        assert not any(isinstance(m, BaseTunerLayer) for m in lm.model.modules())
+
+
+def test_a_failed_first_adapter_leaves_the_model_plain(
+    base_model, smollm2_tokenizer, adapter_dirs, references, prompt, tmp_path
+):
+    with AsyncTransformer(base_model, smollm2_tokenizer) as lm:
+        for path, error, message in broken_adapters(adapter_dirs, tmp_path):
+            with pytest.raises(error, match=message) as caught:
+                lm.add_new_lora(path, "x")
+            assert str(path) in str(caught.value)
+            assert lm.lora_paths == {}
+            assert_untouched(lm, references, prompt)
+
+
+def test_a_failure_inside_peft_after_injecting_layers_is_undone(
+    base_model, smollm2_tokenizer, adapter_dirs, references, prompt, monkeypatch
+):
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("disk gone while loading")  # peft has wrapped the layers by now
+
+    with AsyncTransformer(base_model, smollm2_tokenizer) as lm:
+        with monkeypatch.context() as patch:
+            patch.setattr(peft.PeftModel, "load_adapter", fail)
+            with pytest.raises(RuntimeError, match="disk gone"):
+                lm.add_new_lora(adapter_dirs["a"], "a")
+        assert lm.lora_paths == {} and lm._peft is None
+        assert_untouched(lm, references, prompt)
+        lm.add_new_lora(adapter_dirs["a"], "a")  # and a later add works
+        row = lm.next_token_logprobs_sync(prompt, lora_name="a")
+        assert (row - references["a"](prompt)).abs().max() <= TOL
+        lm.remove_lora("a")
+
+
+def test_re_registering_with_a_bad_adapter_keeps_the_old_weights(
+    lm, references, prompt, adapter_dirs, tmp_path
+):
+    for path, error, _ in broken_adapters(adapter_dirs, tmp_path):
+        with pytest.raises(error):
+            lm.add_new_lora(path, "b")
+        assert lm.lora_paths["b"] == adapter_dirs["b"]
+        row = lm.next_token_logprobs_sync(prompt, lora_name="b")
+        assert (row - references["b"](prompt)).abs().max() <= TOL
+        assert_untouched(lm, references, prompt)
+    lm.remove_lora("b")  # still registered, removable

@@ -267,14 +267,16 @@ def test_clear_kv_cache_keeps_logprobs_and_add_query_batches(lm, prompts, plain)
     lm.clear_cache()
     ids = prompts["mid"]
     first = lm.next_token_logprobs_sync(ids)
+    stored = lm.walk_cache(ids + [17])[0].logprobs
     assert lm.walk_cache(ids + [17])[3] == len(ids)
     lm.clear_kv_cache()
     assert lm.store.held_blocks == 0 and lm.walk_cache(ids + [17])[2] is None
-    assert lm.next_token_logprobs_sync(ids) is first  # the logprobs stayed
+    assert lm.store.walk(lm.store.root(None), tuple(ids))[0].logprobs is stored  # kept
+    assert torch.equal(lm.next_token_logprobs_sync(ids), first)
     queries = [ids + [17], ids, ids + [17]]
     assert [lm.add_query(q) for q in queries] == [0, 1, 2]
     results = lm.batch_evaluate_queries()
-    assert results[1] is first and torch.equal(results[0], results[2])
+    assert torch.equal(results[1], first) and torch.equal(results[0], results[2])
     assert max_diff(results[0], plain(queries[0])) <= SELF_TOLERANCE
     assert lm.batch_evaluate_queries() == []
 

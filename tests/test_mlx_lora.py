@@ -172,7 +172,8 @@ def test_each_adapter_shares_its_own_prompt_blocks_between_forks(lm, base_model,
 async def test_registering_a_name_again_rebinds_it_and_drops_its_cache(lm, base_model, adapters):
     prompt = PROMPTS[0]
     await lm.next_token_logprobs(prompt, lora_name="a")
-    kept = await lm.next_token_logprobs(prompt, lora_name="b")
+    await lm.next_token_logprobs(prompt, lora_name="b")
+    kept = lm.walk_cache(prompt, lora_name="b")[0].logprobs
     lm.add_new_lora(adapters["a2"][0], "a")
     assert lm.walk_cache(prompt, lora_name="a")[2] is None
     check(await lm.next_token_logprobs(prompt, lora_name="a"), adapters["a2"][1], prompt)
@@ -202,3 +203,29 @@ async def test_removed_or_unknown_adapters_raise_value_error(lm, base_model, tmp
         lm.add_new_lora(tmp_path / "missing", "c")
     assert "c" not in lm.lora_paths
     check(await lm.next_token_logprobs(PROMPTS[0]), base_model[0], PROMPTS[0])
+
+
+def test_a_failed_add_keeps_the_adapter_of_that_name_and_says_why(
+    lm, adapters, base_model, random_lora, tmp_path
+):
+    import shutil
+
+    random_lora(tmp_path / "peft", seed=5)  # a peft adapter: not mlx-lm's format
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(adapters["b"][0], no_weights)
+    (no_weights / "adapters.safetensors").unlink()
+    truncated = tmp_path / "truncated"
+    shutil.copytree(adapters["b"][0], truncated)
+    weights = truncated / "adapters.safetensors"
+    weights.write_bytes(weights.read_bytes()[:300])
+    for path, error, message in [
+        (tmp_path / "peft", ValueError, "peft adapter.*AsyncTransformer"),
+        (no_weights, FileNotFoundError, "adapters.safetensors"),
+        (truncated, ValueError, "cannot load the mlx-lm adapter"),
+        (tmp_path / "missing", FileNotFoundError, "does not exist"),
+    ]:
+        with pytest.raises(error, match=message):
+            lm.add_new_lora(path, "a")
+        check(lm.next_token_logprobs_sync(PROMPTS[0], lora_name="a"), adapters["a"][1], PROMPTS[0])
+        check(lm.next_token_logprobs_sync(PROMPTS[1]), base_model[0], PROMPTS[1])
+    assert sorted(lm.lora_paths) == ["a", "b"]

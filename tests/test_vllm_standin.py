@@ -490,6 +490,14 @@ def test_hash_to_int_is_deterministic_across_processes_and_in_range():
     assert int(out.stdout) == hash_to_int("lora_1")
 
 
+@pytest.fixture
+def any_adapter_path(monkeypatch):
+    """The stand-in engine has no model to check adapters against: any path registers
+    (the checks run against the real engine in tests/test_vllm.py)."""
+    monkeypatch.setattr(AsyncVirtualLM, "_check_adapter", lambda self, path: None)
+
+
+@pytest.mark.usefixtures("any_adapter_path")
 async def test_lora_requests_are_per_request_and_cached_per_adapter(engine):
     lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), cache_size=10)
     with pytest.raises(ValueError, match="'a'.*add_new_lora"):
@@ -518,6 +526,7 @@ async def test_lora_requests_are_per_request_and_cached_per_adapter(engine):
         lm.next_token_logprobs_sync([1, 2], lora_name="a")
 
 
+@pytest.mark.usefixtures("any_adapter_path")
 async def test_a_step_with_adapter_rows_closes_the_sessions_and_runs_every_row_once(engine):
     lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
     lm.add_new_lora("/adapters/a", "a")

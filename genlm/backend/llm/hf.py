@@ -457,25 +457,58 @@ class AsyncTransformer(PrefixCachedLM):
         self.batcher.run_sync(self._delete_adapter, lora_name)
 
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
+        """Check the adapter, load it under a fresh peft name, and only then let it replace
+        an adapter registered under ``lora_name``: any failure leaves the model and the
+        registry as they were (no LoRA layers left injected)."""
         # peft sees its own names: a user's name may hold "." (not a module name), be
         # "__base__", or be part of peft's "lora_" prefix, which peft misreads.
         import peft
 
-        if lora_name in self._peft_names:
-            self._delete_adapter(lora_name)
+        from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
+
+        path, weights = read_peft_adapter(lora_path)
+        check_peft_shapes(weights, self.model, path)
         peft_name = f"genlm{next(self._adapter_ids)}"
-        if self._peft is None:
-            self._peft = peft.PeftModel.from_pretrained(
-                self.model, lora_path, adapter_name=peft_name
-            ).eval()
-        else:
-            self._peft.load_adapter(lora_path, adapter_name=peft_name)
-            self._peft.eval()
+        try:
+            if self._peft is None:
+                self._peft = peft.PeftModel.from_pretrained(
+                    self.model, str(path), adapter_name=peft_name
+                ).eval()
+            else:
+                self._peft.load_adapter(str(path), adapter_name=peft_name)
+                self._peft.eval()
+        except Exception:
+            self._discard_adapter(peft_name)
+            raise
+        replaced = self._peft_names.get(lora_name)
         self._peft_names[lora_name] = peft_name
+        if replaced is not None:
+            self._delete_peft_adapter(replaced)
+        self.store.drop_root(lora_name)
+
+    def _discard_adapter(self, peft_name: str) -> None:
+        """Undo a failed load of ``peft_name``: delete what peft added of it, or, if the
+        model had no adapter before, put every layer peft wrapped back to its base layer."""
+        if self._peft is not None and self._peft_names:
+            if peft_name in self._peft.peft_config:
+                self._delete_peft_adapter(peft_name)
+            return
+        self._peft = None
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for name, module in list(self.model.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent), child, module.get_base_layer())
+        if hasattr(self.model, "peft_config"):  # peft marks the models it wraps
+            del self.model.peft_config
 
     def _delete_adapter(self, lora_name: str) -> None:
-        peft_name = self._peft_names.pop(lora_name)
-        if not self._peft_names:
+        self._delete_peft_adapter(self._peft_names.pop(lora_name))
+        self.store.drop_root(lora_name)
+
+    def _delete_peft_adapter(self, peft_name: str) -> None:
+        if not set(self._peft_names.values()) - {peft_name}:
             # peft cannot serve with no adapter left: restore the plain model (in place).
             self._peft.unload()
             self._peft = None
@@ -484,7 +517,6 @@ class AsyncTransformer(PrefixCachedLM):
                 # Which adapter peft calls "active" is moot: every forward names its adapters.
                 warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
                 self._peft.delete_adapter(peft_name)
-        self.store.drop_root(lora_name)
 
     def _forward(
         self, loras: Sequence[str | None], cache: Cache | None = None, **kwargs: Any

@@ -316,8 +316,13 @@ class AsyncMlxLM(PrefixCachedLM):
     # -- LoRA ----------------------------------------------------------------------------------
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
-        """Load an mlx-lm adapter directory (``adapter_config.json``, ``adapters.safetensors``)."""
-        self.batcher.run_sync(self._load_adapter, lora_path, lora_name)
+        """Load an mlx-lm adapter directory (``adapter_config.json``, ``adapters.safetensors``)
+        into a model of its own: the base model and an adapter registered under the same
+        name are untouched until it has loaded."""
+        from genlm.backend.llm.adapters import check_mlx_adapter
+
+        path = check_mlx_adapter(lora_path)
+        self.batcher.run_sync(self._load_adapter, str(path), lora_name)
 
     def _unload_lora(self, lora_name: str) -> None:
         self.batcher.run_sync(self._delete_adapter, lora_name)
@@ -325,8 +330,16 @@ class AsyncMlxLM(PrefixCachedLM):
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         from mlx_lm.tuner.utils import load_adapters
 
+        from genlm.backend.batching import first_line
+
         mx = _import_mlx()
-        model = load_adapters(_share_weights_copy(self.model), lora_path)
+        try:
+            model = load_adapters(_share_weights_copy(self.model), lora_path)
+        except (ValueError, KeyError, AttributeError, TypeError, OSError, RuntimeError) as error:
+            raise ValueError(
+                f"cannot load the mlx-lm adapter {lora_path!r} onto this model: "
+                f"{type(error).__name__}: {first_line(error)}"
+            ) from None
         model.eval()
         mx.eval(model.parameters())
         self._adapters[lora_name] = model

@@ -316,6 +316,7 @@ class AsyncVirtualLM(EngineLM):
         if self._engine_loop.pool is None:
             self._engine_loop.pool = SessionPool(llm_engine, _chunk, _prompt)
         self._sessions = self._engine_loop.pool
+        self._skeleton: torch.nn.Module | None = None  # see _model_skeleton
 
     @classmethod
     def from_name(
@@ -429,11 +430,31 @@ class AsyncVirtualLM(EngineLM):
         return list(await self.batcher.submit(request))
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
-        """Adapters load lazily, on the first request naming them (``enable_lora=True``);
-        re-registering a name makes the engine drop the weights it holds for it."""
+        """Adapters load lazily, on the first request naming them (``enable_lora=True``), so
+        the adapter is checked here first (files readable, shapes fit the base model: a
+        bad one is refused before it is registered); re-registering a name makes the
+        engine drop the weights it holds for it."""
+        self._check_adapter(lora_path)
         if lora_name in self.lora_paths:
             self.batcher.run_sync(self._forget_engine_lora, lora_name)
         self._forget_lora_results(lora_name)
+
+    def _check_adapter(self, lora_path: str) -> None:
+        from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
+
+        path, weights = read_peft_adapter(lora_path)
+        check_peft_shapes(weights, self._model_skeleton(), path)
+
+    def _model_skeleton(self) -> torch.nn.Module:
+        """The engine's model built from its config on the meta device (no memory): the
+        module names and shapes an adapter must fit."""
+        if self._skeleton is None:
+            from transformers import AutoModelForCausalLM
+
+            config = self.llm_engine.vllm_config.model_config.hf_config
+            with torch.device("meta"):
+                self._skeleton = AutoModelForCausalLM.from_config(config)
+        return self._skeleton
 
     def _unload_lora(self, lora_name: str) -> None:
         self.batcher.run_sync(self._forget_engine_lora, lora_name)
