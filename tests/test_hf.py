@@ -427,9 +427,10 @@ def test_lora_switching(random_lora, smollm2_tokenizer, prompt, tmp_path):
 
 
 def test_bitsandbytes_8bit_loads_and_agrees_on_the_top_token(
-    default_model_dir, hf_model, smollm2_tokenizer
+    default_model_dir, hf_model, smollm2_tokenizer, caplog
 ):
     pytest.importorskip("bitsandbytes")
+    caplog.set_level("WARNING", logger="bitsandbytes")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         lm = AsyncTransformer.from_name(default_model_dir, bitsandbytes_opts={"load_in_8bit": True})
@@ -438,6 +439,8 @@ def test_bitsandbytes_8bit_loads_and_agrees_on_the_top_token(
             ids = smollm2_tokenizer.encode(text)
             expected = reference(hf_model, ids, lm.vocab_size).argmax().item()
             assert lm.next_token_logprobs_sync(ids).argmax().item() == expected
+    notices = [r for r in caplog.records if r.getMessage().startswith("MatMul8bitLt")]
+    assert len(notices) <= 1  # bitsandbytes' cast notice once, not once per matmul
 
 
 def test_from_name_options(default_model_dir, hf_model, smollm2_tokenizer, monkeypatch, tmp_path):

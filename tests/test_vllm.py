@@ -362,6 +362,37 @@ async def test_lora_rows_match_merged_models_per_request_and_never_cross(vlm, hf
     lm.remove_lora("b")
 
 
+def test_a_bad_adapter_is_refused_before_it_replaces_a_registered_one(vlm, lora_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture)
+    path_b, merged_b = lora_dirs["b"]
+    lm.add_new_lora(path_b, "b")
+    no_weights, wrong_shape = tmp_path / "no-weights", tmp_path / "wrong-shape"
+    for target in (no_weights, wrong_shape):
+        shutil.copytree(lora_dirs["a"][0], target)
+    (no_weights / "adapter_model.safetensors").unlink()
+    tensors = load_file(wrong_shape / "adapter_model.safetensors")
+    key = next(k for k in tensors if ".lora_B." in k)
+    tensors[key] = torch.zeros(7, tensors[key].shape[1])  # 7 outputs: no layer of the model
+    save_file(tensors, wrong_shape / "adapter_model.safetensors")
+    for path, error, message in [
+        (no_weights, FileNotFoundError, "has no weights"),
+        (wrong_shape, ValueError, "does not fit the base model"),
+        (tmp_path / "missing", FileNotFoundError, "does not exist"),
+    ]:
+        with pytest.raises(error, match=message):
+            lm.add_new_lora(str(path), "b")
+        assert lm.lora_paths == {"b": path_b}
+    prompt = vlm.tokenizer.encode("The capital of France is")
+    assert_right(
+        lm, prompt, lm.next_token_logprobs_sync(prompt, lora_name="b"), merged_b, ("b", path_b)
+    )
+    lm.remove_lora("b")
+
+
 def test_cleanup_stops_the_engine_processes_and_later_calls_raise(vlm):
     psutil = pytest.importorskip("psutil")
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import math
 import mmap
 import warnings
@@ -289,6 +290,33 @@ def cascade_attention(
     return out.reshape(rows, q_heads, new, dim).transpose(1, 2), None
 
 
+class _FirstOnly(logging.Filter):
+    """Lets a message through once per process, then drops its repeats."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix, self.seen = prefix, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.prefix):
+            return True
+        seen, self.seen = self.seen, True
+        return not seen
+
+
+# bitsandbytes logs this for every 8-bit matmul of a float32 input: 210 lines per forward of
+# a 30-layer model. Once says it all.
+_BNB_CAST_NOTICE = _FirstOnly("MatMul8bitLt: inputs will be cast")
+
+
+def _quiet_bitsandbytes(model: torch.nn.Module) -> None:
+    """Show bitsandbytes' cast notice once, for a model with 8-bit layers."""
+    if any(type(module).__name__ == "Linear8bitLt" for module in model.modules()):
+        logger = logging.getLogger("bitsandbytes.autograd._functions")
+        if _BNB_CAST_NOTICE not in logger.filters:
+            logger.addFilter(_BNB_CAST_NOTICE)
+
+
 def cache_keyword(model: torch.nn.Module) -> str:
     """The name under which ``model``'s forward takes and returns its KV cache: ``cache``
     from transformers 5.24 on (there ``past_key_values`` is deprecated, to go in 5.40),
@@ -350,6 +378,7 @@ class AsyncTransformer(PrefixCachedLM):
             raise ValueError(f"lora_batching must be one of {LORA_BATCHING}, got {lora_batching!r}")
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
+        _quiet_bitsandbytes(self.model)
         check_vocab_fits(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])
         self.max_kv_bytes = max_kv_bytes
         self.max_logprobs_bytes = max_logprobs_bytes
