@@ -41,6 +41,8 @@ except ImportError as error:
         raise ImportError(f"GENLM_REQUIRE_CLIENTS is set but {reason}") from error
     pytest.skip(reason, allow_module_level=True)
 
+# Our HF backend's rows as a client sees them vs a plain transformers forward (as TOL in
+# tests/test_hf.py: the order of float32 sums).
 TOL = 1e-4
 PROMPT = "The capital of France is"
 CONTEXT = " Paris, the city of"
@@ -127,6 +129,7 @@ async def test_log_probability_and_complete_match_reference(lm):
     expected = sum(steps[i, token].item() for i, token in enumerate(ids))
     eos = steps[-1, lm.tokenizer.eos_token_id].item()
     context = llm.decode_tokens(ids)
+    # sums of ~8 logprobs, each within TOL, taken by the client in float64: 1e-3 covers it
     assert await llm.log_probability(context) == pytest.approx(expected, abs=1e-3)
     assert await llm.complete(context) == pytest.approx(expected + eos, abs=1e-3)
 
@@ -246,9 +249,11 @@ async def test_byte_beam_matches_reference(lm):
     probs = reference(lm, [bos]).exp().double().numpy()
     first_bytes = [token.byte_string[0] for token in lm.byte_vocab]
     expected = np.bincount(first_bytes, weights=probs, minlength=258)
+    # byte masses: sums of up to 49k float32 probabilities (the client's trie) vs a float64
+    # bincount of the reference row, itself within TOL in log space (~1e-4 relative)
     np.testing.assert_allclose(np.exp(first), expected, rtol=1e-3, atol=1e-7)
 
-    assert np.exp(after).sum() == pytest.approx(1.0, abs=1e-6)
+    assert np.exp(after).sum() == pytest.approx(1.0, abs=1e-6)  # normalized in float64
     assert len(beam) >= 2  # more than one tokenization of the text survives
     for state in beam:
         ids, partial = state.lm_state.context, bytes(state.partial)
@@ -257,4 +262,5 @@ async def test_byte_beam_matches_reference(lm):
         steps = reference_steps(lm, ids)
         committed = sum(steps[i - 1, ids[i]].item() for i in range(1, len(ids)))
         expected = committed + np.log(byte_mass(steps[-1].exp(), lm.byte_vocab, partial))
+        # a beam weight: a sum of a few logprobs within TOL plus a log byte mass (float32)
         assert state.weight == pytest.approx(expected, rel=1e-4, abs=1e-3)

@@ -126,6 +126,7 @@ def test_hand_written_floors_decode_like_plain_forwards(floor, device, monkeypat
             return logits[0, -1].float().cpu()
 
     assert len(steps) == 5 and steps[0][0].tolist() == [prompt]
+    # the floor's batched cached steps vs a plain forward: order of float32 sums (as tests/test_hf.py)
     assert (steps[0][1][0] - plain(prompt)).abs().max() <= 1e-4
     contexts = [prompt] * 3
     for ids, logits in steps[1:]:  # one batched step per token, one row per particle

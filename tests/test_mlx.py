@@ -19,8 +19,13 @@ import torch
 
 from genlm.backend.llm.mlx import BLOCK_SIZE, AsyncMlxLM
 
-HF_TOLERANCE = 5e-4  # MLX vs transformers, both float32
-SELF_TOLERANCE = 1e-4  # batched / cached vs single uncached, same backend
+# MLX vs transformers, both float32 on the CPU: other kernels (MLX's own GEMM, fused RoPE and
+# RMSNorm, exp/log), so roundings differ per layer and add up over 30 layers: up to ~2e-4
+# seen on AMD EPYC (AVX2); 5e-4 leaves room for other CPU kinds.
+HF_TOLERANCE = 5e-4
+# Batched / cached rows vs a plain mlx-lm forward of the whole prefix, same kernels on other
+# shapes (padding, chains read from the pool): only the order of sums differs (SPEC: 1e-4).
+SELF_TOLERANCE = 1e-4
 
 pytestmark = pytest.mark.mlx
 
@@ -170,7 +175,7 @@ async def test_single_request_matches_hf(lm, prompts, reference):
     logps = await lm.next_token_logprobs(ids)
     assert logps.shape == (len(lm.byte_vocab),)
     assert logps.dtype == torch.float32
-    assert torch.logsumexp(logps, 0).item() == pytest.approx(0.0, abs=1e-4)
+    assert torch.logsumexp(logps, 0).item() == pytest.approx(0.0, abs=1e-4)  # float32 sum
     assert max_diff(logps, reference(ids)) <= HF_TOLERANCE
     lm.clear_cache()
     assert max_diff(lm.next_token_logprobs_sync(ids), reference(ids)) <= HF_TOLERANCE

@@ -169,7 +169,8 @@ def test_real_sglang_engine_matches_transformers(default_model_dir, hf_model):
         for prompt, row in zip(prompts, batch, strict=True):
             with torch.no_grad():
                 logits = hf_model(torch.tensor([prompt])).logits[0, -1]
-            # GPU kernels (TF32 matmuls) are looser than the CPU float32 reference.
+            # GPU kernels (SGLang's own, TF32 where it enables it) vs the CPU float32
+            # reference: not run here (no GPU lent); 1e-3 is the usual TF32 distance.
             assert (row - torch.log_softmax(logits, -1)).abs().max().item() <= 1e-3
     finally:
         lm.cleanup()
