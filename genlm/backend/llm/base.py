@@ -159,14 +159,14 @@ class AsyncLM(ABC):
                 )
         return tuple(int(token_id) for token_id in ids)
 
-    def query(self, token_ids: Any, lora_name: str | None = None) -> Query:
+    def _query(self, token_ids: Any, lora_name: str | None = None) -> Query:
         """Validate a request before any model work: its prefix and the adapter serving it."""
         self._check_open()
         lora = self.resolve_lora(lora_name)
         return Query(self.validate_token_ids(token_ids), lora)
 
-    def queries(self, token_ids_list: Any, lora_name: str | None = None) -> list[Query]:
-        """`query` for each prefix of a list (all are checked before any model work)."""
+    def _query_list(self, token_ids_list: Any, lora_name: str | None = None) -> list[Query]:
+        """`_query` for each prefix of a list (all are checked before any model work)."""
         if isinstance(token_ids_list, str | bytes | Set | Mapping) or not isinstance(
             token_ids_list, Sequence | torch.Tensor | np.ndarray
         ):
@@ -194,13 +194,13 @@ class AsyncLM(ABC):
         self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Next-token log-probabilities for several prefixes: a ``[B, V]`` tensor (``B`` may be 0)."""
-        queries = self.queries(token_ids_list, lora_name)
+        queries = self._query_list(token_ids_list, lora_name)
         if not queries:
             return torch.empty(0, self.vocab_size)
         return torch.stack(await asyncio.gather(*(self._answer(q) for q in queries)))
 
     async def _answer(self, query: Query) -> torch.Tensor:
-        """`next_token_logprobs` of a query already validated by `query`/`queries`
+        """`next_token_logprobs` of a query already validated by `_query`/`_query_list`
         (backends override it to skip the second check)."""
         return await self.next_token_logprobs(query.token_ids, lora_name=query.lora)
 
@@ -208,7 +208,7 @@ class AsyncLM(ABC):
         self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `batch_next_token_logprobs`."""
-        queries = self.queries(token_ids_list, lora_name)
+        queries = self._query_list(token_ids_list, lora_name)
         if not queries:
             return torch.empty(0, self.vocab_size)
         return torch.stack(
@@ -300,7 +300,7 @@ class AsyncLM(ABC):
         before any work). The same ``seed`` gives the same tokens.
         """
         check_sampling_args(max_tokens, temperature, seed)
-        query = self.query(prompt_token_ids, lora_name)
+        query = self._query(prompt_token_ids, lora_name)
         eos = frozenset(self.check_eos_token_ids(eos_token_ids))
         return await self._sample(query, max_tokens, eos, temperature, seed)
 
@@ -339,7 +339,7 @@ class AsyncLM(ABC):
     ) -> list[list[int]]:
         """`sample` for several prompts at once (their steps are batched together); prompt
         ``i`` uses the seed ``seed + i``."""
-        queries = self.queries(prompt_token_ids_list, lora_name)
+        queries = self._query_list(prompt_token_ids_list, lora_name)
         check_sampling_args(max_tokens, temperature, seed, seeds=len(queries))
         eos = frozenset(self.check_eos_token_ids(eos_token_ids))
         return list(
@@ -467,7 +467,7 @@ class BatchedAsyncLM(AsyncLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Next-token log-probabilities after ``token_ids``, batched with concurrent calls."""
-        return await self._answer(self.query(token_ids, lora_name))
+        return await self._answer(self._query(token_ids, lora_name))
 
     async def _answer(self, query: Query) -> torch.Tensor:
         return await self.batcher.submit(query)
@@ -476,13 +476,13 @@ class BatchedAsyncLM(AsyncLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (a batch of one)."""
-        return self._run_batch([self.query(token_ids, lora_name)])[0]
+        return self._run_batch([self._query(token_ids, lora_name)])[0]
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking next-token log-probabilities for several prefixes, in one batch: ``[B, V]``."""
-        queries = self.queries(token_ids_list, lora_name)
+        queries = self._query_list(token_ids_list, lora_name)
         if not queries:
             return torch.empty(0, self.vocab_size)
         return torch.stack(self._run_batch(queries))
@@ -570,7 +570,7 @@ class MockAsyncLM(BatchedAsyncLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (computed in the calling thread: it is cheap)."""
-        return self._logprobs(self.query(token_ids, lora_name))
+        return self._logprobs(self._query(token_ids, lora_name))
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
         """Nothing to load: an adapter's distributions derive from its name."""

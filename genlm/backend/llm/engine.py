@@ -66,7 +66,7 @@ class EngineLM(BatchedAsyncLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (consults and fills the cache)."""
-        query = self.query(token_ids, lora_name)
+        query = self._query(token_ids, lora_name)
         if self.cache is not None and query in self.cache:
             return self.cache[query].clone()
         logprobs = self._run_batch([query])[0]

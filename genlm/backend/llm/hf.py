@@ -468,7 +468,7 @@ class AsyncTransformer(PrefixCachedLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
-        ids, lora = self.query(token_ids, lora_name)
+        ids, lora = self._query(token_ids, lora_name)
         return self.batcher.run_sync(self._uncached, ids, lora)
 
     # -- LoRA ----------------------------------------------------------------------------------

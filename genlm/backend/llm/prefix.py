@@ -60,7 +60,9 @@ class PrefixCachedLM(BatchedAsyncLM):
         self.store = store
         self.kv_reuse = kv_reuse
         self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
-        self._queries: list[Query] = []
+        # Prefixes queued by `add_query` (the reference design's public list: code that
+        # resets it with ``llm.queries = []`` keeps working).
+        self.queries: list[Query] = []
 
     # -- backend hooks (worker thread) ---------------------------------------------------------
 
@@ -91,7 +93,7 @@ class PrefixCachedLM(BatchedAsyncLM):
 
         Raises ``NotImplementedError`` when this model's KV cannot be reused.
         """
-        ids, lora = self.query(prompt_tokens, lora_name)
+        ids, lora = self._query(prompt_tokens, lora_name)
         self.batcher.run_sync(self._cache_kv, ids, lora)
 
     def walk_cache(
@@ -106,17 +108,17 @@ class PrefixCachedLM(BatchedAsyncLM):
         None, and ``next_token_index`` is the first token still to run (at most ``len - 1``:
         the last token always runs, to get the logits).
         """
-        ids, lora = self.query(token_ids, lora_name)
+        ids, lora = self._query(token_ids, lora_name)
         return self.batcher.run_sync(self._walk_cache, ids, lora)
 
     def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
         """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
-        self._queries.append(self.query(token_ids, lora_name))
-        return len(self._queries) - 1
+        self.queries.append(self._query(token_ids, lora_name))
+        return len(self.queries) - 1
 
     def batch_evaluate_queries(self) -> list[Any]:
         """Evaluate every queued prefix in one batch (blocking); empties the queue."""
-        queries, self._queries = self._queries, []
+        queries, self.queries = self.queries, []
         return self._run_batch(queries) if queries else []
 
     def clear_cache(self) -> None:
@@ -130,7 +132,7 @@ class PrefixCachedLM(BatchedAsyncLM):
     def reset_async_queries(self) -> None:
         """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
         super().reset_async_queries()
-        self._queries = []
+        self.queries = []
 
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
