@@ -34,7 +34,7 @@ step "main test suite ($MAIN)"
 $MAIN/bin/pytest -q -p no:cacheprovider --durations=15 tests
 
 step "vLLM test suite ($VLLM_VENV)"
-$VLLM_VENV/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py
+$VLLM_VENV/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py tests/test_vllm_docs.py
 
 step "docs (mkdocs build --strict)"
 MKDOCS=$MAIN/bin/mkdocs bash scripts/docs.sh
