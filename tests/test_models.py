@@ -88,6 +88,7 @@ def test_gguf_from_pretrained_args_keeps_hub_gguf_files():
 def test_gguf_from_pretrained_args_passes_other_ids_through(model_id, tmp_path):
     if model_id == "local dir":
         (tmp_path / "config.json").write_text("{}")
+        (tmp_path / "tokenizer.json").write_text("{}")  # a model directory needs both
         model_id = str(tmp_path)
     assert models.gguf_from_pretrained_args(model_id) == (model_id, {})
 
