@@ -114,6 +114,38 @@ def test_from_vocab_backends():
         AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="gpu")
 
 
+@pytest.mark.parametrize("backend", ["sequential", "parallel"])
+@pytest.mark.parametrize("kind", [np.array, torch.tensor, list])
+async def test_weights_are_taken_when_called_not_when_the_batch_runs(backend, kind):
+    """A caller changing its weights after the call (before the batch runs) changes nothing."""
+    trie = AsyncTokenCharacterTrie.from_vocab(VOCAB, backend=backend)
+    original = distributions(2, seed=3)
+    ws = [kind(list(w)) for w in original]
+    tasks = [
+        asyncio.create_task(trie.weight_sum(ws[0])),
+        asyncio.create_task(trie.weight_max(ws[1])),
+    ]
+    for w in ws:  # in place, before the tasks first run
+        for i in range(len(w)):
+            w[i] = 100.0
+    sums, maxima = await asyncio.gather(*tasks)
+    inner = trie.trie
+    expected = brute_sum(original[0])
+    for node, prefix in inner.node2prefix.items():
+        if node not in inner.leaf2word:
+            assert sums[node] == pytest.approx(expected[bytes(prefix)], rel=1e-5)
+    brute_max = {  # the max of the original weights over the tokens under each prefix
+        bytes(prefix): max(
+            w for t, w in zip(VOCAB, original[1], strict=True) if t.startswith(bytes(prefix))
+        )
+        for prefix in inner.node2prefix.values()
+    }
+    for node, prefix in inner.node2prefix.items():
+        if node not in inner.leaf2word:
+            assert maxima[node] == pytest.approx(brute_max[bytes(prefix)], rel=1e-5)
+    await trie.cleanup()
+
+
 async def test_results_held_by_callers_are_never_overwritten():
     """Result blocks are recycled only once no caller holds a row of them."""
     trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,23 +112,36 @@ class AsyncTokenCharacterTrie:
 
         return process
 
-    async def weight_sum(self, ws: Any) -> np.ndarray:
-        """`TokenCharacterTrie.weight_sum`, batched with concurrent calls (``ws`` is copied
-        when called: later changes to it do not reach the result)."""
-        return await self._submit("sum", ws)
+    def weight_sum(self, ws: Any) -> Coroutine[Any, Any, np.ndarray]:
+        """`TokenCharacterTrie.weight_sum`, batched with concurrent calls (await the result).
 
-    async def weight_max(self, ws: Any) -> np.ndarray:
-        """`TokenCharacterTrie.weight_max`, batched with concurrent calls."""
-        return await self._submit("max", ws)
+        ``ws`` is read when called, not when the batch runs: changing it afterwards
+        does not change the result.
+        """
+        return self._submit("sum", self._take(ws))
+
+    def weight_max(self, ws: Any) -> Coroutine[Any, Any, np.ndarray]:
+        """`TokenCharacterTrie.weight_max`, batched with concurrent calls (await the result).
+
+        ``ws`` is read when called, as for `weight_sum`.
+        """
+        return self._submit("max", self._take(ws))
+
+    def _take(self, ws: Any) -> Any:
+        """A copy of checked weights (numpy copy, or a clone on the tensor's own device), or
+        the error bad weights get: raised when awaited, to their caller alone."""
+        try:
+            ws = as_weights(ws)
+            check_weights_shape(tuple(ws.shape), len(self.trie.decode), batched=False)
+        except (TypeError, ValueError) as error:
+            return error
+        return ws.copy() if isinstance(ws, np.ndarray) else ws.detach().clone()
 
     async def _submit(self, name: str, ws: Any) -> np.ndarray:
         self._check_open()
         # Bad input fails its own caller here, not the whole batch it would have joined.
-        ws = as_weights(ws)
-        check_weights_shape(tuple(ws.shape), len(self.trie.decode), batched=False)
-        # Taken as given at the call: the batch runs later, and the caller may change ``ws``
-        # in between (a copy of one vector costs far less than the batched kernel).
-        ws = ws.clone() if hasattr(ws, "clone") else np.array(ws, copy=True)
+        if isinstance(ws, BaseException):
+            raise ws
         return await self._batchers[name].submit(_Request(ws))
 
     def start(self) -> None:
