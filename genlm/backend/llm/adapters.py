@@ -24,8 +24,8 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def adapter_directory(lora_path: Any) -> Path:
-    """``lora_path`` (``~`` expanded) as an existing directory holding ``adapter_config.json``
-    whose JSON is readable; `FileNotFoundError` or `ValueError` naming the path otherwise."""
+    """``lora_path`` (``~`` expanded) as an existing directory holding ``adapter_config.json``;
+    `FileNotFoundError` naming the path otherwise."""
     path = Path(str(lora_path)).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"LoRA adapter directory {str(lora_path)!r} does not exist")
@@ -100,7 +100,9 @@ def check_peft_shapes(weights: dict[str, torch.Tensor], model: torch.nn.Module, 
                     "model does not have: it was made for another model"
                 ) from None
             # A layer peft wraps already (other adapters loaded): check its base layer.
-            module = getattr(module, "get_base_layer", lambda module=module: module)()
+            base_layer = getattr(module, "get_base_layer", None)
+            if callable(base_layer):
+                module = base_layer()
             if not isinstance(module, torch.nn.Linear) or tensor.ndim != 2:
                 continue
             rank, expected = (

@@ -124,21 +124,22 @@ class AsyncLM(ABC):
                 f"token_ids has {len(ids)} tokens, more than the model's context length of "
                 f"{limit} tokens: shorten the prefix"
             )
-        vocab_size = self.vocab_size
-        checked = []
-        for position, token_id in enumerate(ids):
-            if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
-                raise TypeError(
-                    f"token id {token_id!r} at position {position} is not an integer "
-                    f"({type(token_id).__name__})"
-                )
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(
-                    f"token id {token_id} at position {position} is outside the vocabulary "
-                    f"[0, {vocab_size})"
-                )
-            checked.append(int(token_id))
-        return tuple(checked)
+        return tuple(
+            self._checked_id(token_id, "token id", f" at position {position}")
+            for position, token_id in enumerate(ids)
+        )
+
+    def _checked_id(self, token_id: Any, what: str, where: str = "") -> int:
+        """``token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` naming it."""
+        if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
+            raise TypeError(
+                f"{what} {token_id!r}{where} is not an integer ({type(token_id).__name__})"
+            )
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(
+                f"{what} {token_id}{where} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return int(token_id)
 
     def check_eos_token_ids(self, eos_token_ids: Any) -> tuple[int, ...]:
         """End-of-sequence ids as a tuple of ints in ``[0, vocab_size)``, read once (a
@@ -149,15 +150,7 @@ class AsyncLM(ABC):
                 f"eos_token_ids must be a collection of token ids, got "
                 f"{type(eos_token_ids).__name__}"
             )
-        ids = tuple(eos_token_ids)
-        for token_id in ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
-                raise TypeError(f"eos token id {token_id!r} is not an integer")
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"eos token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        return tuple(int(token_id) for token_id in ids)
+        return tuple(self._checked_id(token_id, "eos token id") for token_id in eos_token_ids)
 
     def _query(self, token_ids: Any, lora_name: str | None = None) -> Query:
         """Validate a request before any model work: its prefix and the adapter serving it."""

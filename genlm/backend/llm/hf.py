@@ -518,11 +518,10 @@ class AsyncTransformer(PrefixCachedLM):
     def _discard_adapter(self, peft_name: str) -> None:
         """Undo a failed load of ``peft_name``: delete what peft added of it, or, if the
         model had no adapter before, put every layer peft wrapped back to its base layer."""
-        if self._peft is not None and self._peft_names:
+        if self._peft is not None:  # it serves other adapters: remove only this one
             if peft_name in self._peft.peft_config:
                 self._delete_peft_adapter(peft_name)
             return
-        self._peft = None
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         for name, module in list(self.model.named_modules()):

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genlm.backend.batching import check_int
+from genlm.backend.batching import check_int, first_line
 from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
 from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, Row
@@ -329,8 +329,6 @@ class AsyncMlxLM(PrefixCachedLM):
 
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         from mlx_lm.tuner.utils import load_adapters
-
-        from genlm.backend.batching import first_line
 
         mx = _import_mlx()
         try:
