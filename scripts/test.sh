@@ -15,8 +15,8 @@ else
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*" >&2; }
 started=$SECONDS
+step() { printf '\n\033[1m== %s\033[0m (at %d s)\n' "$*" $((SECONDS - started)) >&2; }
 
 step "set-up"
 bash scripts/setup.sh "${SETUP[@]}"
