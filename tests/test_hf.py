@@ -71,6 +71,21 @@ class ForwardLog:
         return sum(rows * length for rows, length in self.shapes)
 
 
+def test_cache_keyword_is_the_model_class_own_under_an_instance_wrapper(hf_model, monkeypatch):
+    """A profiler's ``forward(**kwargs)`` set on the instance, or a wrapper class taking
+    ``**kwargs``, hides the signature: the keyword still follows the model's class and the
+    installed release (else transformers 5.24+ warns on every forward)."""
+    import transformers
+    from packaging.version import Version
+
+    keyword = cache_keyword(hf_model)
+    new = Version(transformers.__version__) >= Version("5.24")
+    assert keyword == ("cache" if new else "past_key_values")
+    monkeypatch.setattr(hf_model, "forward", lambda **kwargs: None)
+    assert cache_keyword(hf_model) == keyword
+    assert cache_keyword(PaddedHead(hf_model, extra=1)) == keyword  # forward(**kwargs) class
+
+
 def test_uncached_is_the_plain_forward(lm, prompt):
     got = lm.next_token_logprobs_uncached(prompt)
     assert_close(lm, prompt, got)

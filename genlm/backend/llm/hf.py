@@ -320,9 +320,20 @@ def _quiet_bitsandbytes(model: torch.nn.Module) -> None:
 def cache_keyword(model: torch.nn.Module) -> str:
     """The name under which ``model``'s forward takes and returns its KV cache: ``cache``
     from transformers 5.24 on (there ``past_key_values`` is deprecated, to go in 5.40),
-    ``past_key_values`` in older releases and in remote-code models that keep it."""
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+    ``past_key_values`` in older releases and in remote-code models that keep it.
+
+    Read from the class, so that a wrapper set on the instance (a profiler's) changes
+    nothing; a wrapper class whose forward takes only ``**kwargs`` gets the installed
+    transformers' name.
+    """
+    parameters = inspect.signature(type(model).forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    import transformers
+    from packaging.version import Version
+
+    return "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 
 
 def _normalize_dtype(opts: dict[str, Any]) -> None:
