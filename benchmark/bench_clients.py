@@ -19,10 +19,11 @@ For each run the script measures
   (``next_token_logprobs`` / ``batch_next_token_logprobs``): what the client waits for;
 - ``forward``: the time inside the model's own forward calls during the run (the library's
   KV reads and writes happen inside them);
-- ``bare``: the same forwards (same rows, new tokens and context lengths, recorded during
-  the run) replayed on the bare model with no library: a transformers ``DynamicCache``
-  holding each row's context (filled outside the timing, as a hand-written loop keeps
-  it between steps), then the forward and ``log_softmax``, timed.
+- ``bare``: the same forwards (same rows, new tokens and context lengths) on the bare
+  model with no library, each replayed right after the library's (so both see the same
+  load on the machine; the replay is left out of ``backend``): a transformers
+  ``DynamicCache`` holding each row's context (filled outside the timing, as a
+  hand-written loop keeps it between steps), then the forward and ``log_softmax``, timed.
 
 ``share`` = backend / bare - 1: what the library adds to the bare forwards while the
 clients wait (goal: at most 10% in every workload).
@@ -92,11 +93,16 @@ class Forward:
 @dataclass
 class Probe:
     """Wraps one LM for a run: the wall time during which a caller awaits it, and each
-    model forward (timed, its shape recorded for the bare replay)."""
+    model forward, timed, then replayed at once on the bare model (`bare_forward`), so
+    that both see the same load on the machine. The replay's time (with filling its
+    cache) is taken out of the backend's."""
 
+    cache_keyword: str
     backend: float = 0.0
     forward: float = 0.0
+    bare: float = 0.0
     forwards: list[Forward] = field(default_factory=list)
+    _replaying: float = 0.0
     _pending: int = 0
     _since: float = 0.0
 
@@ -104,14 +110,19 @@ class Probe:
         for name in ("next_token_logprobs", "batch_next_token_logprobs"):
             setattr(lm, name, self._awaited(getattr(lm, name)))
         model_forward = lm.model.forward
+        generator = torch.Generator().manual_seed(0)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             output = model_forward(*args, **kwargs)
-            self.forward += time.perf_counter() - started
+            finished = time.perf_counter()
+            self.forward += finished - started
             input_ids, positions = kwargs["input_ids"], kwargs.get("position_ids")
             past = 0 if positions is None else int(positions[:, 0].max())
-            self.forwards.append(Forward(*input_ids.shape, past))
+            step = Forward(*input_ids.shape, past)
+            self.forwards.append(step)
+            self.bare += bare_forward(lm.model, model_forward, step, self.cache_keyword, generator)
+            self._replaying += time.perf_counter() - finished
             return output
 
         lm.model.forward = forward
@@ -126,52 +137,52 @@ class Probe:
         async def call(*args: Any, **kwargs: Any) -> Any:
             if self._pending == 0:
                 self._since = time.perf_counter()
+                self._replaying = 0.0
             self._pending += 1
             try:
                 return await method(*args, **kwargs)
             finally:
                 self._pending -= 1
                 if self._pending == 0:
-                    self.backend += time.perf_counter() - self._since
+                    self.backend += time.perf_counter() - self._since - self._replaying
 
         return call
 
 
-def bare_forwards(model: Any, forwards: list[Forward], cache_keyword: str) -> float:
-    """Seconds the recorded forwards take on the bare model (forward + ``log_softmax``),
-    each row's context in a ``DynamicCache`` filled outside the timing."""
+def bare_forward(
+    model: Any,
+    model_forward: Callable[..., Any],
+    step: Forward,
+    cache_keyword: str,
+    generator: torch.Generator,
+) -> float:
+    """Seconds ``step`` takes on the bare model (forward + ``log_softmax``), each row's
+    context in a ``DynamicCache`` filled outside the timing (random keys and values)."""
     from transformers import DynamicCache
 
     config = model.config
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
-    generator = torch.Generator().manual_seed(0)
-    total = 0.0
-    with torch.inference_mode():
-        for step in forwards:
-            cache = DynamicCache(config=config)
-            if step.past:
-                shape = (step.rows, heads, step.past, head_dim)
-                for layer in range(config.num_hidden_layers):
-                    keys = torch.randn(shape, generator=generator, dtype=dtype)
-                    values = torch.randn(shape, generator=generator, dtype=dtype)
-                    cache.update(keys, values, layer)
-            ids = torch.randint(
-                config.vocab_size, (step.rows, step.new_tokens), generator=generator
-            )
-            mask = torch.ones(step.rows, step.past + step.new_tokens, dtype=torch.long)
-            started = time.perf_counter()
-            logits = model(
-                input_ids=ids,
-                attention_mask=mask,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_keyword: cache},
-            ).logits
-            torch.log_softmax(logits[:, -1].float(), dim=-1)
-            total += time.perf_counter() - started
-    return total
+    cache = DynamicCache(config=config)
+    if step.past:
+        shape = (step.rows, heads, step.past, head_dim)
+        for layer in range(config.num_hidden_layers):
+            keys = torch.randn(shape, generator=generator, dtype=dtype)
+            values = torch.randn(shape, generator=generator, dtype=dtype)
+            cache.update(keys, values, layer)
+    ids = torch.randint(config.vocab_size, (step.rows, step.new_tokens), generator=generator)
+    mask = torch.ones(step.rows, step.past + step.new_tokens, dtype=torch.long)
+    started = time.perf_counter()
+    logits = model_forward(
+        input_ids=ids,
+        attention_mask=mask,
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_keyword: cache},
+    ).logits
+    torch.log_softmax(logits[:, -1].float(), dim=-1)
+    return time.perf_counter() - started
 
 
 # -- the workloads: each takes the LM and returns a short description of what it produced --
@@ -280,7 +291,7 @@ def run_once(lm: Any, workload: str, seed: int, cache_keyword: str) -> Run:
     np.random.seed(seed)
     torch.manual_seed(seed)
     lm.clear_cache()
-    probe = Probe()
+    probe = Probe(cache_keyword)
     probe.attach(lm)
     try:
         started = time.perf_counter()
@@ -288,14 +299,13 @@ def run_once(lm: Any, workload: str, seed: int, cache_keyword: str) -> Run:
         wall = time.perf_counter() - started
     finally:
         Probe.detach(lm)
-    bare = bare_forwards(lm.model, probe.forwards, cache_keyword)
     return Run(
         workload,
         seed,
         wall,
         probe.backend,
         probe.forward,
-        bare,
+        probe.bare,
         len(probe.forwards),
         sum(step.rows for step in probe.forwards),
         output,
