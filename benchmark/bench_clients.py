@@ -25,8 +25,12 @@ For each run the script measures
   ``DynamicCache`` holding each row's context (filled outside the timing, as a
   hand-written loop keeps it between steps), then the forward and ``log_softmax``, timed.
 
-``share`` = backend / bare - 1: what the library adds to the bare forwards while the
-clients wait (goal: at most 10% in every workload).
+``share``: what the library adds to the bare forwards while the clients wait (goal: at
+most 10% in every workload), as (1 + outside)(1 + in_forward) - 1, where ``outside`` =
+backend / forward - 1 (the library's own work between forwards) and ``in_forward`` = the
+forwards' CPU time over the bare forwards' CPU time - 1 (the library's paged KV inside
+them). CPU time keeps other load on the machine out of the comparison; ``wall_share`` =
+backend / bare - 1 in wall time is printed beside it.
 
     python benchmark/bench_clients.py                      # every workload, seeds 0 1 2
     python benchmark/bench_clients.py --workloads beam --seeds 0
@@ -100,7 +104,9 @@ class Probe:
     cache_keyword: str
     backend: float = 0.0
     forward: float = 0.0
+    forward_cpu: float = 0.0
     bare: float = 0.0
+    bare_cpu: float = 0.0
     forwards: list[Forward] = field(default_factory=list)
     _replaying: float = 0.0
     _pending: int = 0
@@ -113,15 +119,18 @@ class Probe:
         generator = torch.Generator().manual_seed(0)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             output = model_forward(*args, **kwargs)
             finished = time.perf_counter()
             self.forward += finished - started
+            self.forward_cpu += time.thread_time() - started_cpu
             input_ids, positions = kwargs["input_ids"], kwargs.get("position_ids")
             past = 0 if positions is None else int(positions[:, 0].max())
             step = Forward(*input_ids.shape, past)
             self.forwards.append(step)
-            self.bare += bare_forward(lm.model, model_forward, step, self.cache_keyword, generator)
+            wall, cpu = bare_forward(lm.model, model_forward, step, self.cache_keyword, generator)
+            self.bare += wall
+            self.bare_cpu += cpu
             self._replaying += time.perf_counter() - finished
             return output
 
@@ -155,9 +164,9 @@ def bare_forward(
     step: Forward,
     cache_keyword: str,
     generator: torch.Generator,
-) -> float:
-    """Seconds ``step`` takes on the bare model (forward + ``log_softmax``), each row's
-    context in a ``DynamicCache`` filled outside the timing (random keys and values)."""
+) -> tuple[float, float]:
+    """Wall and CPU seconds ``step`` takes on the bare model (forward + ``log_softmax``), each
+    row's context in a ``DynamicCache`` filled outside the timing (random keys and values)."""
     from transformers import DynamicCache
 
     config = model.config
@@ -173,7 +182,7 @@ def bare_forward(
             cache.update(keys, values, layer)
     ids = torch.randint(config.vocab_size, (step.rows, step.new_tokens), generator=generator)
     mask = torch.ones(step.rows, step.past + step.new_tokens, dtype=torch.long)
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.thread_time()
     logits = model_forward(
         input_ids=ids,
         attention_mask=mask,
@@ -182,7 +191,7 @@ def bare_forward(
         **{cache_keyword: cache},
     ).logits
     torch.log_softmax(logits[:, -1].float(), dim=-1)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.thread_time() - started_cpu
 
 
 # -- the workloads: each takes the LM and returns a short description of what it produced --
@@ -275,15 +284,42 @@ WORKLOADS: dict[str, Callable[[Any], Awaitable[str]]] = {
 
 @dataclass
 class Run:
+    """One workload run, or the sum of several (`add`)."""
+
     workload: str
-    seed: int
+    seeds: int
     wall: float
     backend: float
     forward: float
+    forward_cpu: float
     bare: float
+    bare_cpu: float
     forwards: int
     rows: int
-    output: str
+    output: str = ""
+
+    def add(self, other: Run) -> Run:
+        sums = {
+            key: getattr(self, key) + getattr(other, key)
+            for key in ("seeds", "wall", "backend", "forward", "forward_cpu", "bare", "bare_cpu")
+            + ("forwards", "rows")
+        }
+        return Run(self.workload, **sums)
+
+    def shares(self) -> dict[str, float]:
+        """``outside``: the library's time outside the forwards while the client waits, over
+        the forwards' time; ``in_forward``: the forwards' CPU time over the bare forwards';
+        ``share``: what the library adds to the bare forwards, (1 + outside)(1 + in_forward)
+        - 1, in CPU time where load on the machine would blur wall time (``wall_share``:
+        backend / bare - 1 in wall time)."""
+        outside = self.backend / self.forward - 1
+        in_forward = self.forward_cpu / self.bare_cpu - 1
+        return {
+            "outside": outside,
+            "in_forward": in_forward,
+            "share": (1 + outside) * (1 + in_forward) - 1,
+            "wall_share": self.backend / self.bare - 1,
+        }
 
 
 def run_once(lm: Any, workload: str, seed: int, cache_keyword: str) -> Run:
@@ -301,15 +337,33 @@ def run_once(lm: Any, workload: str, seed: int, cache_keyword: str) -> Run:
         Probe.detach(lm)
     return Run(
         workload,
-        seed,
+        1,
         wall,
         probe.backend,
         probe.forward,
+        probe.forward_cpu,
         probe.bare,
+        probe.bare_cpu,
         len(probe.forwards),
         sum(step.rows for step in probe.forwards),
         output,
     )
+
+
+def table_line(run: Run, first: str) -> str:
+    shares = run.shares()
+    return (
+        f"{run.workload:8} {first:>5} {run.wall:7.2f} {run.backend:9.2f} {run.forward:9.2f} "
+        f"{run.bare:7.2f} {shares['outside']:8.1%} {shares['in_forward']:10.1%} "
+        f"{shares['share']:6.1%} {shares['wall_share']:10.1%} {run.forwards:>8} {run.rows:>5}"
+    )
+
+
+HEADER = (
+    f"{'workload':8} {'':>5} {'wall s':>7} {'backend s':>9} {'forward s':>9} {'bare s':>7} "
+    f"{'outside':>8} {'in_forward':>10} {'share':>6} {'wall_share':>10} {'forwards':>8} "
+    f"{'rows':>5}"
+)
 
 
 def main() -> None:
@@ -331,51 +385,38 @@ def main() -> None:
     lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(path))
     keyword = cache_keyword(model)
 
-    runs = []
-    print(
-        f"{'workload':8} {'seed':>4} {'wall s':>7} {'backend s':>9} {'forward s':>9} "
-        f"{'bare s':>7} {'share':>6} {'forwards':>8} {'rows':>5}  output"
-    )
+    runs: list[Run] = []
+    print(HEADER.replace("     ", "seed ", 1))
     for workload in args.workloads:
         for seed in args.seeds:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the clients' own warnings (sparse tensors...)
                 run = run_once(lm, workload, seed, keyword)
             runs.append(run)
-            print(
-                f"{run.workload:8} {run.seed:>4} {run.wall:7.2f} {run.backend:9.2f} "
-                f"{run.forward:9.2f} {run.bare:7.2f} {run.backend / run.bare - 1:6.1%} "
-                f"{run.forwards:>8} {run.rows:>5}  {run.output[:60]}",
-                flush=True,
-            )
+            print(f"{table_line(run, str(seed))}  {run.output[:50]}", flush=True)
     rows = []
-    print(
-        f"\n{'workload':8} {'wall s':>7} {'backend s':>9} {'forward s':>9} {'bare s':>7} {'share':>6}"
-    )
+    print(f"\n{HEADER}")
     for workload in args.workloads:
         mine = [run for run in runs if run.workload == workload]
-        row: dict[str, Any] = {"workload": workload, "seeds": len(mine)}
-        for key in ("wall", "backend", "forward", "bare"):
-            row[f"{key}_s"] = sum(getattr(run, key) for run in mine)
-        row["share"] = row["backend_s"] / row["bare_s"] - 1
-        row["forwards"] = sum(run.forwards for run in mine)
-        row["rows"] = sum(run.rows for run in mine)
-        rows.append(row)
-        print(
-            f"{workload:8} {row['wall_s']:7.2f} {row['backend_s']:9.2f} "
-            f"{row['forward_s']:9.2f} {row['bare_s']:7.2f} {row['share']:6.1%}"
-        )
+        total = mine[0]
+        for run in mine[1:]:
+            total = total.add(run)
+        print(table_line(total, "all"))
+        row = {key: value for key, value in asdict(total).items() if key != "output"}
+        rows.append(row | total.shares())
     setup = {
         "model": "SmolLM2-135M-Instruct (float32), hf backend",
         "seeds": " ".join(map(str, args.seeds)),
-        "statistic": "sums over the seeds; share = backend / bare - 1",
+        "statistic": "sums over the seeds (times in seconds)",
         "torch_threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "load_average_1min": os.getloadavg()[0],
     }
+    columns = ["workload", "seeds", "wall", "backend", "forward", "bare", "outside"]
     result = {
         "benchmark": "clients",
         "setup": setup,
+        "table": columns + ["in_forward", "share", "wall_share", "forwards", "rows"],
         "rows": rows,
         "runs": [asdict(run) for run in runs],
     }
