@@ -99,7 +99,7 @@ def vllm_own_logprobs(engine, token_ids, lora=None):
     from vllm.lora.request import LoRARequest
 
     from genlm.backend.llm.vllm import hash_to_int
-    from genlm.backend.llm.vllm_sessions import engine_loop
+    from genlm.backend.llm.vllm_loop import engine_loop
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False)
     request = None if lora is None else LoRARequest(lora[0], hash_to_int(lora[0]), lora[1])

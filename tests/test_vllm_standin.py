@@ -34,7 +34,8 @@ from genlm.backend.llm.vllm import (
     logging_configured,
     shutdown_engine,
 )
-from genlm.backend.llm.vllm_sessions import EngineLimits, close_engine_loop
+from genlm.backend.llm.vllm_loop import close_engine_loop
+from genlm.backend.llm.vllm_sessions import EngineLimits
 
 
 @dataclass
@@ -132,7 +133,7 @@ class StandInEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def shutdown(self):
+    def shutdown(self, timeout=None):
         self.shutdowns += 1
 
     async def remove_lora(self, lora_id):
