@@ -780,6 +780,8 @@ def fake_vllm(monkeypatch, smollm2_tokenizer):
         AsyncLLMEngine=SimpleNamespace(from_engine_args=from_engine_args),
     )
     monkeypatch.setitem(sys.modules, "vllm", module)
+    platforms = SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: False))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
     return SimpleNamespace(built=built)
 
@@ -928,3 +930,65 @@ def test_the_engine_loop_never_waits_on_a_stopped_loop_and_keeps_its_time_limit(
     loop.close()
     with pytest.raises(EngineLoopClosedError, match="closed"):
         loop.run(asyncio.sleep(0))
+
+
+GIB = 2**30
+
+
+def test_model_shape_reads_the_kv_size_per_token_and_the_context(default_model_dir):
+    from genlm.backend.llm.vllm_defaults import ModelShape, model_shape
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, keys and values, float32; 8k positions.
+    assert model_shape(default_model_dir) == ModelShape(2 * 30 * 3 * 64 * 4, 8192)
+    assert model_shape(default_model_dir, "bfloat16").kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    gpt2_like = SimpleNamespace(
+        num_attention_heads=12, hidden_size=768, num_hidden_layers=12, n_positions=1024
+    )
+    assert ModelShape.of(gpt2_like) == ModelShape(2 * 12 * 12 * 64 * 4, 1024)
+    assert model_shape("/no/such/model") is None
+
+
+def test_cpu_defaults_give_the_kv_cache_a_share_of_the_memory_available(monkeypatch):
+    from genlm.backend.llm.vllm_defaults import ModelShape, cpu_engine_defaults
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    shape = ModelShape(kv_bytes_per_token=1024, context=8192)
+    assert cpu_engine_defaults({}, shape, 16 * GIB) == {"kv_cache_memory_bytes": 4 * GIB}
+    two_workers = {"tensor_parallel_size": 2}
+    assert cpu_engine_defaults(two_workers, shape, 16 * GIB) == {"kv_cache_memory_bytes": 2 * GIB}
+    assert cpu_engine_defaults({}, None, 16 * GIB) == {"kv_cache_memory_bytes": 4 * GIB}
+    # 4 MiB of KV hold 4096 tokens of 1 KiB: less than the model's 8192, so the context shrinks.
+    assert cpu_engine_defaults({}, shape, 16 * 2**20) == {
+        "kv_cache_memory_bytes": 4 * 2**20,
+        "max_model_len": 4096,
+    }
+    assert cpu_engine_defaults({"max_model_len": 8192}, shape, 16 * 2**20) == {
+        "kv_cache_memory_bytes": 4 * 2**20
+    }
+
+
+@pytest.mark.parametrize(
+    "opts", [{"kv_cache_memory_bytes": GIB}, {"gpu_memory_utilization": 0.5}], ids=str
+)
+def test_cpu_defaults_leave_memory_to_callers_who_size_it(monkeypatch, opts):
+    from genlm.backend.llm.vllm_defaults import ModelShape, cpu_engine_defaults
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert cpu_engine_defaults(opts, ModelShape(1024, 8192), 16 * GIB) == {}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert cpu_engine_defaults({}, ModelShape(1024, 8192), 16 * GIB) == {}
+
+
+def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
+    fake_vllm, monkeypatch, default_model_dir
+):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(vllm_backend, "is_cpu_build", lambda: True)
+    monkeypatch.setattr(vllm_backend, "available_memory", lambda: 16 * GIB)
+    seen = []
+    module = sys.modules["vllm"]
+    module.AsyncEngineArgs = lambda **opts: seen.append(opts) or opts
+    AsyncVirtualLM.from_name(default_model_dir).close()
+    AsyncVirtualLM.from_name(default_model_dir, engine_opts={"max_model_len": 512}).close()
+    assert seen[0]["kv_cache_memory_bytes"] == 4 * GIB and "max_model_len" not in seen[0]
+    assert seen[1]["kv_cache_memory_bytes"] == 4 * GIB and seen[1]["max_model_len"] == 512

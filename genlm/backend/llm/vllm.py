@@ -46,6 +46,12 @@ import torch
 
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.vllm_defaults import (
+    available_memory,
+    cpu_engine_defaults,
+    is_cpu_build,
+    model_shape,
+)
 from genlm.backend.llm.vllm_loop import (
     EngineLoop,
     EngineLoopClosedError,
@@ -367,6 +373,8 @@ class AsyncVirtualLM(EngineLM):
                 ``distributed_executor_backend``) run the model on vLLM's own
                 distributed executor. Unless the caller configures vLLM's logging
                 (`logging_configured`), the engine logs with `quiet_scheduler_logging`.
+                On a CPU build, a KV space from the memory available and a context
+                that fits it (`genlm.backend.llm.vllm_defaults`), unless given here.
             capture: ``"processor"`` (logits processor, fast) or ``"logprobs"``
                 (vLLM's ``logprobs=-1``).
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
@@ -377,6 +385,10 @@ class AsyncVirtualLM(EngineLM):
         vllm = import_vllm()
         logprobs_capture = CAPTURES[capture]()
         opts = engine_options(engine_opts, logprobs_capture)
+        if is_cpu_build():
+            dtype = str(opts.get("dtype", "auto")).removeprefix("torch.")
+            shape = model_shape(model_name, dtype)
+            opts.update(cpu_engine_defaults(engine_opts or {}, shape, available_memory()))
         if not logging_configured(opts):
             opts["logging_config"] = quiet_scheduler_logging()
         args = vllm.AsyncEngineArgs(model=model_name, **opts)
