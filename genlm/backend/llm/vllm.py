@@ -27,6 +27,7 @@ engine is built.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import itertools
@@ -35,6 +36,7 @@ import logging
 import math
 import os
 import tempfile
+import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -350,6 +352,9 @@ class AsyncVirtualLM(EngineLM):
             llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
         )
         self._nonces = itertools.count()
+        _OPEN_LMS.add(self)
+        atexit.unregister(_close_open_lms)  # registered anew: runs before vLLM's exit hooks
+        atexit.register(_close_open_lms)
         if self._engine_loop.pool is None:
             self._engine_loop.pool = SessionPool(llm_engine, _chunk, _prompt)
         self._sessions = self._engine_loop.pool
@@ -532,11 +537,24 @@ class AsyncVirtualLM(EngineLM):
 
     def _shutdown_engine(self) -> None:
         engine, self.llm_engine = self.llm_engine, None
+        if not self._engine_loop.alive:
+            return  # stopped already, through another wrapper of the same engine
         try:
             self._engine_loop.run(self._sessions.close(), timeout=SESSIONS_CLOSE_TIMEOUT)
         except (TimeoutError, EngineLoopClosedError) as error:
             logger.warning("vLLM sessions not closed before shutdown: %s", error)
         stop_engine(engine, self._engine_loop)
+
+
+_OPEN_LMS: weakref.WeakSet[AsyncVirtualLM] = weakref.WeakSet()
+
+
+def _close_open_lms() -> None:
+    """Close the LMs still open when the interpreter exits, while their engines and loops
+    still run: left to vLLM's own exit hooks, the engine dies under its output handler
+    (an ``EngineDeadError`` traceback, a leaked-shared-memory warning)."""
+    for lm in list(_OPEN_LMS):
+        lm.close()
 
 
 def stop_engine(engine: Any, loop: EngineLoop) -> None:
