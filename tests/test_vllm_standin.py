@@ -953,18 +953,20 @@ def test_cpu_defaults_give_the_kv_cache_a_share_of_the_memory_available(monkeypa
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     shape = ModelShape(kv_bytes_per_token=1024, context=8192)
-    assert cpu_engine_defaults({}, shape, 16 * GIB) == {"kv_cache_memory_bytes": 4 * GIB}
+    eager = {"enforce_eager": True}
+    assert cpu_engine_defaults({}, shape, 16 * GIB) == {**eager, "kv_cache_memory_bytes": 4 * GIB}
     two_workers = {"tensor_parallel_size": 2}
-    assert cpu_engine_defaults(two_workers, shape, 16 * GIB) == {"kv_cache_memory_bytes": 2 * GIB}
-    assert cpu_engine_defaults({}, None, 16 * GIB) == {"kv_cache_memory_bytes": 4 * GIB}
+    assert cpu_engine_defaults(two_workers, shape, 16 * GIB)["kv_cache_memory_bytes"] == 2 * GIB
+    assert cpu_engine_defaults({}, None, 16 * GIB)["kv_cache_memory_bytes"] == 4 * GIB
     # 4 MiB of KV hold 4096 tokens of 1 KiB: less than the model's 8192, so the context shrinks.
     assert cpu_engine_defaults({}, shape, 16 * 2**20) == {
+        **eager,
         "kv_cache_memory_bytes": 4 * 2**20,
         "max_model_len": 4096,
     }
-    assert cpu_engine_defaults({"max_model_len": 8192}, shape, 16 * 2**20) == {
-        "kv_cache_memory_bytes": 4 * 2**20
-    }
+    assert "max_model_len" not in cpu_engine_defaults({"max_model_len": 8192}, shape, 16 * 2**20)
+    for compiled in ({"enforce_eager": False}, {"compilation_config": 3}):
+        assert "enforce_eager" not in cpu_engine_defaults(compiled, shape, 16 * GIB)
 
 
 @pytest.mark.parametrize(
@@ -974,9 +976,9 @@ def test_cpu_defaults_leave_memory_to_callers_who_size_it(monkeypatch, opts):
     from genlm.backend.llm.vllm_defaults import ModelShape, cpu_engine_defaults
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    assert cpu_engine_defaults(opts, ModelShape(1024, 8192), 16 * GIB) == {}
+    assert cpu_engine_defaults(opts, ModelShape(1024, 8192), 16 * GIB) == {"enforce_eager": True}
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    assert cpu_engine_defaults({}, ModelShape(1024, 8192), 16 * GIB) == {}
+    assert cpu_engine_defaults({}, ModelShape(1024, 8192), 16 * GIB) == {"enforce_eager": True}
 
 
 def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
@@ -991,4 +993,5 @@ def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
     AsyncVirtualLM.from_name(default_model_dir).close()
     AsyncVirtualLM.from_name(default_model_dir, engine_opts={"max_model_len": 512}).close()
     assert seen[0]["kv_cache_memory_bytes"] == 4 * GIB and "max_model_len" not in seen[0]
+    assert seen[0]["enforce_eager"] is True
     assert seen[1]["kv_cache_memory_bytes"] == 4 * GIB and seen[1]["max_model_len"] == 512
