@@ -25,7 +25,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from genlm.backend.llm.vllm_sessions import SessionPool
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class EngineLoop:
     with the engine's one `SessionPool` (``pool``, set by the first wrapper)."""
 
     def __init__(self, name: str = "genlm-vllm-engine"):
-        self.pool: Any = None
+        self.pool: SessionPool | None = None
         self.name = name
         self.loop = asyncio.new_event_loop()
         self._running: set[concurrent.futures.Future] = set()
