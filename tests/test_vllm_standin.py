@@ -995,3 +995,20 @@ def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
     assert seen[0]["kv_cache_memory_bytes"] == 4 * GIB and "max_model_len" not in seen[0]
     assert seen[0]["enforce_eager"] is True
     assert seen[1]["kv_cache_memory_bytes"] == 4 * GIB and seen[1]["max_model_len"] == 512
+
+
+def test_an_lm_left_open_is_closed_at_interpreter_exit(default_model_dir):
+    code = (
+        "from transformers import AutoTokenizer\n"
+        "from genlm.backend.llm.vllm import AsyncVirtualLM, LogitsProcessorCapture\n"
+        "class Engine:\n"
+        f"    tokenizer = AutoTokenizer.from_pretrained({default_model_dir!r})\n"
+        "    def get_tokenizer(self):\n"
+        "        return self.tokenizer\n"
+        "    def shutdown(self, timeout=None):\n"
+        "        print('engine shut down', flush=True)\n"
+        "lm = AsyncVirtualLM(Engine(), LogitsProcessorCapture())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "engine shut down\n"
