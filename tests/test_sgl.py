@@ -2,7 +2,9 @@
 
 The stand-in answers ``Engine.generate`` the way SGLang 0.5 documents it (a list of
 dicts whose ``meta_info["output_token_ids_logprobs"][0]`` holds ``(logprob, token_id,
-text)`` entries), in a shuffled entry order; expected values come from its own logits.
+text)`` entries), in a shuffled entry order, and runs it as SGLang does: on ``.loop``, the
+event loop running where the engine was built (else a new one), with
+``loop.run_until_complete``. Expected values come from its own logits.
 """
 
 import asyncio
@@ -36,6 +38,10 @@ class StandInSGLEngine:
         self.fail_with = None
         self.lora_paths = []
         self.loaded_loras = {}
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = asyncio.new_event_loop()
 
     def load_lora_adapter(self, lora_name, lora_path):
         self.loaded_loras[lora_name] = lora_path
@@ -43,7 +49,10 @@ class StandInSGLEngine:
     def unload_lora_adapter(self, lora_name):
         del self.loaded_loras[lora_name]
 
-    def generate(
+    def generate(self, **kwargs):
+        return self.loop.run_until_complete(self._generate(**kwargs))
+
+    async def _generate(
         self, input_ids, sampling_params, return_logprob, token_ids_logprob, lora_path=None
     ):
         self.threads.append(threading.get_ident())
@@ -197,3 +206,19 @@ async def test_adapters_are_loaded_into_the_engine_and_chosen_per_request(engine
     assert engine.loaded_loras == {}
     with pytest.raises(ValueError, match="add_new_lora"):
         lm.next_token_logprobs_sync([1, 2], lora_name="a")
+
+
+async def test_an_engine_built_inside_a_running_loop_serves_like_one_built_outside(
+    smollm2_tokenizer,
+):
+    engine = StandInSGLEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    assert engine.loop is asyncio.get_running_loop()  # as sglang.Engine in a notebook cell
+    lm = AsyncSGLTransformer(engine)
+    assert engine.loop is not asyncio.get_running_loop()
+    rows = await asyncio.wait_for(
+        asyncio.gather(*(lm.next_token_logprobs(p) for p in PROMPTS)), timeout=10
+    )
+    for prompt, row in zip(PROMPTS, rows, strict=True):
+        torch.testing.assert_close(row, stand_in_logprobs(prompt, lm.vocab_size))
+    await asyncio.wait_for(asyncio.to_thread(lm.close), timeout=10)
+    assert engine.shutdowns == 1

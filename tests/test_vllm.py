@@ -99,7 +99,7 @@ def vllm_own_logprobs(engine, token_ids, lora=None):
     from vllm.lora.request import LoRARequest
 
     from genlm.backend.llm.vllm import hash_to_int
-    from genlm.backend.llm.vllm_sessions import engine_loop
+    from genlm.backend.llm.vllm_loop import engine_loop
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False)
     request = None if lora is None else LoRARequest(lora[0], hash_to_int(lora[0]), lora[1])
@@ -393,6 +393,30 @@ def test_a_bad_adapter_is_refused_before_it_replaces_a_registered_one(vlm, lora_
     lm.remove_lora("b")
 
 
+async def test_a_step_the_engine_never_serves_fails_in_time_and_the_engine_serves_on(vlm, hf_model):
+    """vLLM's scheduler held from outside (as when sessions wait on each other for KV
+    blocks): the step fails with StepStalledError after stall_timeout, not never."""
+    from genlm.backend.llm.vllm_sessions import StepStalledError
+
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture, stall_timeout=2)
+    loop = vlm._engine_loop.loop
+
+    async def on_engine(coroutine):
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, loop))
+
+    prompt = vlm.tokenizer.encode("A step that cannot make progress")
+    await on_engine(vlm.llm_engine.pause_generation(mode="keep", clear_cache=False))
+    try:
+        started = time.monotonic()
+        with pytest.raises(StepStalledError, match="stall_timeout"):
+            await asyncio.wait_for(lm.next_token_logprobs(prompt), timeout=60)
+        assert time.monotonic() - started < 30
+    finally:
+        await on_engine(vlm.llm_engine.resume_generation())
+    row = await asyncio.wait_for(lm.next_token_logprobs(prompt), timeout=60)
+    assert_right(lm, prompt, row, hf_model)
+
+
 def test_cleanup_stops_the_engine_processes_and_later_calls_raise(vlm):
     psutil = pytest.importorskip("psutil")
 
@@ -414,6 +438,88 @@ def test_cleanup_stops_the_engine_processes_and_later_calls_raise(vlm):
         time.sleep(0.2)
     with pytest.raises(RuntimeError, match="after cleanup"):
         vlm.next_token_logprobs_sync([1, 2])
+
+
+# An LM built inside a running event loop (a notebook cell), then one built in another
+# thread and used from the main thread's loop, each closed with `async with` / `with`, and
+# a third left open at exit (closed by the backend's exit hook). Rows go to argv[2].
+WHERE_BUILT_SCRIPT = """
+import asyncio, sys, threading, torch
+from genlm.backend.llm.vllm import AsyncVirtualLM
+
+model, out = sys.argv[1:3]
+opts = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 4}
+prompt = [504, 3458, 282, 4649, 314]
+
+async def notebook_cell():
+    lm = AsyncVirtualLM.from_name(model, engine_opts=opts)
+    async with lm:
+        return await asyncio.wait_for(lm.next_token_logprobs(prompt), 120)
+
+def built_in_another_thread():
+    box = {}
+    builder = threading.Thread(target=lambda: box.update(lm=AsyncVirtualLM.from_name(model, engine_opts=opts)))
+    builder.start()
+    builder.join()
+    with box["lm"] as lm:
+        return asyncio.run(asyncio.wait_for(lm.next_token_logprobs(prompt), 120))
+
+async def left_open():
+    lm = AsyncVirtualLM.from_name(model, engine_opts=opts)
+    return await asyncio.wait_for(lm.next_token_logprobs(prompt), 120)
+
+if __name__ == "__main__":
+    rows = [asyncio.run(notebook_cell()), built_in_another_thread(), asyncio.run(left_open())]
+    torch.save(torch.stack(rows), out)
+"""
+
+
+def untidy_exit_lines(stderr):
+    """Lines of a process's stderr that show an untidy exit."""
+    needles = ("Traceback", "leaked", "EngineDeadError", "Task was destroyed")
+    return [line for line in stderr.splitlines() if any(n in line for n in needles)]
+
+
+def test_lms_built_inside_a_running_loop_or_in_a_thread_serve_and_exit_cleanly(
+    default_model_dir, hf_model, tmp_path
+):
+    """The notebook case (vLLM's output handler would start on the caller's loop), a
+    thread, and an LM never closed: every row right, the process ends in time, tidily."""
+    script, out = tmp_path / "where_built.py", tmp_path / "rows.pt"
+    script.write_text(WHERE_BUILT_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), default_model_dir, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=os.getcwd(),
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert untidy_exit_lines(run.stderr) == []
+    expected = reference_logprobs(hf_model, [504, 3458, 282, 4649, 314])
+    for row in torch.load(out):
+        diff = (row - expected[: len(row)]).abs().max().item()
+        record("transformers", diff)
+        assert diff <= TRANSFORMERS_TOLERANCE
+
+
+def test_the_cli_on_vllm_exits_cleanly_and_a_failed_engine_exits_non_zero(default_model_dir):
+    """`python -m genlm.backend sis --backend vllm` with the CPU build's defaults (no KV
+    space given): status 0, tidy exit; an engine that cannot start: status 1, one line."""
+    command = [sys.executable, "-m", "genlm.backend", "sis", "--backend", "vllm"]
+    command += ["--model", default_model_dir, "--particles", "2", "--max-tokens", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "tokens from 2 particles" in run.stdout
+    assert untidy_exit_lines(run.stderr) == []
+    env["VLLM_CPU_KVCACHE_SPACE"] = "100000"  # GiB: more than any machine here has
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 1
+    assert any(
+        line.startswith("error: the vllm engine failed: ") for line in run.stderr.splitlines()
+    )
 
 
 def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():

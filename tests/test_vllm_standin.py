@@ -34,7 +34,8 @@ from genlm.backend.llm.vllm import (
     logging_configured,
     shutdown_engine,
 )
-from genlm.backend.llm.vllm_sessions import EngineLimits, close_engine_loop
+from genlm.backend.llm.vllm_loop import EngineLoop, EngineLoopClosedError, close_engine_loop
+from genlm.backend.llm.vllm_sessions import EngineLimits, StepStalledError
 
 
 @dataclass
@@ -132,7 +133,7 @@ class StandInEngine:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def shutdown(self):
+    def shutdown(self, timeout=None):
         self.shutdowns += 1
 
     async def remove_lora(self, lora_id):
@@ -724,3 +725,290 @@ async def test_a_failed_resume_fails_the_step_instead_of_hanging(smollm2_tokeniz
     assert await step(lm, engine, [c + [5] for c in contexts]) == ["open", "open"]
     lm.close()
     close_engine_loop(engine)
+
+
+class OutputHandlerEngine(StandInEngine):
+    """The stand-in with vLLM's output handler: results reach requests through one task,
+    started (as ``AsyncLLM`` does) on the loop running where the engine is built, else on
+    its first request's loop; ``handler_loop`` is that loop."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.output_handler = None
+        self._jobs = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._start_handler()
+
+    def _start_handler(self):
+        if self.output_handler is None:
+            self._jobs = asyncio.Queue()
+            self.output_handler = asyncio.ensure_future(self._handle())
+
+    @property
+    def handler_loop(self):
+        return self.output_handler.get_loop()
+
+    async def _handle(self):
+        while True:
+            args, answer = await self._jobs.get()
+            answer.set_result(await StandInEngine._compute(self, *args))
+
+    async def _compute(self, *args):
+        self._start_handler()
+        answer = asyncio.get_running_loop().create_future()
+        self._jobs.put_nowait((args, answer))
+        return await answer
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, smollm2_tokenizer):
+    """``import vllm`` gives a module whose engine is an `OutputHandlerEngine`, so
+    `AsyncVirtualLM.from_name` runs on the stand-in; ``built`` lists the engines."""
+    built = []
+
+    def from_engine_args(args):
+        engine = OutputHandlerEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+        built.append(engine)
+        return engine
+
+    module = SimpleNamespace(
+        __version__="0.32.0",
+        AsyncEngineArgs=lambda **opts: opts,
+        AsyncLLMEngine=SimpleNamespace(from_engine_args=from_engine_args),
+    )
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    platforms = SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: False))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    return SimpleNamespace(built=built)
+
+
+async def serves_and_closes(lm):
+    """One batch and one sync request answered right, then a bounded close."""
+    prompts = [[1, 2, 3], [4, 5]]
+    rows = await asyncio.wait_for(
+        asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts)), timeout=10
+    )
+    for prompt, row in zip(prompts, rows, strict=True):
+        torch.testing.assert_close(row, expected_logprobs(prompt, lm.vocab_size))
+    row = await asyncio.wait_for(asyncio.to_thread(lm.next_token_logprobs_sync, [6]), 10)
+    torch.testing.assert_close(row, expected_logprobs([6], lm.vocab_size))
+    await asyncio.wait_for(asyncio.to_thread(lm.close), timeout=10)
+
+
+async def test_from_name_inside_a_running_loop_builds_the_engine_on_its_own_loop(fake_vllm):
+    lm = AsyncVirtualLM.from_name("m")  # as in a notebook cell
+    (engine,) = fake_vllm.built
+    assert engine.handler_loop is not asyncio.get_running_loop()
+    assert engine.handler_loop is lm._engine_loop.loop
+    await serves_and_closes(lm)
+    assert engine.shutdowns == 1 and not lm._engine_loop.alive
+
+
+async def test_from_name_in_another_thread_and_outside_any_loop_serve_alike(fake_vllm):
+    lm = await asyncio.to_thread(AsyncVirtualLM.from_name, "m")
+    await serves_and_closes(lm)
+    lm = await asyncio.to_thread(asyncio.run, _built_in_a_coroutine())
+    await serves_and_closes(lm)
+    assert [engine.shutdowns for engine in fake_vllm.built] == [1, 1]
+
+
+async def _built_in_a_coroutine():
+    return AsyncVirtualLM.from_name("m")
+
+
+async def test_an_engine_the_caller_built_inside_a_running_loop_is_refused(smollm2_tokenizer):
+    engine = OutputHandlerEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    with pytest.raises(ValueError, match="AsyncVirtualLM.from_name"):
+        AsyncVirtualLM(engine, LogitsProcessorCapture())
+    close_engine_loop(engine)
+    engine.output_handler.cancel()
+
+
+async def test_an_engine_the_caller_built_outside_any_loop_starts_its_handler_on_ours(
+    smollm2_tokenizer,
+):
+    engine = await asyncio.to_thread(
+        OutputHandlerEngine, smollm2_tokenizer, len(smollm2_tokenizer.get_vocab())
+    )
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
+    await serves_and_closes(lm)
+    assert engine.handler_loop is lm._engine_loop.loop
+
+
+class StallingStandInEngine(StandInEngine):
+    """The stand-in where requests whose context is in ``stall_on`` never get an output
+    (as when sessions wait on each other for KV blocks)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stall_on = set()
+        self.errored = False
+        self.dead_error = RuntimeError("EngineCore encountered an issue")
+
+    async def _compute(self, kind, context, params, lora):
+        if context in self.stall_on:
+            self.requests.append(Request(kind, context, params, lora))
+            await asyncio.Event().wait()
+        return await super()._compute(kind, context, params, lora)
+
+
+@pytest.fixture
+def stalling(smollm2_tokenizer):
+    engine = StallingStandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    yield engine
+    close_engine_loop(engine)
+
+
+async def test_a_step_without_output_fails_its_callers_and_the_next_is_served(stalling):
+    lm = AsyncVirtualLM(stalling, LogitsProcessorCapture(), timeout=0.01, stall_timeout=0.3)
+    stalling.stall_on = {(1, 2)}
+    started = asyncio.get_running_loop().time()
+    results = await asyncio.wait_for(
+        asyncio.gather(*(lm.next_token_logprobs(p) for p in ([1, 2], [3])), return_exceptions=True),
+        timeout=10,
+    )
+    assert all(isinstance(r, StepStalledError) for r in results), results
+    assert "0.3 s" in str(results[0]) and "stall_timeout" in str(results[0])
+    assert asyncio.get_running_loop().time() - started < 5
+    assert lm._sessions.sessions == {}  # the failed step's sessions are closed
+    stalling.stall_on = set()
+    torch.testing.assert_close(
+        await lm.next_token_logprobs([1, 2]), expected_logprobs([1, 2], lm.vocab_size)
+    )
+    lm.close()
+
+
+async def test_a_step_fails_at_once_when_the_engine_reports_itself_dead(stalling):
+    lm = AsyncVirtualLM(stalling, LogitsProcessorCapture(), timeout=0.01, stall_timeout=60)
+    stalling.stall_on = {(1, 2)}
+    stalling.errored = True
+    with pytest.raises(RuntimeError, match="EngineCore encountered an issue"):
+        await asyncio.wait_for(lm.next_token_logprobs([1, 2]), timeout=10)
+    lm.close()
+
+
+async def test_close_ends_a_step_in_flight_in_bounded_time(stalling):
+    lm = AsyncVirtualLM(stalling, LogitsProcessorCapture(), timeout=0.01, stall_timeout=600)
+    stalling.stall_on = {(1, 2)}
+    waiting = asyncio.ensure_future(lm.next_token_logprobs([1, 2]))
+    while not stalling.requests:
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(asyncio.to_thread(lm.close), timeout=10)
+    with pytest.raises(EngineLoopClosedError, match="closing"):
+        await asyncio.wait_for(waiting, timeout=10)
+    assert stalling.shutdowns == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "5"])
+def test_stall_timeout_must_be_a_positive_finite_number(engine, bad):
+    with pytest.raises(ValueError, match="stall_timeout must be a finite number of seconds > 0"):
+        AsyncVirtualLM(engine, LogitsProcessorCapture(), stall_timeout=bad)
+
+
+def test_the_engine_loop_never_waits_on_a_stopped_loop_and_keeps_its_time_limit():
+    loop = EngineLoop()
+    with pytest.raises(TimeoutError, match="within 0.2 s"):
+        loop.run(asyncio.sleep(30), timeout=0.2)
+    assert loop.run(asyncio.sleep(0, result="answer"), timeout=5) == "answer"
+
+    async def own_thread():
+        return loop.run(asyncio.sleep(0))
+
+    with pytest.raises(RuntimeError, match="own thread"):
+        loop.run(own_thread())
+
+    async def stop_under_the_caller():
+        asyncio.get_running_loop().stop()
+        await asyncio.sleep(30)
+
+    with pytest.raises(EngineLoopClosedError, match="stopped"):
+        loop.run(stop_under_the_caller())
+    loop.close()
+    with pytest.raises(EngineLoopClosedError, match="closed"):
+        loop.run(asyncio.sleep(0))
+
+
+GIB = 2**30
+
+
+def test_model_shape_reads_the_kv_size_per_token_and_the_context(default_model_dir):
+    from genlm.backend.llm.vllm_defaults import ModelShape, model_shape
+
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64, keys and values, float32; 8k positions.
+    assert model_shape(default_model_dir) == ModelShape(2 * 30 * 3 * 64 * 4, 8192)
+    assert model_shape(default_model_dir, "bfloat16").kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    gpt2_like = SimpleNamespace(
+        num_attention_heads=12, hidden_size=768, num_hidden_layers=12, n_positions=1024
+    )
+    assert ModelShape.of(gpt2_like) == ModelShape(2 * 12 * 12 * 64 * 4, 1024)
+    assert model_shape("/no/such/model") is None
+
+
+def test_cpu_defaults_give_the_kv_cache_a_share_of_the_memory_available(monkeypatch):
+    from genlm.backend.llm.vllm_defaults import ModelShape, cpu_engine_defaults
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    shape = ModelShape(kv_bytes_per_token=1024, context=8192)
+    eager = {"enforce_eager": True}
+    assert cpu_engine_defaults({}, shape, 16 * GIB) == {**eager, "kv_cache_memory_bytes": 4 * GIB}
+    two_workers = {"tensor_parallel_size": 2}
+    assert cpu_engine_defaults(two_workers, shape, 16 * GIB)["kv_cache_memory_bytes"] == 2 * GIB
+    assert cpu_engine_defaults({}, None, 16 * GIB)["kv_cache_memory_bytes"] == 4 * GIB
+    # 4 MiB of KV hold 4096 tokens of 1 KiB: less than the model's 8192, so the context shrinks.
+    assert cpu_engine_defaults({}, shape, 16 * 2**20) == {
+        **eager,
+        "kv_cache_memory_bytes": 4 * 2**20,
+        "max_model_len": 4096,
+    }
+    assert "max_model_len" not in cpu_engine_defaults({"max_model_len": 8192}, shape, 16 * 2**20)
+    for compiled in ({"enforce_eager": False}, {"compilation_config": 3}):
+        assert "enforce_eager" not in cpu_engine_defaults(compiled, shape, 16 * GIB)
+
+
+@pytest.mark.parametrize(
+    "opts", [{"kv_cache_memory_bytes": GIB}, {"gpu_memory_utilization": 0.5}], ids=str
+)
+def test_cpu_defaults_leave_memory_to_callers_who_size_it(monkeypatch, opts):
+    from genlm.backend.llm.vllm_defaults import ModelShape, cpu_engine_defaults
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert cpu_engine_defaults(opts, ModelShape(1024, 8192), 16 * GIB) == {"enforce_eager": True}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert cpu_engine_defaults({}, ModelShape(1024, 8192), 16 * GIB) == {"enforce_eager": True}
+
+
+def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
+    fake_vllm, monkeypatch, default_model_dir
+):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(vllm_backend, "is_cpu_build", lambda: True)
+    monkeypatch.setattr(vllm_backend, "available_memory", lambda: 16 * GIB)
+    seen = []
+    module = sys.modules["vllm"]
+    module.AsyncEngineArgs = lambda **opts: seen.append(opts) or opts
+    AsyncVirtualLM.from_name(default_model_dir).close()
+    AsyncVirtualLM.from_name(default_model_dir, engine_opts={"max_model_len": 512}).close()
+    assert seen[0]["kv_cache_memory_bytes"] == 4 * GIB and "max_model_len" not in seen[0]
+    assert seen[0]["enforce_eager"] is True
+    assert seen[1]["kv_cache_memory_bytes"] == 4 * GIB and seen[1]["max_model_len"] == 512
+
+
+def test_an_lm_left_open_is_closed_at_interpreter_exit(default_model_dir):
+    code = (
+        "from transformers import AutoTokenizer\n"
+        "from genlm.backend.llm.vllm import AsyncVirtualLM, LogitsProcessorCapture\n"
+        "class Engine:\n"
+        f"    tokenizer = AutoTokenizer.from_pretrained({default_model_dir!r})\n"
+        "    def get_tokenizer(self):\n"
+        "        return self.tokenizer\n"
+        "    def shutdown(self, timeout=None):\n"
+        "        print('engine shut down', flush=True)\n"
+        "lm = AsyncVirtualLM(Engine(), LogitsProcessorCapture())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "engine shut down\n"

@@ -85,8 +85,6 @@ def _normalized_weights(particles: Sequence[Particle]) -> list[float]:
 
 
 def sis_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from tqdm.auto import tqdm
-
     from genlm.backend.llm import load_model_by_name
 
     model = args.model
@@ -102,7 +100,16 @@ def sis_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         llm = load_model_by_name(model, backend=args.backend, llm_opts=llm_options(args))
     except (OSError, ValueError) as error:
         parser.error(f"argument --model: cannot load {model!r}: {first_line(error)}")
+    except RuntimeError as error:  # an engine (vLLM, SGLang) that failed to start
+        raise SystemExit(f"error: the {args.backend} engine failed: {first_line(error)}") from None
     print(f"Loaded {model} with {type(llm).__name__} in {time.perf_counter() - started:.1f} s")
+    with llm:  # engines stop here, not at interpreter exit (vLLM's would log errors then)
+        run_sis_command(llm, args, parser)
+
+
+def run_sis_command(llm, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Check the prompt against the model, sample, and print the particles."""
+    from tqdm.auto import tqdm
 
     prompt_ids = llm.tokenizer.encode(args.prompt, add_special_tokens=False)
     if not prompt_ids:

@@ -7,6 +7,7 @@ the same `Protocol` as the real one, and nothing here imports an engine package.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
@@ -37,6 +38,8 @@ class SGLEngine(Protocol):
     def unload_lora_adapter(self, lora_name: str) -> Any: ...
 
     def shutdown(self) -> None: ...
+
+    loop: asyncio.AbstractEventLoop  # where its blocking calls run (run_until_complete)
 
 
 class VLLMEngine(Protocol):

@@ -4,12 +4,15 @@ Full-vocabulary next-token log-probabilities come from SGLang's public ``generat
 arguments: one new token per request with ``return_logprob=True`` and
 ``token_ids_logprob`` set to every token id of the tokenizer, read back from
 ``meta_info["output_token_ids_logprobs"]``. Requests go through the shared
-`AutoBatcher` (one ``generate`` call per batch, on the batcher's worker thread).
+`AutoBatcher` (one ``generate`` call per batch, on the batcher's worker thread), which
+runs the engine's own event loop (`give_engine_its_own_loop`), so an engine built inside
+a running event loop (async code, a notebook cell) serves like one built outside.
 sglang is imported only when an engine is built.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
@@ -52,6 +55,20 @@ def row_from_meta_info(meta_info: dict[str, Any], width: int) -> torch.Tensor:
     return row
 
 
+def give_engine_its_own_loop(sgl_model: SGLEngine) -> None:
+    """Give the engine a new event loop if the one it holds is running (the caller's).
+
+    ``sglang.Engine`` keeps as ``.loop`` the event loop running where it was built (a new
+    one if none was) and runs each blocking call (``generate``, ...) with
+    ``loop.run_until_complete``, here on the batcher's worker thread. A loop that runs
+    elsewhere cannot be run there ("This event loop is already running"); the engine's
+    tasks start on its first request, so until then the loop can be replaced.
+    """
+    loop = getattr(sgl_model, "loop", None)
+    if isinstance(loop, asyncio.AbstractEventLoop) and loop.is_running():
+        sgl_model.loop = asyncio.new_event_loop()
+
+
 class AsyncSGLTransformer(EngineLM):
     """An SGLang ``Engine`` behind the `AsyncLM` interface.
 
@@ -73,6 +90,7 @@ class AsyncSGLTransformer(EngineLM):
         timeout: float | None = 0.02,
     ):
         self.sgl_model = sgl_model
+        give_engine_its_own_loop(sgl_model)
         super().__init__(
             engine_tokenizer(sgl_model), cache_size, cache_opts, batch_size, timeout, "genlm-sgl"
         )
@@ -86,9 +104,8 @@ class AsyncSGLTransformer(EngineLM):
         gpu_id: int = 0,
         **kwargs: Any,
     ) -> AsyncSGLTransformer:
-        """Start an SGLang engine for ``model_id`` on GPU ``gpu_id``.
-
-        Call it outside a running event loop: ``sglang.Engine`` drives its own loop.
+        """Start an SGLang engine for ``model_id`` on GPU ``gpu_id`` (inside a running
+        event loop too: see `give_engine_its_own_loop`).
 
         Args:
             engine_opts: keyword arguments for ``sglang.Engine`` (its ``ServerArgs``),

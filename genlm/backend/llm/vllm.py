@@ -1,6 +1,8 @@
 """`AsyncVirtualLM`: the vLLM backend, with full-vocabulary next-token log-probabilities.
 
-The engine is vLLM's ``AsyncLLM``, driven on its own event-loop thread, and particles
+The engine is vLLM's ``AsyncLLM``, built and driven on its own event-loop thread
+(`genlm.backend.llm.vllm_loop`: so it serves alike wherever it is built, inside a running
+event loop or a notebook included), and particles
 live in it: a request that extends a live request's context by one token continues
 that request as one more chunk of a streaming-input session
 (`genlm.backend.llm.vllm_sessions`), so a step costs what vLLM's own decoding costs.
@@ -25,12 +27,16 @@ engine is built.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import itertools
 import json
+import logging
+import math
 import os
 import tempfile
+import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +48,22 @@ import torch
 
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
-from genlm.backend.llm.vllm_sessions import SessionPool, StepRequest, close_engine_loop, engine_loop
+from genlm.backend.llm.vllm_defaults import (
+    available_memory,
+    cpu_engine_defaults,
+    is_cpu_build,
+    model_shape,
+)
+from genlm.backend.llm.vllm_loop import (
+    EngineLoop,
+    EngineLoopClosedError,
+    close_engine_loop,
+    engine_loop,
+    start_engine,
+)
+from genlm.backend.llm.vllm_sessions import STALL_TIMEOUT, SessionPool, StepRequest
+
+logger = logging.getLogger(__name__)
 
 VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
 # The oldest vLLM with every interface the backend uses: StreamingInput sessions (0.17),
@@ -52,6 +73,10 @@ VLLM_MIN_VERSION = (0, 31)
 CAPTURE_PROCESSOR = "genlm.backend.llm.vllm_capture:FullLogitsCapture"
 # ``SamplingParams.extra_args`` key through which a request asks for its logits.
 CAPTURE_KEY = "genlm_capture"
+# Longest waits (seconds) of `AsyncVirtualLM.close`: for the sessions to close, and for
+# the engine's processes to stop (vLLM kills them after that).
+SESSIONS_CLOSE_TIMEOUT = 30.0
+ENGINE_SHUTDOWN_TIMEOUT = 30.0
 
 
 def import_vllm() -> Any:
@@ -107,15 +132,15 @@ def hash_to_int(value: str) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1) + 1
 
 
-def shutdown_engine(llm_engine: Any) -> None:
+def shutdown_engine(llm_engine: Any, timeout: float | None = None) -> None:
     """Stop an engine's processes now instead of at garbage collection.
 
-    ``AsyncLLM`` has a public ``shutdown()``; ``vllm.LLM`` has none (0.11 to 0.32), so for
-    it this reaches past the public API, to ``llm_engine.engine_core.shutdown()``.
+    ``AsyncLLM`` has a public ``shutdown(timeout)``; ``vllm.LLM`` has none (0.11 to 0.32),
+    so for it this reaches past the public API, to ``llm_engine.engine_core.shutdown()``.
     """
     shutdown = getattr(llm_engine, "shutdown", None)
     if callable(shutdown):
-        shutdown()
+        shutdown(timeout=timeout)
         return
     core = getattr(getattr(llm_engine, "llm_engine", None), "engine_core", None)
     if core is not None:
@@ -295,6 +320,12 @@ class AsyncVirtualLM(EngineLM):
         batch_size: most requests per batch of the `AutoBatcher` (shared by logprobs and
             sampling requests).
         timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
+        stall_timeout: longest time (seconds) a step may go without any output from the
+            engine; then it fails its callers with
+            `genlm.backend.llm.vllm_sessions.StepStalledError` instead of waiting forever.
+
+    Raises ``ValueError`` for an engine built inside a running event loop by the caller
+    (`genlm.backend.llm.vllm_loop.check_output_handler`); `from_name` has no such limit.
     """
 
     def __init__(
@@ -305,14 +336,25 @@ class AsyncVirtualLM(EngineLM):
         cache_opts: dict[str, Any] | None = None,
         batch_size: int = 20,
         timeout: float | None = 0.02,
+        stall_timeout: float = STALL_TIMEOUT,
     ):
+        if isinstance(stall_timeout, bool) or not (
+            isinstance(stall_timeout, int | float) and 0 < stall_timeout < math.inf
+        ):
+            raise ValueError(
+                f"stall_timeout must be a finite number of seconds > 0, got {stall_timeout!r}"
+            )
         self.llm_engine = llm_engine
         self.logprobs_capture = logprobs_capture
+        self.stall_timeout = float(stall_timeout)
+        self._engine_loop = engine_loop(llm_engine)
         super().__init__(
             llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
         )
         self._nonces = itertools.count()
-        self._engine_loop = engine_loop(llm_engine)
+        _OPEN_LMS.add(self)
+        atexit.unregister(_close_open_lms)  # registered anew: runs before vLLM's exit hooks
+        atexit.register(_close_open_lms)
         if self._engine_loop.pool is None:
             self._engine_loop.pool = SessionPool(llm_engine, _chunk, _prompt)
         self._sessions = self._engine_loop.pool
@@ -336,6 +378,8 @@ class AsyncVirtualLM(EngineLM):
                 ``distributed_executor_backend``) run the model on vLLM's own
                 distributed executor. Unless the caller configures vLLM's logging
                 (`logging_configured`), the engine logs with `quiet_scheduler_logging`.
+                On a CPU build, a KV space from the memory available and a context
+                that fits it (`genlm.backend.llm.vllm_defaults`), unless given here.
             capture: ``"processor"`` (logits processor, fast) or ``"logprobs"``
                 (vLLM's ``logprobs=-1``).
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
@@ -346,10 +390,19 @@ class AsyncVirtualLM(EngineLM):
         vllm = import_vllm()
         logprobs_capture = CAPTURES[capture]()
         opts = engine_options(engine_opts, logprobs_capture)
+        if is_cpu_build():
+            dtype = str(opts.get("dtype", "auto")).removeprefix("torch.")
+            shape = model_shape(model_name, dtype)
+            opts.update(cpu_engine_defaults(engine_opts or {}, shape, available_memory()))
         if not logging_configured(opts):
             opts["logging_config"] = quiet_scheduler_logging()
         args = vllm.AsyncEngineArgs(model=model_name, **opts)
-        return cls(vllm.AsyncLLMEngine.from_engine_args(args), logprobs_capture, **kwargs)
+        engine = start_engine(lambda: vllm.AsyncLLMEngine.from_engine_args(args))
+        try:
+            return cls(engine, logprobs_capture, **kwargs)
+        except BaseException:
+            stop_engine(engine, engine_loop(engine))
+            raise
 
     @property
     def underlying_model(self) -> Any:
@@ -402,7 +455,9 @@ class AsyncVirtualLM(EngineLM):
                 for request in sample_keys
             ]
             # A step with adapter rows runs without sessions (SessionPool.step).
-            outputs = self._engine_loop.run(self._sessions.step(logprob_requests, sample_requests))
+            outputs = self._engine_loop.run(
+                self._sessions.step(logprob_requests, sample_requests, self.stall_timeout)
+            )
             logprobs = torch.log_softmax(rows.read(outputs[: len(logprob_keys)]), dim=-1)
         answers: dict[Hashable, Any] = dict(zip(logprob_keys, logprobs, strict=True))
         for request, output in zip(sample_keys, outputs[len(logprob_keys) :], strict=True):
@@ -474,10 +529,46 @@ class AsyncVirtualLM(EngineLM):
         if reset_prefix_cache is not None:
             await reset_prefix_cache()
 
+    def _close(self) -> None:
+        # A step in flight ends now (its callers get EngineLoopClosedError) instead of
+        # holding the batcher's worker, which `close` waits for, until the engine answers.
+        self._engine_loop.cancel_running()
+        super()._close()
+
     def _shutdown_engine(self) -> None:
         engine, self.llm_engine = self.llm_engine, None
-        self._engine_loop.run(self._sessions.close())
-        self._engine_loop.run(_call_async(shutdown_engine, engine))
+        if not self._engine_loop.alive:
+            return  # stopped already, through another wrapper of the same engine
+        try:
+            self._engine_loop.run(self._sessions.close(), timeout=SESSIONS_CLOSE_TIMEOUT)
+        except (TimeoutError, EngineLoopClosedError) as error:
+            logger.warning("vLLM sessions not closed before shutdown: %s", error)
+        stop_engine(engine, self._engine_loop)
+
+
+_OPEN_LMS: weakref.WeakSet[AsyncVirtualLM] = weakref.WeakSet()
+
+
+def _close_open_lms() -> None:
+    """Close the LMs still open when the interpreter exits, while their engines and loops
+    still run: left to vLLM's own exit hooks, the engine dies under its output handler
+    (an ``EngineDeadError`` traceback, a leaked-shared-memory warning)."""
+    for lm in list(_OPEN_LMS):
+        lm.close()
+
+
+def stop_engine(engine: Any, loop: EngineLoop) -> None:
+    """Shut ``engine`` down on ``loop``, the loop that drives it, then stop the loop
+    (bounded: vLLM kills engine processes still running after `ENGINE_SHUTDOWN_TIMEOUT`
+    seconds)."""
+    try:
+        loop.run(
+            _call_async(shutdown_engine, engine, ENGINE_SHUTDOWN_TIMEOUT),
+            timeout=2 * ENGINE_SHUTDOWN_TIMEOUT,
+        )
+    except (TimeoutError, EngineLoopClosedError) as error:
+        logger.warning("vLLM engine shutdown did not finish: %s", error)
+    finally:
         close_engine_loop(engine)
 
 

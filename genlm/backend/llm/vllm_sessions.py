@@ -23,68 +23,35 @@ requests at a time:
   ordinary one-shot request; one slot is always left for these, so they cannot
   deadlock against paused sessions.
 
-`EngineLoop` runs the engine's asyncio loop on its own thread (``AsyncLLM`` binds its
-output handler to one loop); callers in other threads submit coroutines to it.
+The pool runs on the engine's loop (`genlm.backend.llm.vllm_loop.EngineLoop`). A step
+that stops making progress (no output for any of its requests for ``stall_timeout``
+seconds: sessions waiting on each other for KV blocks, a request the engine dropped) fails
+its callers with `StepStalledError` instead of waiting forever, and so does a step of an
+engine that reports itself dead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
-import weakref
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-
-class EngineLoop:
-    """An asyncio event loop on a daemon thread, shared by every wrapper of one engine,
-    with the engine's one `SessionPool` (``pool``, set by the first wrapper)."""
-
-    def __init__(self, name: str = "genlm-vllm-engine"):
-        self.pool: SessionPool | None = None
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``coroutine`` on the loop and wait for its result (from any other thread)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def close(self) -> None:
-        """Stop the loop and its thread (idempotent)."""
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
-
-
-_ENGINE_LOOPS: weakref.WeakKeyDictionary[Any, EngineLoop] = weakref.WeakKeyDictionary()
-_ENGINE_LOOPS_LOCK = threading.Lock()
-
-
-def engine_loop(engine: Any) -> EngineLoop:
-    """The one `EngineLoop` that drives ``engine`` (created on first use)."""
-    with _ENGINE_LOOPS_LOCK:
-        loop = _ENGINE_LOOPS.get(engine)
-        if loop is None or loop.loop.is_closed():
-            loop = _ENGINE_LOOPS[engine] = EngineLoop()
-        return loop
-
-
-def close_engine_loop(engine: Any) -> None:
-    """Stop the loop that drives ``engine``, if there is one."""
-    with _ENGINE_LOOPS_LOCK:
-        loop = _ENGINE_LOOPS.pop(engine, None)
-    if loop is not None:
-        loop.close()
-
-
 # Longest wait (seconds) for a step's chunks to leave before the held scheduler resumes.
 STEP_HOLD_TIMEOUT = 1.0
+# Longest time (seconds) a step may go without any output before it fails (the default of
+# `SessionPool` and `AsyncVirtualLM`): far above any step's pause between two outputs.
+STALL_TIMEOUT = 300.0
+# How often (seconds) a waiting step asks the engine whether it is dead.
+HEALTH_CHECK_INTERVAL = 1.0
+# Longest wait (seconds) for requests to let go once cancelled or their sessions closed.
+RELEASE_TIMEOUT = 10.0
+
+
+class StepStalledError(TimeoutError):
+    """A step got no output from the engine for ``stall_timeout`` seconds."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +137,14 @@ class SessionPool:
     """The live sessions of one engine (shared by its wrappers, so the budget is the
     engine's); runs on the engine's loop."""
 
-    def __init__(self, engine: Any, make_chunk: Callable, make_prompt: Callable):
+    def __init__(
+        self,
+        engine: Any,
+        make_chunk: Callable,
+        make_prompt: Callable,
+    ):
         self.engine = engine
+        self._last_output = 0.0  # loop time of the step's latest output
         self.limits = EngineLimits.of(engine)
         # Live sessions by (context, adapter), least recently used first.
         self.sessions: dict[tuple[tuple[int, ...], str | None], Session] = {}
@@ -188,19 +161,26 @@ class SessionPool:
         return f"genlm-{id(self):x}-{next(self._ids)}"
 
     async def step(
-        self, requests: Sequence[StepRequest], one_shot: Sequence[StepRequest] = ()
+        self,
+        requests: Sequence[StepRequest],
+        one_shot: Sequence[StepRequest] = (),
+        stall_timeout: float = STALL_TIMEOUT,
     ) -> list[Any]:
         """One engine output per request, in order: ``requests`` through sessions
         (continued or opened as the policy allows), then ``one_shot`` as ordinary
-        requests (samples). A failure closes the step's sessions and is raised."""
+        requests (samples). A failure closes the step's sessions and is raised; so is
+        `StepStalledError` after ``stall_timeout`` seconds without any output."""
         async with self._lock:
-            return await self._step(requests, one_shot)
+            return await self._step(requests, one_shot, stall_timeout)
 
     async def _step(
-        self, requests: Sequence[StepRequest], one_shot: Sequence[StepRequest]
+        self,
+        requests: Sequence[StepRequest],
+        one_shot: Sequence[StepRequest],
+        stall_timeout: float,
     ) -> list[Any]:
         if any(request.lora is not None for request in [*requests, *one_shot]):
-            return await self._step_without_sessions([*requests, *one_shot])
+            return await self._step_without_sessions([*requests, *one_shot], stall_timeout)
         claimed = [
             self.sessions.pop((r.token_ids[:-1], r.lora), None) if len(r.token_ids) > 1 else None
             for r in requests
@@ -232,7 +212,7 @@ class SessionPool:
                     waits.append(self._one_shot(request))
                     continue
                 live.append(session)
-                waits.append(session.next_output())
+                waits.append(self._output_of(session))
             waits.extend(self._one_shot(request) for request in one_shot)
             tasks = [asyncio.ensure_future(wait) for wait in waits]
             if gated:
@@ -242,13 +222,15 @@ class SessionPool:
                 resumed = self._background(self.engine.resume_generation())
         if resumed is not None:
             # Its answer comes long before the step's outputs; without it they never come.
-            await asyncio.wait([resumed])
-            lost = resumed.exception()
+            await asyncio.wait([resumed], timeout=stall_timeout)
+            lost = resumed.exception() if resumed.done() else _stalled(len(tasks), stall_timeout)
             if lost is not None:
-                for task in tasks:
-                    task.cancel()
+                await _cancel(tasks)
                 self._fail(live, lost)
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            results = await self._results(tasks, stall_timeout)
+        except Exception as failure:  # noqa: BLE001 (stalled, or the engine died)
+            self._fail(live, failure)
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
             self._fail(live, error)
@@ -259,7 +241,9 @@ class SessionPool:
             self.sessions[(session.context, session.lora)] = session
         return results
 
-    async def _step_without_sessions(self, requests: Sequence[StepRequest]) -> list[Any]:
+    async def _step_without_sessions(
+        self, requests: Sequence[StepRequest], stall_timeout: float
+    ) -> list[Any]:
         """Every request as an ordinary one, after closing every live session, one group of
         requests per adapter (the base model counting as one), each after the last.
 
@@ -273,15 +257,42 @@ class SessionPool:
         results: list[Any] = [None] * len(requests)
         for lora in dict.fromkeys(request.lora for request in requests):
             group = [i for i, request in enumerate(requests) if request.lora == lora]
-            outputs = await asyncio.gather(
-                *(self._one_shot(requests[i]) for i in group), return_exceptions=True
-            )
+            tasks = [asyncio.ensure_future(self._one_shot(requests[i])) for i in group]
+            outputs = await self._results(tasks, stall_timeout)
             error = next((r for r in outputs if isinstance(r, BaseException)), None)
             if error is not None:
                 raise error
             for i, output in zip(group, outputs, strict=True):
                 results[i] = output
         return results
+
+    async def _results(self, tasks: Sequence[asyncio.Future], stall_timeout: float) -> list[Any]:
+        """Each task's result or exception, in order, once all have ended. Raises (after
+        cancelling the unfinished ones) `StepStalledError` when no output comes for
+        ``stall_timeout`` seconds, and the engine's own error as soon as it reports itself
+        dead."""
+        loop = asyncio.get_running_loop()
+        self._last_output = loop.time()
+        pending = set(tasks)
+        while pending:
+            idle = loop.time() - self._last_output
+            if idle >= stall_timeout:
+                await _cancel(pending)
+                raise _stalled(len(tasks), stall_timeout)
+            wait = min(stall_timeout - idle, HEALTH_CHECK_INTERVAL)
+            _, pending = await asyncio.wait(pending, timeout=wait)
+            if pending and getattr(self.engine, "errored", False):
+                await _cancel(pending)
+                raise self.engine.dead_error
+        return [task.exception() or task.result() for task in tasks]
+
+    def _output_marked(self) -> None:
+        self._last_output = asyncio.get_running_loop().time()
+
+    async def _output_of(self, session: Session) -> Any:
+        output = await session.next_output()
+        self._output_marked()
+        return output
 
     def _fail(self, live: Sequence[Session], error: BaseException) -> NoReturn:
         """Close the step's sessions and raise ``error`` to its callers."""
@@ -360,6 +371,7 @@ class SessionPool:
             lora_request=request.lora_request,
         )
         async for output in outputs:
+            self._output_marked()
             final = output
         return final
 
@@ -377,4 +389,23 @@ class SessionPool:
             self._close_later(session)
         self.sessions = {}
         if self._background_tasks:
-            await asyncio.gather(*list(self._background_tasks), return_exceptions=True)
+            _, late = await asyncio.wait(list(self._background_tasks), timeout=RELEASE_TIMEOUT)
+            await _cancel(late)
+
+
+def _stalled(n: int, stall_timeout: float) -> StepStalledError:
+    return StepStalledError(
+        f"vLLM gave no output for any of this step's {n} requests in {stall_timeout:g} s, "
+        "so the step was abandoned: the engine may lack KV cache blocks for the live "
+        "sessions (raise its KV space: kv_cache_memory_bytes, VLLM_CPU_KVCACHE_SPACE on CPU, "
+        "gpu_memory_utilization), or have stopped answering. If steps legitimately take "
+        "longer, raise AsyncVirtualLM's stall_timeout."
+    )
+
+
+async def _cancel(tasks: Collection[asyncio.Future]) -> None:
+    """Cancel ``tasks`` and wait (at most `RELEASE_TIMEOUT` seconds) until they end."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=RELEASE_TIMEOUT)

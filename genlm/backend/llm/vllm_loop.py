@@ -1,0 +1,191 @@
+"""The event loop that drives a vLLM engine, on its own thread, wherever the caller runs.
+
+vLLM's ``AsyncLLM`` binds its output handler (the task that moves outputs from the engine
+core to the requests waiting for them) to one asyncio loop: the loop running where the
+engine is built, or else the loop of its first request. An engine built inside a running
+loop (``async def main()`` under ``asyncio.run``, any Jupyter cell) therefore has its
+handler on the caller's loop, while the backend's requests run on the `EngineLoop`: their
+outputs are put on queues from the wrong thread, nothing wakes the loop that waits for
+them, and every step waits forever. So `start_engine` builds the engine on its
+`EngineLoop`, inside that running loop: the handler lives there whatever the caller's
+thread or loop, and an engine built elsewhere with its handler on another loop is refused
+(`check_output_handler`) instead of hanging.
+
+`EngineLoop.run` never waits on a loop whose thread has ended, takes an optional time
+limit, and `EngineLoop.cancel_running` ends the calls in flight, so closing a backend
+never waits on a wedged engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from genlm.backend.llm.vllm_sessions import SessionPool
+
+logger = logging.getLogger(__name__)
+
+# How often (seconds) a caller waiting on the loop checks that its thread still runs.
+LIVENESS_CHECK = 1.0
+# Longest wait (seconds) for the loop's remaining tasks to end when it is closed.
+LOOP_CLOSE_TIMEOUT = 10.0
+
+
+class EngineLoopClosedError(RuntimeError):
+    """The engine's loop stopped, or was closed, while a call waited on it."""
+
+
+class EngineLoop:
+    """An asyncio event loop on a daemon thread, shared by every wrapper of one engine,
+    with the engine's one `SessionPool` (``pool``, set by the first wrapper)."""
+
+    def __init__(self, name: str = "genlm-vllm-engine"):
+        self.pool: SessionPool | None = None
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self._running: set[concurrent.futures.Future] = set()
+        self._running_lock = threading.Lock()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop still runs calls."""
+        return self._thread.is_alive() and not self.loop.is_closed()
+
+    def run(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        """Run ``coroutine`` on the loop and wait for its result (from any other thread).
+
+        Raises `EngineLoopClosedError` if the loop stops or is closed before the result
+        comes (or `cancel_running` ends the call), and ``TimeoutError`` after ``timeout``
+        seconds (the coroutine is cancelled).
+        """
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError(f"{self.name}: run() called on the loop's own thread")
+        if not self.alive:
+            coroutine.close()
+            raise EngineLoopClosedError(f"{self.name}: the engine's event loop is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        with self._running_lock:
+            self._running.add(future)
+        try:
+            return self._wait(future, timeout)
+        finally:
+            with self._running_lock:
+                self._running.discard(future)
+
+    def _wait(self, future: concurrent.futures.Future, timeout: float | None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = LIVENESS_CHECK if deadline is None else deadline - time.monotonic()
+            concurrent.futures.wait([future], timeout=max(0.0, min(left, LIVENESS_CHECK)))
+            if future.done():
+                try:
+                    return future.result()
+                except concurrent.futures.CancelledError:
+                    raise EngineLoopClosedError(
+                        f"{self.name}: the call was cancelled (the engine is closing)"
+                    ) from None
+            if not self.alive:
+                future.cancel()
+                raise EngineLoopClosedError(
+                    f"{self.name}: the engine's event loop stopped before the call ended"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                future.cancel()
+                raise TimeoutError(f"{self.name}: the call did not end within {timeout:g} s")
+
+    def cancel_running(self) -> None:
+        """Cancel every call in flight; their callers get `EngineLoopClosedError`."""
+        with self._running_lock:
+            running = list(self._running)
+        for future in running:
+            future.cancel()
+
+    def close(self) -> None:
+        """Cancel the loop's remaining tasks, stop it and its thread (idempotent; waits at
+        most about `LOOP_CLOSE_TIMEOUT` seconds)."""
+        if self.loop.is_closed():
+            return
+        self.cancel_running()
+        if self._thread.is_alive():
+            try:
+                self.run(_cancel_other_tasks(), timeout=LOOP_CLOSE_TIMEOUT)
+            except (TimeoutError, EngineLoopClosedError):
+                logger.warning("%s: tasks still running when its loop closed", self.name)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(LOOP_CLOSE_TIMEOUT)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel every task of the running loop but this one, and wait until they end."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+
+
+async def _call(factory: Callable[[], Any]) -> Any:
+    """``factory()``, called inside the running loop (where loop-bound objects bind)."""
+    return factory()
+
+
+_ENGINE_LOOPS: weakref.WeakKeyDictionary[Any, EngineLoop] = weakref.WeakKeyDictionary()
+_ENGINE_LOOPS_LOCK = threading.Lock()
+
+
+def start_engine(factory: Callable[[], Any]) -> Any:
+    """The engine ``factory()`` builds, built on a new `EngineLoop`'s thread inside its
+    running loop, which then drives it (see the module doc)."""
+    loop = EngineLoop()
+    try:
+        engine = loop.run(_call(factory))
+    except BaseException:
+        loop.close()
+        raise
+    with _ENGINE_LOOPS_LOCK:
+        _ENGINE_LOOPS[engine] = loop
+    return engine
+
+
+def engine_loop(engine: Any) -> EngineLoop:
+    """The one `EngineLoop` that drives ``engine`` (created on first use; an engine whose
+    output handler runs on another loop is refused, see `check_output_handler`)."""
+    with _ENGINE_LOOPS_LOCK:
+        loop = _ENGINE_LOOPS.get(engine)
+        if loop is None or not loop.alive:
+            loop = _ENGINE_LOOPS[engine] = EngineLoop()
+    check_output_handler(engine, loop)
+    return loop
+
+
+def check_output_handler(engine: Any, loop: EngineLoop) -> None:
+    """Raise ``ValueError`` if ``engine`` (a vLLM ``AsyncLLM``) handles its outputs on
+    another loop than ``loop``: built inside a running event loop, it would never answer."""
+    handler = getattr(engine, "output_handler", None)
+    if isinstance(handler, asyncio.Future) and handler.get_loop() is not loop.loop:
+        raise ValueError(
+            "This vLLM engine was built while an event loop was running (inside async code or "
+            "a notebook cell), so its output handler runs on that loop and requests from "
+            "AsyncVirtualLM would never be answered. Build it with AsyncVirtualLM.from_name, "
+            "which starts the engine on its own loop, or outside any running event loop."
+        )
+
+
+def close_engine_loop(engine: Any) -> None:
+    """Stop the loop that drives ``engine``, if there is one."""
+    with _ENGINE_LOOPS_LOCK:
+        loop = _ENGINE_LOOPS.pop(engine, None)
+    if loop is not None:
+        loop.close()
