@@ -42,6 +42,7 @@ import torch
 
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
 from genlm.backend.llm.vllm_sessions import SessionPool, StepRequest, close_engine_loop, engine_loop
 
 VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
@@ -105,21 +106,6 @@ def hash_to_int(value: str) -> int:
     """A deterministic integer in ``[1, 2**31 - 1]`` for ``value`` (vLLM's LoRA ids)."""
     digest = hashlib.blake2b(value.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (2**31 - 1) + 1
-
-
-def shutdown_engine(llm_engine: Any) -> None:
-    """Stop an engine's processes now instead of at garbage collection.
-
-    ``AsyncLLM`` has a public ``shutdown()``; ``vllm.LLM`` has none (0.11 to 0.32), so for
-    it this reaches past the public API, to ``llm_engine.engine_core.shutdown()``.
-    """
-    shutdown = getattr(llm_engine, "shutdown", None)
-    if callable(shutdown):
-        shutdown()
-        return
-    core = getattr(getattr(llm_engine, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        core.shutdown()
 
 
 def shared_memory_dir() -> str:
@@ -299,14 +285,14 @@ class AsyncVirtualLM(EngineLM):
 
     def __init__(
         self,
-        llm_engine: Any,
-        logprobs_capture: Any,
+        llm_engine: VLLMEngine,
+        logprobs_capture: LogprobsCapture,
         cache_size: int = 0,
         cache_opts: dict[str, Any] | None = None,
         batch_size: int = 20,
         timeout: float | None = 0.02,
     ):
-        self.llm_engine = llm_engine
+        self.llm_engine: Any = llm_engine  # None once closed
         self.logprobs_capture = logprobs_capture
         super().__init__(
             llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
@@ -477,7 +463,7 @@ class AsyncVirtualLM(EngineLM):
     def _shutdown_engine(self) -> None:
         engine, self.llm_engine = self.llm_engine, None
         self._engine_loop.run(self._sessions.close())
-        self._engine_loop.run(_call_async(shutdown_engine, engine))
+        self._engine_loop.run(_call_async(engine.shutdown))
         close_engine_loop(engine)
 
 
