@@ -59,6 +59,7 @@ import itertools
 import logging
 import math
 import mmap
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from genlm.backend.batching import check_int
 from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
@@ -217,7 +219,7 @@ class _BlockPool:
         slots = self.slots(chain, tokens)
         return torch.stack([layer[:, slots] for layer in self.layers]).permute(0, 1, 3, 2, 4)
 
-    def cache(
+    def paged_cache(
         self,
         write: torch.Tensor,
         read: torch.Tensor,
@@ -234,7 +236,6 @@ class _BlockPool:
         )
 
 
-CASCADE = "genlm_cascade"
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
 
 
@@ -253,17 +254,9 @@ def cascade_attention(
     The shared keys are read once for all rows (one matmul per KV head over every row's
     queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
     ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
-    their running maximum and sums (log-sum-exp). Registered in transformers' attention
-    registry as ``"genlm_cascade"``; the layer's cache comes in ``kwargs["genlm_cache"]``
-    (without it, e.g. another thread's forward of the same model while ours runs, this
-    is plain ``sdpa`` attention).
+    their running maximum and sums (log-sum-exp). The layer's paged cache comes in
+    ``kwargs["genlm_cache"]`` (see `sdpa_or_cascade_attention`).
     """
-    if "genlm_cache" not in kwargs:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
     shared_keys, shared_values = kwargs["genlm_cache"].layers[module.layer_idx].shared_kv()
     rows, q_heads, new, dim = query.shape
     kv_heads = key.shape[1]
@@ -288,6 +281,27 @@ def cascade_attention(
     out = shared_out.view(kv_heads, rows, groups * new, dim).transpose(0, 1)
     out = (out + torch.matmul(own, value)) / total
     return out.reshape(rows, q_heads, new, dim).transpose(1, 2), None
+
+
+def sdpa_or_cascade_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' ``sdpa`` attention, or `cascade_attention` for a forward that passes
+    its paged cache as ``genlm_cache=``: the choice is made per call, by that keyword.
+
+    Registered (by `_cascade_usable`) as the ``"sdpa"`` entry of transformers' attention
+    registry, so no model config is switched around a forward: every other forward, of
+    any model in any thread, passes no ``genlm_cache`` and gets plain ``sdpa``.
+    """
+    if "genlm_cache" in kwargs:
+        assert attention_mask is not None  # a cascade forward passes its boolean mask
+        return cascade_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 class _FirstOnly(logging.Filter):
@@ -400,7 +414,7 @@ class AsyncTransformer(PrefixCachedLM):
         else:
             self._pool = _BlockPool(self._layout, BLOCK_SIZE)
             block_bytes, grow = self._pool.block_bytes, self._pool.resize
-        self._cascade_configs = self._attention_configs()
+        self._cascade = self._cascade_usable()
         store = PrefixKVStore(BLOCK_SIZE, block_bytes, grow, max_kv_bytes, max_logprobs_bytes)
         self._init_prefix_cache(store, self._layout is not None, batch_size, timeout, "genlm-hf")
 
@@ -618,7 +632,7 @@ class AsyncTransformer(PrefixCachedLM):
                     starts - shared, past_length - shared, new_tokens, boolean=True
                 ),
                 position_ids=starts[:, None] + torch.arange(new_tokens, device=self._input_device),
-                cache=pool.cache(write.flatten(), read, past_length, slots[0][:shared]),
+                cache=pool.paged_cache(write.flatten(), read, past_length, slots[0][:shared]),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits
@@ -632,7 +646,7 @@ class AsyncTransformer(PrefixCachedLM):
                 mask = None
                 if padded or (past and end - chunk > 1):
                     mask = self._attention_mask(starts + chunk, past, end - chunk)
-                cache = pool.cache(
+                cache = pool.paged_cache(
                     write[:, chunk:end].flatten(), read[:, : past_length + end], past
                 )
                 logits = self._forward(
@@ -647,7 +661,7 @@ class AsyncTransformer(PrefixCachedLM):
                 ).logits
         logprobs = self._logprobs(logits[:, -1])
         for i, row in enumerate(rows):
-            self._store(row, logprobs[i].clone(), results)
+            self._store_row(row, logprobs[i].clone(), results)
 
     @staticmethod
     def _padded(slots: list[torch.Tensor], skip: int) -> torch.Tensor:
@@ -664,7 +678,7 @@ class AsyncTransformer(PrefixCachedLM):
     def _shared_tokens(self, rows: list[Row]) -> int:
         """Tokens in full blocks at the start of every row's chain and inside every row's
         past: cascade attention reads them once (0: too few rows or tokens to bother)."""
-        if self._cascade_configs is None or len(rows) < 2:
+        if not self._cascade or len(rows) < 2:
             return 0
         limit = min(row.start for row in rows) // BLOCK_SIZE
         chains = [row.chain or () for row in rows]  # set by _run_group
@@ -676,17 +690,8 @@ class AsyncTransformer(PrefixCachedLM):
         return shared if shared >= CASCADE_MIN_SHARED else 0
 
     def _cascade_forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
-        """`_forward` with every attention layer switched to `cascade_attention`."""
-        configs = self._cascade_configs
-        assert configs is not None  # _shared_tokens is 0 without them
-        previous = [config._attn_implementation_internal for config in configs]
-        for config in configs:
-            config._attn_implementation_internal = CASCADE
-        try:
-            return self._forward(loras, **kwargs, genlm_cache=kwargs["cache"])
-        finally:
-            for config, name in zip(configs, previous, strict=True):
-                config._attn_implementation_internal = name
+        """`_forward` whose attention layers run `cascade_attention` (chosen by the keyword)."""
+        return self._forward(loras, **kwargs, genlm_cache=kwargs["cache"])
 
     def _run_without_kv(self, rows: list[Row], results: list[Any]) -> None:
         """Fallback for models without reusable KV: plain forwards of whole prefixes."""
@@ -701,7 +706,7 @@ class AsyncTransformer(PrefixCachedLM):
             ).logits
             logprobs = self._logprobs(logits[:, -1])
             for i, row in enumerate(same):
-                self._store(row, logprobs[i].clone(), results)
+                self._store_row(row, logprobs[i].clone(), results)
 
     def _attention_mask(
         self, starts: torch.Tensor, past_length: int, new_tokens: int, boolean: bool = False
@@ -731,22 +736,30 @@ class AsyncTransformer(PrefixCachedLM):
             ).logits
             return self._logprobs(logits[:, -1])[0]
 
-    def _attention_configs(self) -> list[Any] | None:
-        """The configs the attention layers read their implementation from, if cascade
-        attention can be switched on there (one attention module per KV layer), else None."""
-        if self._layout is None:
-            return None
+    def _cascade_usable(self) -> bool:
+        """Whether groups may use cascade attention: KV reuse is on, the model runs ``sdpa``,
+        and each of its attention modules (one per KV layer) looks ``sdpa`` up in a registry
+        that now answers `sdpa_or_cascade_attention` (a model with its own ``sdpa`` would
+        ignore ``genlm_cache=``)."""
+        if self._layout is None or self.model.config._attn_implementation != "sdpa":
+            return False
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("sdpa", sdpa_or_cascade_attention)
         modules = [
             module
             for module in self.model.modules()
             if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups")
         ]
-        if len(modules) != self._layout.num_layers:
-            return None
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(CASCADE, cascade_attention)
-        return list({id(module.config): module.config for module in modules}.values())
+        registries = [
+            getattr(sys.modules[type(module).__module__], "ALL_ATTENTION_FUNCTIONS", None)
+            for module in modules
+        ]
+        return len(modules) == self._layout.num_layers and all(
+            registry is not None
+            and registry.get_interface("sdpa", None) is sdpa_or_cascade_attention
+            for registry in registries
+        )
 
     def _probe_kv_layout(self) -> tuple[_KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it."""

@@ -445,7 +445,7 @@ class AsyncMlxLM(PrefixCachedLM):
     def _store_rows(self, rows: list[Row], logprobs: Any, results: list[Any]) -> None:
         array = np.array(logprobs)
         for i, row in enumerate(rows):
-            self._store(row, torch.from_numpy(array[i].copy()), results)
+            self._store_row(row, torch.from_numpy(array[i].copy()), results)
 
     def _read_past(self, chain: Chain, tokens: int) -> list[Any]:
         """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv_store import Chain, KVNode, PrefixKVStore
@@ -38,6 +38,16 @@ class Row:
     @property
     def new_tokens(self) -> int:
         return len(self.ids) - self.start
+
+
+class CacheWalk(NamedTuple):
+    """Where a request would start (`PrefixCachedLM.walk_cache`); unpacks as the 4-tuple
+    ``(node, next_token_index, past, base)`` of the reference design."""
+
+    node: KVNode
+    next_token_index: int
+    past: Any
+    base: int
 
 
 class PrefixCachedLM(BatchedAsyncLM):
@@ -70,7 +80,7 @@ class PrefixCachedLM(BatchedAsyncLM):
     def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
         """Run the rows' new tokens: for each row, ``row.chain, copies =
         store.extend(row.source, row.start, len(row.ids))`` (with KV reuse), apply the
-        copies, write the new tokens' KV into the chain, then `_store` its logprobs."""
+        copies, write the new tokens' KV into the chain, then `_store_row` its logprobs."""
 
     @abstractmethod
     def _read_past(self, chain: Chain, tokens: int) -> Any:
@@ -96,9 +106,7 @@ class PrefixCachedLM(BatchedAsyncLM):
         ids, lora = self._query(prompt_tokens, lora_name)
         self.batcher.run_sync(self._cache_kv, ids, lora)
 
-    def walk_cache(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> tuple[KVNode, int, Any, int]:
+    def walk_cache(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> CacheWalk:
         """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
 
         ``node`` holds the KV used (the root if none), ``base`` is its depth (the tokens its
@@ -171,7 +179,7 @@ class PrefixCachedLM(BatchedAsyncLM):
         if self.kv_reuse:
             self.store.reserve([(row.source, row.start, len(row.ids)) for row in rows])
 
-    def _store(self, row: Row, logprobs: Any, results: list[Any]) -> None:
+    def _store_row(self, row: Row, logprobs: Any, results: list[Any]) -> None:
         """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
         chain to its node (unless the node holds a pinned chain)."""
         node = self.store.node_at(row.node, row.ids)
@@ -210,11 +218,11 @@ class PrefixCachedLM(BatchedAsyncLM):
         finally:
             self._finish([row])
 
-    def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> tuple[KVNode, int, Any, int]:
+    def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
         root = self.store.root(lora)
         node = self.store.walk(root, ids)[0]
         source = self.store.kv_source(node) if self.kv_reuse else None
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
         if source is None or source.chain is None or not start:
-            return root, 0, None, 0
-        return source, start, self._read_past(source.chain, start), source.depth
+            return CacheWalk(root, 0, None, 0)
+        return CacheWalk(source, start, self._read_past(source.chain, start), source.depth)

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
@@ -282,6 +283,8 @@ class AsyncVirtualLM(EngineLM):
             sampling requests).
         timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
     """
+
+    batcher: AutoBatcher[Any, Any]  # keys: `Query` and `_SampleRequest`
 
     def __init__(
         self,
