@@ -1,10 +1,12 @@
 """OutputCache (LRU order, sizes, devices) and TokenTrie (the KV tree's node type)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from genlm.backend.cache import OutputCache, TokenTrie
-from genlm.backend.kv_store import KVNode, PrefixKVStore
+from genlm.backend.kv.store import KVNode, PrefixKVStore
 
 # -- OutputCache ---------------------------------------------------------------------------
 
@@ -41,7 +43,8 @@ def test_output_cache_move_to_cpu_returns_on_the_original_device():
 
 def test_token_trie_names_the_kv_tree_node_type():
     assert TokenTrie is KVNode
-    store = PrefixKVStore(block_size=4, block_bytes=64, grow=lambda blocks: None)
+    pool = SimpleNamespace(block_size=4, block_bytes=64, resize=lambda blocks: None)
+    store = PrefixKVStore(pool)
     root = store.root(None)
     node = store.node_at(root, (5, 6, 7))
     assert isinstance(root, TokenTrie) and isinstance(node, TokenTrie)

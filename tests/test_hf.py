@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from genlm.backend.kv.pool import BLOCK_SIZE
 from genlm.backend.llm.hf import AsyncTransformer, cache_keyword
 
 # Rows of our HF backend (batched, padded, KV from the paged store, cascade attention) vs a
@@ -201,7 +202,7 @@ def pool_blocks(lm):
 async def test_the_pool_stays_within_budget_plus_the_rows_and_shrinks_on_clears(
     hf_model, smollm2_tokenizer, prompt, monkeypatch
 ):
-    import genlm.backend.kv_store as kv_store
+    import genlm.backend.kv.store as kv_store
 
     monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)  # small steps: many resizes
     budget_blocks = 6
@@ -241,14 +242,14 @@ async def test_the_pool_stays_within_budget_plus_the_rows_and_shrinks_on_clears(
 def test_a_trimmed_pool_keeps_the_pinned_prompt_exact(
     hf_model, smollm2_tokenizer, prompt, monkeypatch
 ):
-    import genlm.backend.kv_store as kv_store
+    import genlm.backend.kv.store as kv_store
 
     monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)
     lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=0)
     lm.cache_kv(prompt)  # one block, the lowest free one
     sizes = []
     resize = lm._pool.resize
-    monkeypatch.setattr(lm.store, "_grow", lambda blocks: sizes.append(blocks) or resize(blocks))
+    monkeypatch.setattr(lm._pool, "resize", lambda blocks: sizes.append(blocks) or resize(blocks))
     long = [prompt + [t] * 40 for t in (5, 6, 7, 8)]  # 4 rows of 4 blocks
     lm.batch_next_token_logprobs_sync(long)
     # the batch grew the pool; once its rows let go (nothing unpinned kept) trim halved it
@@ -518,7 +519,7 @@ async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
         assert got.untyped_storage().nbytes() == got.nbytes  # no batch block pinned
     # the prompt's KV is held once: its 90 tokens plus each particle's own 3 tokens, in blocks
     block = lm.store.block_bytes
-    prompt_blocks = -(-len(long_prompt) // hf.BLOCK_SIZE)
+    prompt_blocks = -(-len(long_prompt) // BLOCK_SIZE)
     assert lm.kv_nbytes <= (prompt_blocks + 5) * block
 
 

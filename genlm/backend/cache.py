@@ -2,7 +2,7 @@
 
 - `OutputCache`: LRU map from token-id tuples to tensors (e.g. logprobs).
 - `TokenTrie`: the node type of the prefix tree behind the prefix-KV caches (the
-  ``cache`` root of `AsyncTransformer` and `AsyncMlxLM`), `genlm.backend.kv_store.KVNode`.
+  ``cache`` root of `AsyncTransformer` and `AsyncMlxLM`), `genlm.backend.kv.store.KVNode`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from genlm.backend.batching import check_int
-from genlm.backend.kv_store import KVNode as TokenTrie
+from genlm.backend.kv.store import KVNode as TokenTrie
 
 __all__ = ["OutputCache", "TokenTrie"]
 
