@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from genlm.backend.kv.pool import BLOCK_SIZE
 from genlm.backend.llm.hf import AsyncTransformer, cache_keyword
 
 # Rows of our HF backend (batched, padded, KV from the paged store, cascade attention) vs a
@@ -216,7 +217,7 @@ def pool_blocks(lm):
 async def test_the_pool_stays_within_budget_plus_the_rows_and_shrinks_on_clears(
     hf_model, smollm2_tokenizer, prompt, monkeypatch
 ):
-    import genlm.backend.kv_store as kv_store
+    import genlm.backend.kv.store as kv_store
 
     monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)  # small steps: many resizes
     budget_blocks = 6
@@ -256,14 +257,14 @@ async def test_the_pool_stays_within_budget_plus_the_rows_and_shrinks_on_clears(
 def test_a_trimmed_pool_keeps_the_pinned_prompt_exact(
     hf_model, smollm2_tokenizer, prompt, monkeypatch
 ):
-    import genlm.backend.kv_store as kv_store
+    import genlm.backend.kv.store as kv_store
 
     monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)
     lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=0)
     lm.cache_kv(prompt)  # one block, the lowest free one
     sizes = []
     resize = lm._pool.resize
-    monkeypatch.setattr(lm.store, "_grow", lambda blocks: sizes.append(blocks) or resize(blocks))
+    monkeypatch.setattr(lm._pool, "resize", lambda blocks: sizes.append(blocks) or resize(blocks))
     long = [prompt + [t] * 40 for t in (5, 6, 7, 8)]  # 4 rows of 4 blocks
     lm.batch_next_token_logprobs_sync(long)
     # the batch grew the pool; once its rows let go (nothing unpinned kept) trim halved it
@@ -515,29 +516,25 @@ def long_prompt(smollm2_tokenizer):
 async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     lm, long_prompt, monkeypatch, random_walks
 ):
-    from transformers import AttentionInterface
-
     import genlm.backend.llm.hf as hf
 
     calls = []
+    cascade = hf.cascade_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return hf.cascade_attention(*args, **kwargs)
+        return cascade(*args, **kwargs)
 
-    AttentionInterface.register(hf.CASCADE, counted)
-    try:
-        seen = await random_walks(lm, long_prompt, 5)
-    finally:
-        AttentionInterface.register(hf.CASCADE, hf.cascade_attention)
+    monkeypatch.setattr(hf, "cascade_attention", counted)
+    seen = await random_walks(lm, long_prompt, 5)
     assert calls  # the shared prompt was read once per layer for all rows
-    assert lm.model.config._attn_implementation == "sdpa"  # switched back after the forward
+    assert lm.model.config._attn_implementation == "sdpa"  # chosen per call, never switched
     for ids, got in seen.items():
         assert_close(lm, ids, got)
         assert got.untyped_storage().nbytes() == got.nbytes  # no batch block pinned
     # the prompt's KV is held once: its 90 tokens plus each particle's own 3 tokens, in blocks
     block = lm.store.block_bytes
-    prompt_blocks = -(-len(long_prompt) // hf.BLOCK_SIZE)
+    prompt_blocks = -(-len(long_prompt) // BLOCK_SIZE)
     assert lm.kv_nbytes <= (prompt_blocks + 5) * block
 
 
@@ -551,8 +548,10 @@ def test_pinned_long_prompt_forks_and_evictions_stay_exact(
     assert lm.kv_nbytes <= 3 << 20
     for ids, got in zip(forks, results, strict=True):
         assert_close(lm, ids, got)
-    node, next_index, past, base = lm.walk_cache(long_prompt + [9])
+    walk = lm.walk_cache(long_prompt + [9])
+    node, next_index, past, base = walk  # the reference design's 4-tuple
     assert next_index == base == len(long_prompt) and node.pinned
+    assert (walk.node, walk.next_token_index, walk.base) == (node, next_index, base)
     reference_past = kv_cache(hf_model, input_ids=torch.tensor([long_prompt]))
     assert torch.allclose(past[3, 0], reference_past.layers[3].keys[0], atol=TOL)  # KV: as rows
 

@@ -8,14 +8,17 @@ unpinned chains counted by brute force.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm.backend.kv_store import INITIAL_BLOCKS, ZERO_BLOCK, PrefixKVStore
+from genlm.backend.kv.store import INITIAL_BLOCKS, ZERO_BLOCK, PrefixKVStore
 
 BLOCK = 4
 BLOCK_BYTES = 10
 
 
 class FakePool:
-    """Slots hold the token written there (None: never written)."""
+    """A pure-Python `BlockPool`: slots hold the token written there (None: never written)."""
+
+    block_size = BLOCK
+    block_bytes = BLOCK_BYTES
 
     def __init__(self):
         self.slots: list[int | None] = []
@@ -26,7 +29,7 @@ class FakePool:
         self.sizes.append(blocks)
         self.slots = (self.slots + [None] * blocks * BLOCK)[: blocks * BLOCK]
 
-    def apply(self, copies) -> None:
+    def copy(self, copies) -> None:
         for copy in copies:
             for j in range(copy.tokens):
                 self.slots[copy.target * BLOCK + j] = self.slots[copy.source * BLOCK + j]
@@ -43,9 +46,7 @@ class FakePool:
 def make_store(max_kv_bytes=None, max_logprobs_bytes=None):
     pool = FakePool()
     store = PrefixKVStore(
-        BLOCK,
-        BLOCK_BYTES,
-        pool.resize,
+        pool,
         max_kv_bytes=max_kv_bytes,
         max_logprobs_bytes=max_logprobs_bytes,
         nbytes=len,
@@ -74,7 +75,7 @@ def run_batch(store, pool, requests, key=None):
     chains = []
     for ids, _, start, held in rows:
         chain, copies = store.extend(held, start, len(ids))
-        pool.apply(copies)
+        pool.copy(copies)
         pool.write(chain, start, ids)
         chains.append(chain)
     in_flight = store.held_blocks
@@ -168,9 +169,7 @@ def test_pinned_chains_survive_eviction_outside_the_budget():
 
 def test_entry_budgets_keep_the_most_recent_chains_and_logprobs():
     pool = FakePool()
-    store = PrefixKVStore(
-        BLOCK, BLOCK_BYTES, pool.resize, nbytes=len, max_kv_entries=2, max_logprobs_entries=1
-    )
+    store = PrefixKVStore(pool, nbytes=len, max_kv_entries=2, max_logprobs_entries=1)
     nodes = [run(store, pool, [t] * 3)[0] for t in (1, 2, 3)]
     store.touch(nodes[1])
     run(store, pool, [4] * 3)  # the least recently used chain (nodes[0], then nodes[2]) goes

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from genlm.backend.llm.mlx import BLOCK_SIZE, AsyncMlxLM
+from genlm.backend.kv.pool import BLOCK_SIZE
+from genlm.backend.llm.mlx import AsyncMlxLM
 
 # MLX vs transformers, both float32 on the CPU: other kernels (MLX's own GEMM, fused RoPE and
 # RMSNorm, exp/log), so roundings differ per layer and add up over 30 layers: up to ~2e-4
@@ -287,7 +288,7 @@ def test_clear_kv_cache_keeps_logprobs_and_add_query_batches(lm, prompts, plain)
 
 
 def test_the_pool_grows_and_shrinks_back_with_every_row_exact(mlx_loaded, prompts, plain):
-    import genlm.backend.kv_store as kv_store
+    import genlm.backend.kv.store as kv_store
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(kv_store, "INITIAL_BLOCKS", 4)  # small steps: many resizes

@@ -162,6 +162,30 @@ async def test_results_held_by_callers_are_never_overwritten():
     await trie.cleanup()
 
 
+async def test_a_view_derived_from_a_dropped_row_keeps_its_block():
+    """A caller's slice of its row holds the block even after the row itself is gone."""
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    first = await trie.weight_sum(distributions(1, seed=1)[0])
+    tail, kept = first[1:], first[1:].copy()
+    del first
+    for seed in (2, 3, 4):
+        await asyncio.gather(*(trie.weight_sum(w) for w in distributions(3, seed=seed)))
+    np.testing.assert_array_equal(tail, kept)
+    await trie.cleanup()
+
+
+async def test_dropped_results_let_their_block_be_reused():
+    from genlm.backend.trie.async_impl import _ResultBlocks
+
+    blocks = _ResultBlocks()
+    held = blocks.take(2, 5)[0]
+    assert blocks.take(2, 5).base is not held.base  # held: a second block
+    del held
+    assert len(blocks.blocks) == 2
+    assert blocks.take(1, 5).base is blocks.blocks[0]  # released: reused, no new block
+    assert len(blocks.blocks) == 2
+
+
 def test_the_weight_kernels_release_the_gil():
     """So the event loop keeps running while the async trie's worker thread sweeps."""
     from genlm.backend.trie import _kernels

@@ -32,7 +32,6 @@ from genlm.backend.llm.vllm import (
     engine_options,
     hash_to_int,
     logging_configured,
-    shutdown_engine,
 )
 from genlm.backend.llm.vllm_loop import EngineLoop, EngineLoopClosedError, close_engine_loop
 from genlm.backend.llm.vllm_sessions import EngineLimits, StepStalledError
@@ -567,14 +566,6 @@ async def test_context_managers_clean_up(engine):
     async with AsyncVirtualLM(engine, LogitsProcessorCapture()) as lm:
         await lm.next_token_logprobs([1])
     assert engine.shutdowns == 2
-
-
-def test_shutdown_engine_reaches_the_engine_core_of_a_vllm_llm():
-    core = SimpleNamespace(stopped=0)
-    core.shutdown = lambda: setattr(core, "stopped", core.stopped + 1)
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core))
-    shutdown_engine(llm)
-    assert core.stopped == 1
 
 
 def test_engine_options_defaults_overrides_and_scale_out():

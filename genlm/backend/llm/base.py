@@ -450,10 +450,10 @@ class BatchedAsyncLM(AsyncLM):
     waited with its own `ValueError`, so the rest of its batch is served.
     """
 
-    batcher: AutoBatcher[Any, Any]  # keys: `Query` (vLLM adds its own sampling requests)
+    batcher: AutoBatcher[Query, torch.Tensor]
 
     @abstractmethod
-    def _process_batch(self, keys: list[Query]) -> BatchResults[Any]:
+    def _process_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """The answers for distinct ``keys``, in order, for one batch."""
 
     async def next_token_logprobs(
@@ -480,7 +480,7 @@ class BatchedAsyncLM(AsyncLM):
             return torch.empty(0, self.vocab_size)
         return torch.stack(self._run_batch(queries))
 
-    def _serve_batch(self, keys: list[Any]) -> BatchResults[Any]:
+    def _serve_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """`_process_batch` on the keys whose adapter is still registered; the others get
         the unknown-adapter `ValueError` as their result (the batcher fails only them)."""
         gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]

@@ -46,7 +46,9 @@ class EngineLM(BatchedAsyncLM):
         check_int("cache_size", cache_size, minimum=0)
         if cache_opts is not None and not isinstance(cache_opts, dict):
             raise TypeError(f"cache_opts must be a dict or None, got {type(cache_opts).__name__}")
-        self.cache = OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
+        self.output_cache = (
+            OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
+        )
         self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
         super().__init__(tokenizer)
 
@@ -56,10 +58,10 @@ class EngineLM(BatchedAsyncLM):
 
     async def _answer(self, query: Query) -> torch.Tensor:
         """From the output cache, else auto-batched with concurrent requests (and cached)."""
-        if self.cache is not None and query in self.cache:
-            return self.cache[query].clone()  # the caller's own: its edits stay its own
+        if self.output_cache is not None and query in self.output_cache:
+            return self.output_cache[query].clone()  # the caller's own: its edits stay its own
         logprobs = await self.batcher.submit(query)
-        self._store(query, logprobs)
+        self._cache_output(query, logprobs)
         return logprobs
 
     def next_token_logprobs_sync(
@@ -67,27 +69,27 @@ class EngineLM(BatchedAsyncLM):
     ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (consults and fills the cache)."""
         query = self._query(token_ids, lora_name)
-        if self.cache is not None and query in self.cache:
-            return self.cache[query].clone()
+        if self.output_cache is not None and query in self.output_cache:
+            return self.output_cache[query].clone()
         logprobs = self._run_batch([query])[0]
-        self._store(query, logprobs)
+        self._cache_output(query, logprobs)
         return logprobs
 
-    def _store(self, query: Query, logprobs: torch.Tensor) -> None:
+    def _cache_output(self, query: Query, logprobs: torch.Tensor) -> None:
         """Cache a copy of the row (of its own: no batch storage kept; a caller's edit of the
         row it got does not reach the cache)."""
-        if self.cache is not None:
-            self.cache[query] = logprobs.clone()
+        if self.output_cache is not None:
+            self.output_cache[query] = logprobs.clone()
 
     def clear_cache(self) -> None:
         """Forget cached log-probabilities."""
-        if self.cache is not None:
-            self.cache.clear()
+        if self.output_cache is not None:
+            self.output_cache.clear()
 
     def _forget_lora_results(self, lora_name: str) -> None:
         """Drop the cached results of one adapter (its weights were replaced or removed)."""
-        if self.cache is not None:
-            self.cache.discard(lambda query: query.lora == lora_name)
+        if self.output_cache is not None:
+            self.output_cache.discard(lambda query: query.lora == lora_name)
 
     def _close(self) -> None:
         self.batcher.close()

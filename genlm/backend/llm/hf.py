@@ -3,27 +3,26 @@
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
 tokens. The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`, ...)
 and the batcher come from `genlm.backend.llm.prefix.PrefixCachedLM`; this module is the
-forward over rows of (block chain, new tokens). KV states live in a paged store
-(`genlm.backend.kv_store.PrefixKVStore`: fixed-size blocks in one pool tensor per layer,
-sized by the store, reference-counted, a prefix tree mapping token prefixes to block
-chains, shared between particles, copy-on-write where they fork). Each batch does, per
-group of rows that need the same number ``t`` of new tokens:
+forward over planned rows of (block chain, new tokens). KV states live in a paged store
+(`genlm.backend.kv.store.PrefixKVStore`, over a `genlm.backend.kv.torch_pool.TorchBlockPool`:
+fixed-size blocks in one tensor per layer, sized by the store, reference-counted, a prefix
+tree mapping token prefixes to block chains, shared between particles, copy-on-write
+where they fork). The base plans each batch: every row holds the deepest KV along its
+request (or below its end: a descendant's chain starts with it) and gets its own chain
+for its whole prefix (the source's full blocks shared, its partly filled last block
+appended to in place or copied, fresh blocks for the new tokens), the copies applied.
+This module then, per group of rows that need the same number ``t`` of new tokens:
 
-1. walk the prefix tree to the deepest node holding KV along the request, or below its
-   end (a descendant's chain starts with it), and hold that chain's blocks;
-2. give each row its own chain for its whole prefix: the source's full blocks shared,
-   its partly filled last block appended to in place, or copied if another row already
-   wrote past it, and fresh blocks for the new tokens;
-3. run ONE forward over the ``rows x t`` new tokens with explicit position ids and a 4-D
-   mask (none when nothing is padded); a small `Cache` writes each layer's new KV into
-   the rows' blocks and reads each row's KV through its chain (left-padded to the
+1. runs ONE forward over the ``rows x t`` new tokens with explicit position ids and a
+   4-D mask (none when nothing is padded); a small `Cache` writes each layer's new KV
+   into the rows' blocks and reads each row's KV through its chain (left-padded to the
    longest past with an all-zero block; the padding is masked). When the rows share a
    prefix of at least ``CASCADE_MIN_SHARED`` tokens, `cascade_attention` reads the shared
    blocks once per layer for all rows and only each row's own tokens through its chain;
-4. apply the LM head at the last position only (``logits_to_keep=1``), keep the
-   tokenizer's ``len(byte_vocab)`` columns and ``log_softmax`` them (float32);
-5. store at each request's node its logprobs (a tensor of its own: no batch storage
-   pinned) and its chain.
+2. applies the LM head at the last position only (``logits_to_keep=1``), keeps the
+   tokenizer's ``len(byte_vocab)`` columns and ``log_softmax``es them (float32), and
+   returns each row's logprobs as a tensor of its own (no batch storage pinned); the
+   base stores them and the chains at the requests' nodes.
 
 Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 
@@ -57,20 +56,21 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import math
-import mmap
+import sys
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from genlm.backend.batching import check_int
-from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
+from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
+from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.base import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM, Row
+from genlm.backend.llm.prefix import PrefixCachedLM, Row, run_grouped
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -78,7 +78,6 @@ LORA_BATCHING = ("mixed", "grouped")
 
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
-BLOCK_SIZE = 16
 _DTYPE_NAMES = {
     "float": torch.float32,
     "float32": torch.float32,
@@ -89,17 +88,6 @@ _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-@dataclass(frozen=True)
-class _KVLayout:
-    """Shape of the model's KV state: the same for every layer."""
-
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
 
 
 class _PagedLayer(DynamicLayer):
@@ -147,94 +135,23 @@ class _PagedLayer(DynamicLayer):
         return self.past_length
 
 
-class _BlockPool:
-    """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
-
-    One tensor per layer, so that a resize holds only one layer twice while it copies.
-    """
-
-    def __init__(self, layout: _KVLayout, block_size: int):
-        self.layout = layout
-        self.block_size = block_size
-        self.layers: list[torch.Tensor] = []
-
-    @property
-    def block_bytes(self) -> int:
-        layout = self.layout
-        per_token = layout.num_layers * 2 * layout.num_heads * layout.head_dim
-        return per_token * self.block_size * layout.dtype.itemsize
-
-    def resize(self, blocks: int) -> None:
-        """Hold ``blocks`` blocks, keeping the contents of the blocks both sizes have (block 0
-        stays zero), one layer at a time."""
-        layout = self.layout
-        slots = blocks * self.block_size
-        shape = (2, slots, layout.num_heads, layout.head_dim)
-        if not self.layers:
-            self.layers = [self._empty(shape) for _ in range(layout.num_layers)]
-            for layer in self.layers:
-                layer[:, : self.block_size].zero_()
-            return
-        for index, old in enumerate(self.layers):
-            kept = min(slots, old.shape[1])
-            layer = self._empty(shape)
-            layer[:, :kept].copy_(old[:, :kept])
-            self.layers[index] = layer
-            del old, layer  # the old layer goes before the next one is allocated
-
-    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost
-        memory once written and go back to the system when it is freed (the C allocator
-        would keep freed layers and, by raising its mmap threshold, later tensors too)."""
-        layout = self.layout
-        if layout.device.type != "cpu":
-            return torch.empty(shape, dtype=layout.dtype, device=layout.device)
-        buffer = mmap.mmap(-1, math.prod(shape) * layout.dtype.itemsize)
-        return torch.frombuffer(buffer, dtype=layout.dtype).view(shape)
-
-    def slots(self, chain: Chain, tokens: int) -> torch.Tensor:
-        """Pool positions of a chain's first ``tokens`` tokens."""
-        blocks = torch.tensor(chain, device=self.layout.device)
-        offsets = torch.arange(self.block_size, device=self.layout.device)
-        return (blocks[:, None] * self.block_size + offsets).flatten()[:tokens]
-
-    def copy(self, copies: Sequence[BlockCopy]) -> None:
-        """Apply `BlockCopy`s (no target is another's source): one indexed copy per layer."""
-        if not copies:
-            return
-        size = self.block_size
-        pairs = [
-            (copy.source * size + j, copy.target * size + j)
-            for copy in copies
-            for j in range(copy.tokens)
+def paged_cache(
+    pool: TorchBlockPool,
+    write: torch.Tensor,
+    read: torch.Tensor,
+    past_length: int,
+    shared: torch.Tensor | None = None,
+) -> Cache:
+    """A transformers `Cache` over ``pool`` whose layers write ``write`` slots and read
+    ``read`` rows (after the ``shared`` slots every row attends to, with cascade attention)."""
+    return Cache(
+        layers=[
+            _PagedLayer(layer[0], layer[1], write, read, past_length, shared)
+            for layer in pool.layers
         ]
-        source, target = torch.tensor(pairs, device=self.layout.device).unbind(1)
-        for layer in self.layers:
-            layer[:, target] = layer[:, source]
-
-    def read(self, chain: Chain, tokens: int) -> torch.Tensor:
-        """``[layers, 2, heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
-        slots = self.slots(chain, tokens)
-        return torch.stack([layer[:, slots] for layer in self.layers]).permute(0, 1, 3, 2, 4)
-
-    def cache(
-        self,
-        write: torch.Tensor,
-        read: torch.Tensor,
-        past_length: int,
-        shared: torch.Tensor | None = None,
-    ) -> Cache:
-        """A transformers `Cache` whose layers write ``write`` slots and read ``read`` rows
-        (after the ``shared`` slots every row attends to, with cascade attention)."""
-        return Cache(
-            layers=[
-                _PagedLayer(layer[0], layer[1], write, read, past_length, shared)
-                for layer in self.layers
-            ]
-        )
+    )
 
 
-CASCADE = "genlm_cascade"
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
 
 
@@ -253,17 +170,9 @@ def cascade_attention(
     The shared keys are read once for all rows (one matmul per KV head over every row's
     queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
     ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
-    their running maximum and sums (log-sum-exp). Registered in transformers' attention
-    registry as ``"genlm_cascade"``; the layer's cache comes in ``kwargs["genlm_cache"]``
-    (without it, e.g. another thread's forward of the same model while ours runs, this
-    is plain ``sdpa`` attention).
+    their running maximum and sums (log-sum-exp). The layer's paged cache comes in
+    ``kwargs["genlm_cache"]`` (see `sdpa_or_cascade_attention`).
     """
-    if "genlm_cache" not in kwargs:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
     shared_keys, shared_values = kwargs["genlm_cache"].layers[module.layer_idx].shared_kv()
     rows, q_heads, new, dim = query.shape
     kv_heads = key.shape[1]
@@ -288,6 +197,27 @@ def cascade_attention(
     out = shared_out.view(kv_heads, rows, groups * new, dim).transpose(0, 1)
     out = (out + torch.matmul(own, value)) / total
     return out.reshape(rows, q_heads, new, dim).transpose(1, 2), None
+
+
+def sdpa_or_cascade_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """transformers' ``sdpa`` attention, or `cascade_attention` for a forward that passes
+    its paged cache as ``genlm_cache=``: the choice is made per call, by that keyword.
+
+    Registered (by `_cascade_usable`) as the ``"sdpa"`` entry of transformers' attention
+    registry, so no model config is switched around a forward: every other forward, of
+    any model in any thread, passes no ``genlm_cache`` and gets plain ``sdpa``.
+    """
+    if "genlm_cache" in kwargs:
+        assert attention_mask is not None  # a cascade forward passes its boolean mask
+        return cascade_attention(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 class _FirstOnly(logging.Filter):
@@ -400,20 +330,11 @@ class AsyncTransformer(PrefixCachedLM):
         self._adapter_ids = itertools.count()
         self._input_device = self.model.get_input_embeddings().weight.device
         self._cache_keyword = cache_keyword(self.model)
-        self._layout, reason = self._probe_kv_layout()
-        if self._layout is None:
-            warnings.warn(
-                f"KV reuse is off for this model ({reason}): every request runs its whole prefix",
-                stacklevel=2,
-            )
-            self._pool = None
-            block_bytes, grow = 1, lambda blocks: None
-        else:
-            self._pool = _BlockPool(self._layout, BLOCK_SIZE)
-            block_bytes, grow = self._pool.block_bytes, self._pool.resize
-        self._cascade_configs = self._attention_configs()
-        store = PrefixKVStore(BLOCK_SIZE, block_bytes, grow, max_kv_bytes, max_logprobs_bytes)
-        self._init_prefix_cache(store, self._layout is not None, batch_size, timeout, "genlm-hf")
+        layout, reason = self._probe_kv_layout()
+        self._pool = None if layout is None else TorchBlockPool(layout)
+        self._cascade = self._cascade_usable()
+        store = PrefixKVStore(self._pool or NoKVPool(reason), max_kv_bytes, max_logprobs_bytes)
+        self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-hf")
 
     @classmethod
     def from_name(
@@ -571,49 +492,32 @@ class AsyncTransformer(PrefixCachedLM):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
-        with torch.inference_mode():
-            if self._layout is None:
-                self._run_without_kv(rows, results)
-            else:
-                for group in self._groups(rows):
-                    self._run_group(group, results)
-
-    @property
-    def _kv_pool(self) -> _BlockPool:
-        """The block pool (there is one whenever KV reuse is on, the only time it is used)."""
-        assert self._pool is not None, "KV reuse is off for this model"
-        return self._pool
-
-    def _read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
-        """``[layers, 2, kv_heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""
-        return self._kv_pool.read(chain, tokens)
-
-    def _groups(self, rows: list[Row]) -> list[list[Row]]:
+    def _run_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Rows with the same number of new tokens (and adapter, with ``lora_batching=
-        "grouped"``), split to respect ``max_batch_tokens``."""
-        grouped = self.lora_batching == "grouped"
-        by_length: dict[tuple[int, str | None], list[Row]] = {}
-        for row in rows:
-            by_length.setdefault((row.new_tokens, row.lora if grouped else None), []).append(row)
-        groups: list[list[Row]] = []
-        for (new_tokens, _), same in by_length.items():
-            per_group = max(1, self.max_batch_tokens // new_tokens)
-            groups.extend(same[i : i + per_group] for i in range(0, len(same), per_group))
-        return groups
+        "grouped"``) in one forward each, split to respect ``max_batch_tokens``; without
+        KV reuse, rows of one length together."""
+        pool = self._pool
+        with torch.inference_mode():
+            if pool is None:
+                return run_grouped(rows, lambda row: len(row.ids), self._run_without_kv)
+            grouped = self.lora_batching == "grouped"
 
-    def _run_group(self, rows: list[Row], results: list[Any]) -> None:
-        """One forward for rows sharing their number of new tokens; stores their KV and logprobs."""
-        pool = self._kv_pool
+            def run(same: list[Row]) -> list[torch.Tensor]:
+                step = max(1, self.max_batch_tokens // same[0].new_tokens)
+                return [
+                    logprobs
+                    for i in range(0, len(same), step)
+                    for logprobs in self._run_group(pool, same[i : i + step])
+                ]
+
+            return run_grouped(rows, lambda row: (row.new_tokens, grouped and row.lora), run)
+
+    def _run_group(self, pool: TorchBlockPool, rows: list[Row]) -> list[torch.Tensor]:
+        """One forward for rows sharing their number of new tokens: their logprobs, and their
+        new tokens' KV written into their chains."""
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
-        slots, copies = [], []
-        for row in rows:
-            chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
-            row.chain = chain
-            copies += row_copies
-            slots.append(pool.slots(chain, len(row.ids)))
-        pool.copy(copies)
+        slots = [pool.slots(row.chain or (), len(row.ids)) for row in rows]
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
         write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])
@@ -629,7 +533,7 @@ class AsyncTransformer(PrefixCachedLM):
                     starts - shared, past_length - shared, new_tokens, boolean=True
                 ),
                 position_ids=starts[:, None] + torch.arange(new_tokens, device=self._input_device),
-                cache=pool.cache(write.flatten(), read, past_length, slots[0][:shared]),
+                cache=paged_cache(pool, write.flatten(), read, past_length, slots[0][:shared]),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits
@@ -643,8 +547,8 @@ class AsyncTransformer(PrefixCachedLM):
                 mask = None
                 if padded or (past and end - chunk > 1):
                     mask = self._attention_mask(starts + chunk, past, end - chunk)
-                cache = pool.cache(
-                    write[:, chunk:end].flatten(), read[:, : past_length + end], past
+                cache = paged_cache(
+                    pool, write[:, chunk:end].flatten(), read[:, : past_length + end], past
                 )
                 logits = self._forward(
                     loras,
@@ -656,9 +560,7 @@ class AsyncTransformer(PrefixCachedLM):
                     use_cache=True,
                     logits_to_keep=1,
                 ).logits
-        logprobs = self._logprobs(logits[:, -1])
-        for i, row in enumerate(rows):
-            self._store(row, logprobs[i].clone(), results)
+        return [row.clone() for row in self._logprobs(logits[:, -1])]
 
     @staticmethod
     def _padded(slots: list[torch.Tensor], skip: int) -> torch.Tensor:
@@ -675,10 +577,10 @@ class AsyncTransformer(PrefixCachedLM):
     def _shared_tokens(self, rows: list[Row]) -> int:
         """Tokens in full blocks at the start of every row's chain and inside every row's
         past: cascade attention reads them once (0: too few rows or tokens to bother)."""
-        if self._cascade_configs is None or len(rows) < 2:
+        if not self._cascade or len(rows) < 2:
             return 0
         limit = min(row.start for row in rows) // BLOCK_SIZE
-        chains = [row.chain or () for row in rows]  # set by _run_group
+        chains = [row.chain or () for row in rows]
         first = chains[0]
         blocks = 0
         while blocks < limit and all(chain[blocks] == first[blocks] for chain in chains):
@@ -687,32 +589,16 @@ class AsyncTransformer(PrefixCachedLM):
         return shared if shared >= CASCADE_MIN_SHARED else 0
 
     def _cascade_forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
-        """`_forward` with every attention layer switched to `cascade_attention`."""
-        configs = self._cascade_configs
-        assert configs is not None  # _shared_tokens is 0 without them
-        previous = [config._attn_implementation_internal for config in configs]
-        for config in configs:
-            config._attn_implementation_internal = CASCADE
-        try:
-            return self._forward(loras, **kwargs, genlm_cache=kwargs["cache"])
-        finally:
-            for config, name in zip(configs, previous, strict=True):
-                config._attn_implementation_internal = name
+        """`_forward` whose attention layers run `cascade_attention` (chosen by the keyword)."""
+        return self._forward(loras, **kwargs, genlm_cache=kwargs["cache"])
 
-    def _run_without_kv(self, rows: list[Row], results: list[Any]) -> None:
-        """Fallback for models without reusable KV: plain forwards of whole prefixes."""
-        by_length: dict[int, list[Row]] = {}
-        for row in rows:
-            by_length.setdefault(len(row.ids), []).append(row)
-        for same in by_length.values():
-            input_ids = torch.tensor([row.ids for row in same], device=self._input_device)
-            loras = [row.lora for row in same]
-            logits = self._forward(
-                loras, input_ids=input_ids, use_cache=False, logits_to_keep=1
-            ).logits
-            logprobs = self._logprobs(logits[:, -1])
-            for i, row in enumerate(same):
-                self._store(row, logprobs[i].clone(), results)
+    def _run_without_kv(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Fallback for models without reusable KV: one plain forward of whole prefixes of
+        one length."""
+        input_ids = torch.tensor([row.ids for row in rows], device=self._input_device)
+        loras = [row.lora for row in rows]
+        logits = self._forward(loras, input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
+        return [row.clone() for row in self._logprobs(logits[:, -1])]
 
     def _attention_mask(
         self, starts: torch.Tensor, past_length: int, new_tokens: int, boolean: bool = False
@@ -726,7 +612,8 @@ class AsyncTransformer(PrefixCachedLM):
         mask = mask[:, None]
         if boolean or self.model.config._attn_implementation == "sdpa":
             return mask
-        dtype = self._kv_pool.layout.dtype
+        assert self._pool is not None  # masks go with KV reuse
+        dtype = self._pool.layout.dtype
         additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
         return additive.masked_fill_(~mask, torch.finfo(dtype).min)
 
@@ -742,24 +629,32 @@ class AsyncTransformer(PrefixCachedLM):
             ).logits
             return self._logprobs(logits[:, -1])[0]
 
-    def _attention_configs(self) -> list[Any] | None:
-        """The configs the attention layers read their implementation from, if cascade
-        attention can be switched on there (one attention module per KV layer), else None."""
-        if self._layout is None:
-            return None
+    def _cascade_usable(self) -> bool:
+        """Whether groups may use cascade attention: KV reuse is on, the model runs ``sdpa``,
+        and each of its attention modules (one per KV layer) looks ``sdpa`` up in a registry
+        that now answers `sdpa_or_cascade_attention` (a model with its own ``sdpa`` would
+        ignore ``genlm_cache=``)."""
+        if self._pool is None or self.model.config._attn_implementation != "sdpa":
+            return False
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("sdpa", sdpa_or_cascade_attention)
         modules = [
             module
             for module in self.model.modules()
             if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups")
         ]
-        if len(modules) != self._layout.num_layers:
-            return None
-        from transformers import AttentionInterface
+        registries = [
+            getattr(sys.modules[type(module).__module__], "ALL_ATTENTION_FUNCTIONS", None)
+            for module in modules
+        ]
+        return len(modules) == self._pool.layout.num_layers and all(
+            registry is not None
+            and registry.get_interface("sdpa", None) is sdpa_or_cascade_attention
+            for registry in registries
+        )
 
-        AttentionInterface.register(CASCADE, cascade_attention)
-        return list({id(module.config): module.config for module in modules}.values())
-
-    def _probe_kv_layout(self) -> tuple[_KVLayout | None, str]:
+    def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it."""
         implementation = getattr(self.model.config, "_attn_implementation", None)
         if implementation not in ("sdpa", "eager"):
@@ -770,13 +665,11 @@ class AsyncTransformer(PrefixCachedLM):
             cache = getattr(output, self._cache_keyword)
         if not isinstance(cache, DynamicCache) or not cache.layers:
             return None, f"its cache is a {type(cache).__name__}"
-        kinds = set()
-        for layer in cache.layers:
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if type(layer) is not DynamicLayer or keys is None or values is None:
-                return None, "its cache has layers other than full attention"
-            kinds.add((keys.shape, keys.dtype, keys.device, values.shape, values.dtype))
-        (shape, dtype, device, value_shape, value_dtype) = next(iter(kinds))
-        if len(kinds) > 1 or (shape, dtype) != (value_shape, value_dtype):
-            return None, "its layers' KV shapes differ"
-        return _KVLayout(len(cache.layers), shape[1], shape[3], dtype, device), ""
+        layers = [
+            (getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers
+        ]
+        if any(type(layer) is not DynamicLayer for layer in cache.layers) or any(
+            keys is None or values is None for keys, values in layers
+        ):
+            return None, "its cache has layers other than full attention"
+        return uniform_layout(layers)

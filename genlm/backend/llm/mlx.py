@@ -4,25 +4,22 @@ The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
 `clear_kv_cache`, `reset_async_queries`), input validation and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, with the same meanings as for
 `AsyncTransformer`; this module is the forward over rows of (block chain, new tokens).
-KV states live in the shared paged store (`genlm.backend.kv_store.PrefixKVStore`):
-16-token blocks in one pool per layer (`_BlockPool`: a keys and a values ``mx.array`` of
-``[blocks * 16, kv_heads, head_dim]``, block 0 all zeros), reference-counted, a prefix
-tree mapping token prefixes to block chains, shared between particles, copy-on-write
-where they fork. Per adapter, a batch:
+KV states live in the shared paged store (`genlm.backend.kv.store.PrefixKVStore`):
+16-token blocks in one pool per layer (`genlm.backend.kv.mlx_pool.MlxBlockPool`: a keys
+and a values ``mx.array`` of ``[blocks * 16, kv_heads, head_dim]``, block 0 all zeros),
+reference-counted, a prefix tree mapping token prefixes to block chains, shared between
+particles, copy-on-write where they fork. The base plans each row (its own chain for its
+whole prefix, copies applied); per adapter, this module's forward:
 
-1. gives each row its own chain for its whole prefix (`PrefixKVStore.extend`: the
-   source's full blocks shared, its partly filled last block appended to or copied,
-   fresh blocks for the new tokens);
-2. prefills each row's new tokens but the last (rows with as many such tokens together,
+1. prefills each row's new tokens but the last (rows with as many such tokens together,
    in steps of ``prefill_step_size``), then runs every row's last token in one forward.
    Each layer gets a `_PagedCache` (mlx-lm's cache protocol: ``offset``,
    ``update_and_fetch``, ``make_mask``): it scatters the new tokens' K/V into their chain
    slots and returns each row's K/V gathered through its chain, left-padded to the
    longest row with block-0 slots that the mask hides; RoPE gets each row's own offset,
    as with mlx-lm's ``BatchKVCache``;
-3. keeps the logits of the last position only (MLX is lazy: the prefill's logits are
-   never computed), over the tokenizer's vocabulary, as float32 log-probabilities;
-4. stores at each request's node its logprobs and its chain.
+2. keeps the logits of the last position only (MLX is lazy: the prefill's logits are
+   never computed), over the tokenizer's vocabulary, as float32 log-probabilities.
 
 ``cache_size`` bounds how many prefixes keep their KV (unpinned chains) and how many
 keep their logprobs, least recently used first; ``max_kv_bytes`` optionally bounds the
@@ -49,7 +46,6 @@ weights, the probe forward and the pool are evaluated up front where they are cr
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,12 +54,13 @@ import numpy as np
 import torch
 
 from genlm.backend.batching import check_int, first_line
-from genlm.backend.kv_store import BlockCopy, Chain, PrefixKVStore
+from genlm.backend.kv.mlx_pool import MlxBlockPool
+from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
+from genlm.backend.kv.store import Chain, PrefixKVStore
 from genlm.backend.llm.base import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM, Row
+from genlm.backend.llm.prefix import PrefixCachedLM, Row, run_grouped
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
-BLOCK_SIZE = 16
 
 
 def _import_mlx() -> Any:
@@ -103,75 +100,6 @@ def _share_weights_copy(model: Any) -> Any:
     return copy.deepcopy(model, shared)
 
 
-@dataclass(frozen=True)
-class _KVLayout:
-    """Shape of the model's KV state: the same for every layer."""
-
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    dtype: Any  # an mx.Dtype
-
-
-class _BlockPool:
-    """The KV blocks of every layer: ``keys[layer][block * block_size + offset, head, dim]``
-    (``values`` alike)."""
-
-    def __init__(self, layout: _KVLayout, block_size: int):
-        self.layout = layout
-        self.block_size = block_size
-        self.keys: list[Any] = []
-        self.values: list[Any] = []
-
-    @property
-    def block_bytes(self) -> int:
-        layout = self.layout
-        per_token = layout.num_layers * 2 * layout.num_heads * layout.head_dim
-        return per_token * self.block_size * layout.dtype.size
-
-    def resize(self, blocks: int) -> None:
-        """Hold ``blocks`` blocks (more or fewer), keeping the first ones' contents (block 0
-        stays zero)."""
-        mx = _import_mlx()
-        layout = self.layout
-        slots = blocks * self.block_size
-
-        def resized(old: Any) -> Any:
-            new = mx.zeros((slots, layout.num_heads, layout.head_dim), dtype=layout.dtype)
-            kept = min(slots, old.shape[0]) if old is not None else 0
-            if kept:
-                new[:kept] = old[:kept]
-            return new
-
-        if not self.keys:
-            self.keys, self.values = [None] * layout.num_layers, [None] * layout.num_layers
-        for pool in (self.keys, self.values):  # one array at a time: old and new never all live
-            for layer, old in enumerate(pool):
-                pool[layer] = resized(old)
-                mx.eval(pool[layer])
-                del old
-
-    def slots(self, chain: Chain, tokens: int) -> np.ndarray:
-        """Pool positions of a chain's first ``tokens`` tokens."""
-        blocks = np.asarray(chain, dtype=np.int32)[:, None] * self.block_size
-        return (blocks + np.arange(self.block_size, dtype=np.int32)).reshape(-1)[:tokens]
-
-    def copy(self, copies: Sequence[BlockCopy]) -> None:
-        """Apply the store's copy-on-write copies. The copied slots are read (and evaluated)
-        first, so the write can reuse each pool's buffer instead of copying the whole pool."""
-        if not copies:
-            return
-        mx = _import_mlx()
-        size = self.block_size
-        source = mx.array(np.concatenate([np.arange(c.tokens) + c.source * size for c in copies]))
-        target = mx.array(np.concatenate([np.arange(c.tokens) + c.target * size for c in copies]))
-        for pool in (self.keys, self.values):
-            copied = [layer[source] for layer in pool]
-            mx.eval(copied)
-            for layer, rows in zip(pool, copied, strict=True):
-                layer[target] = rows
-
-
 @dataclass
 class _Step:
     """One forward over the pool, shared by every layer's `_PagedCache`.
@@ -196,7 +124,7 @@ class _PagedCache:
     row's K/V gathered through its chain (``[rows, kv_heads, width, head_dim]``).
     """
 
-    def __init__(self, pool: _BlockPool, layer: int, step: _Step):
+    def __init__(self, pool: MlxBlockPool, layer: int, step: _Step):
         self.pool, self.layer, self.step = pool, layer, step
 
     @property
@@ -268,26 +196,15 @@ class AsyncMlxLM(PrefixCachedLM):
         self.max_kv_bytes = max_kv_bytes
         mx.eval(mlx_lm_model.parameters())
         layout, reason = self._probe_kv_layout()
-        if layout is None:
-            warnings.warn(
-                f"KV reuse is off for this model ({reason}): every request runs its whole prefix",
-                stacklevel=2,
-            )
-            self._pool: _BlockPool | None = None
-            block_bytes, grow = 1, lambda blocks: None
-        else:
-            self._pool = _BlockPool(layout, BLOCK_SIZE)
-            block_bytes, grow = self._pool.block_bytes, self._pool.resize
+        self._pool = None if layout is None else MlxBlockPool(layout)
         self._adapters: dict[str, Any] = {}  # adapter name -> model holding its LoRA layers
         store = PrefixKVStore(
-            BLOCK_SIZE,
-            block_bytes,
-            grow,
+            self._pool or NoKVPool(reason),
             max_kv_bytes=max_kv_bytes,
             max_kv_entries=cache_size,
             max_logprobs_entries=cache_size,
         )
-        self._init_prefix_cache(store, layout is not None, batch_size, timeout, "genlm-mlx")
+        self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-mlx")
 
     @property
     def max_context_length(self) -> int | None:
@@ -353,26 +270,18 @@ class AsyncMlxLM(PrefixCachedLM):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
-        by_adapter: dict[str | None, list[Row]] = {}
-        for row in rows:
-            by_adapter.setdefault(row.lora, []).append(row)
-        for lora, same in by_adapter.items():
-            model = self._model(lora)
-            if self._pool is None:
-                self._run_without_kv(model, same, results)
-            else:
-                self._run_paged(model, self._pool, same, results)
+    def _run_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """One forward per adapter (without KV reuse: per adapter and prefix length)."""
+        pool = self._pool
+        if pool is None:
+            return run_grouped(rows, lambda row: (row.lora, len(row.ids)), self._run_without_kv)
+        return run_grouped(rows, lambda row: row.lora, lambda same: self._run_paged(pool, same))
 
-    def _run_paged(self, model: Any, pool: _BlockPool, rows: list[Row], results: list[Any]) -> None:
+    def _run_paged(self, pool: MlxBlockPool, rows: list[Row]) -> list[torch.Tensor]:
         """Rows of one adapter through the block pool: a prefill of their new tokens but the
         last (rows with as many together), then one forward over every row's last token."""
         mx = _import_mlx()
-        copies = []
-        for row in rows:
-            row.chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
-            copies += row_copies
-        pool.copy(copies)
+        model = self._model(rows[0].lora)
         by_head: dict[int, list[Row]] = {}
         for row in rows:
             by_head.setdefault(row.new_tokens - 1, []).append(row)
@@ -387,10 +296,10 @@ class AsyncMlxLM(PrefixCachedLM):
         inputs, cache = self._paged_inputs(pool, rows, firsts, 1)
         logprobs = self._logprobs(model(inputs, cache=cache))
         mx.eval(logprobs, pool.keys, pool.values)
-        self._store_rows(rows, logprobs, results)
+        return _torch_rows(logprobs)
 
     def _paged_inputs(
-        self, pool: _BlockPool, rows: list[Row], firsts: list[int], tokens: int
+        self, pool: MlxBlockPool, rows: list[Row], firsts: list[int], tokens: int
     ) -> tuple[Any, list[_PagedCache]]:
         """The model's inputs to run ``row.ids[first : first + tokens]`` of each row: the
         token ids and a `_PagedCache` per layer (every row's chain is set)."""
@@ -416,24 +325,22 @@ class AsyncMlxLM(PrefixCachedLM):
         )
         return inputs, [_PagedCache(pool, layer, step) for layer in range(len(pool.keys))]
 
-    def _run_without_kv(self, model: Any, rows: list[Row], results: list[Any]) -> None:
-        """Whole prefixes through a fresh mlx-lm cache, rows of one length together."""
+    def _run_without_kv(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Whole prefixes of one length and adapter through a fresh mlx-lm cache."""
         from mlx_lm.models.cache import make_prompt_cache
 
         mx = _import_mlx()
-        by_length: dict[int, list[Row]] = {}
-        for row in rows:
-            by_length.setdefault(len(row.ids), []).append(row)
-        for length, same in by_length.items():
-            cache = make_prompt_cache(self.model)
-            tokens = mx.array([row.ids for row in same])
-            for begin in range(0, length - 1, self.prefill_step_size):
-                end = min(length - 1, begin + self.prefill_step_size)
-                model(tokens[:, begin:end], cache=cache)
-                mx.eval([layer.state for layer in cache])
-            logprobs = self._logprobs(model(tokens[:, -1:], cache=cache))
-            mx.eval(logprobs)
-            self._store_rows(same, logprobs, results)
+        model = self._model(rows[0].lora)
+        length = len(rows[0].ids)
+        cache = make_prompt_cache(self.model)
+        tokens = mx.array([row.ids for row in rows])
+        for begin in range(0, length - 1, self.prefill_step_size):
+            end = min(length - 1, begin + self.prefill_step_size)
+            model(tokens[:, begin:end], cache=cache)
+            mx.eval([layer.state for layer in cache])
+        logprobs = self._logprobs(model(tokens[:, -1:], cache=cache))
+        mx.eval(logprobs)
+        return _torch_rows(logprobs)
 
     def _logprobs(self, logits: Any) -> Any:
         """``[rows, V]`` float32 log-probabilities of the last position, over the tokenizer's
@@ -442,31 +349,19 @@ class AsyncMlxLM(PrefixCachedLM):
         logits = logits[:, -1, : self.vocab_size].astype(mx.float32)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
-    def _store_rows(self, rows: list[Row], logprobs: Any, results: list[Any]) -> None:
-        array = np.array(logprobs)
-        for i, row in enumerate(rows):
-            self._store(row, torch.from_numpy(array[i].copy()), results)
-
     def _read_past(self, chain: Chain, tokens: int) -> list[Any]:
         """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
         (keys and values ``[1, kv_heads, tokens, head_dim]``)."""
         from mlx_lm.models.cache import KVCache
 
-        mx = _import_mlx()
-        pool = self._pool
-        assert pool is not None, "KV reuse is off for this model"
-        slots = mx.array(pool.slots(chain, tokens))
         past = []
-        for keys, values in zip(pool.keys, pool.values, strict=True):
+        for keys, values in self.store.pool.read(chain, tokens):
             layer = KVCache()
-            layer.keys = keys[slots].transpose(1, 0, 2)[None]
-            layer.values = values[slots].transpose(1, 0, 2)[None]
-            layer.offset = tokens
+            layer.keys, layer.values, layer.offset = keys, values, tokens
             past.append(layer)
-        mx.eval([layer.state[:2] for layer in past])
         return past
 
-    def _probe_kv_layout(self) -> tuple[_KVLayout | None, str]:
+    def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it; check
         that the output layer covers the tokenizer's vocabulary."""
         from mlx_lm.models.cache import KVCache, make_prompt_cache
@@ -479,8 +374,9 @@ class AsyncMlxLM(PrefixCachedLM):
         kinds = {type(layer).__name__ for layer in cache if type(layer) is not KVCache}
         if kinds or not cache:
             return None, f"its cache layers are {sorted(kinds)}, not only plain KVCache"
-        shapes = {(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache}
-        (keys, values, dtype) = next(iter(shapes))
-        if len(shapes) > 1 or keys != values:
-            return None, "its layers' KV shapes differ"
-        return _KVLayout(len(cache), keys[1], keys[3], dtype), ""
+        return uniform_layout([(layer.keys, layer.values) for layer in cache])
+
+
+def _torch_rows(logprobs: Any) -> list[torch.Tensor]:
+    """``[rows, V]`` MLX log-probabilities as one float32 tensor of its own per row."""
+    return [torch.from_numpy(row.copy()) for row in np.array(logprobs)]

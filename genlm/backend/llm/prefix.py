@@ -1,21 +1,23 @@
 """`PrefixCachedLM`: the shared half of every backend whose KV lives in a `PrefixKVStore`.
 
-It owns the batcher, the request plan (deepest cached KV, what remains to run), the
-logprobs and KV bookkeeping after a forward, and the public cache calls (`walk_cache`,
-`cache_kv`, `clear_cache`, `clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the
-`add_query` queue), each with one meaning for every backend. A backend implements only
-its forward over rows of (block chain, new tokens), `_run_rows`, and `_read_past`.
+It owns the batcher, the request plan (deepest cached KV, each row's own chain, the
+copy-on-write copies applied to the pool), the logprobs and KV bookkeeping after a
+forward, and the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
+`clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with
+one meaning for every backend. A backend implements only the forward, `_run_rows`: it
+reads each planned row's chain, writes its new tokens' KV into the chain's slots and
+returns its logprobs; it never calls the store or back up into this class.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.kv_store import Chain, KVNode, PrefixKVStore
+from genlm.backend.kv.store import Chain, KVNode, PrefixKVStore
 from genlm.backend.llm.base import BatchedAsyncLM, Query
 
 
@@ -24,10 +26,10 @@ class Row:
     """One request in a batch: run ``ids[start:]`` on top of the KV of ``ids[:start]``.
 
     ``source`` holds the blocks of that KV while the batch runs; ``chain`` is the row's
-    own chain (``ids`` whole) once the backend allocated it, until a node takes it.
+    own chain (``ids`` whole, with KV reuse) from the plan until a node takes it.
     """
 
-    slot: int | None
+    slot: int  # the position of its query in the batch
     ids: tuple[int, ...]
     lora: str | None
     node: KVNode
@@ -40,10 +42,20 @@ class Row:
         return len(self.ids) - self.start
 
 
+class CacheWalk(NamedTuple):
+    """Where a request would start (`PrefixCachedLM.walk_cache`); unpacks as the 4-tuple
+    ``(node, next_token_index, past, base)`` of the reference design."""
+
+    node: KVNode
+    next_token_index: int
+    past: Any
+    base: int
+
+
 class PrefixCachedLM(BatchedAsyncLM):
     """An auto-batched LM with a prefix tree of cached logprobs and paged KV (`store`).
 
-    Subclasses call `_init_prefix_cache` and implement `_run_rows` and `_read_past`.
+    Subclasses call `_init_prefix_cache` and implement `_run_rows`.
     """
 
     store: PrefixKVStore
@@ -67,14 +79,15 @@ class PrefixCachedLM(BatchedAsyncLM):
     # -- backend hooks (worker thread) ---------------------------------------------------------
 
     @abstractmethod
-    def _run_rows(self, rows: list[Row], results: list[Any]) -> None:
-        """Run the rows' new tokens: for each row, ``row.chain, copies =
-        store.extend(row.source, row.start, len(row.ids))`` (with KV reuse), apply the
-        copies, write the new tokens' KV into the chain, then `_store` its logprobs."""
+    def _run_rows(self, rows: Sequence[Row]) -> list[Any]:
+        """Each row's next-token logprobs (a tensor of its own), in order. With KV reuse a
+        row's chain is allocated and its copies applied: read its first ``row.start``
+        tokens' KV from the chain and write ``ids[start:]``'s into it; without, run the
+        whole prefix."""
 
-    @abstractmethod
     def _read_past(self, chain: Chain, tokens: int) -> Any:
         """A copy of the KV of a chain's first ``tokens`` tokens (`walk_cache`'s ``past``)."""
+        return self.store.pool.read(chain, tokens)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -96,9 +109,7 @@ class PrefixCachedLM(BatchedAsyncLM):
         ids, lora = self._query(prompt_tokens, lora_name)
         self.batcher.run_sync(self._cache_kv, ids, lora)
 
-    def walk_cache(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> tuple[KVNode, int, Any, int]:
+    def walk_cache(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> CacheWalk:
         """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
 
         ``node`` holds the KV used (the root if none), ``base`` is its depth (the tokens its
@@ -148,14 +159,16 @@ class PrefixCachedLM(BatchedAsyncLM):
                 else:
                     rows.append(self._plan(slot, ids, lora, node))
             if rows:
-                self._reserve(rows)
-                self._run_rows(rows, results)
+                self._allocate(rows)
+                for row, logprobs in zip(rows, self._run_rows(rows), strict=True):
+                    self._store_row(row, logprobs)
+                    results[row.slot] = logprobs
         finally:
             self._finish(rows)
         # Callers get copies: a row edited in place must not change what the tree holds.
         return [row.clone() for row in results]
 
-    def _plan(self, slot: int | None, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
+    def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
         the path of ``ids`` in the tree of adapter ``lora``)."""
         source = self.store.kv_source(node) if self.kv_reuse else None
@@ -166,12 +179,19 @@ class PrefixCachedLM(BatchedAsyncLM):
         held = self.store.hold(source.chain[: -(-start // self.store.block_size)])
         return Row(slot, ids, lora, node, start, held)
 
-    def _reserve(self, rows: Sequence[Row]) -> None:
-        """Make room in the pool for the blocks the rows' `extend` calls will allocate."""
-        if self.kv_reuse:
-            self.store.reserve([(row.source, row.start, len(row.ids)) for row in rows])
+    def _allocate(self, rows: Sequence[Row]) -> None:
+        """With KV reuse, give each row its own chain (making room in the pool first) and
+        apply the copy-on-write copies, before the forward."""
+        if not self.kv_reuse:
+            return
+        self.store.reserve([(row.source, row.start, len(row.ids)) for row in rows])
+        copies = []
+        for row in rows:
+            row.chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
+            copies += row_copies
+        self.store.pool.copy(copies)
 
-    def _store(self, row: Row, logprobs: Any, results: list[Any]) -> None:
+    def _store_row(self, row: Row, logprobs: Any) -> None:
         """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
         chain to its node (unless the node holds a pinned chain)."""
         node = self.store.node_at(row.node, row.ids)
@@ -179,8 +199,6 @@ class PrefixCachedLM(BatchedAsyncLM):
         if row.chain is not None and not node.pinned:
             self.store.set_chain(node, row.chain)
             row.chain = None
-        if row.slot is not None:
-            results[row.slot] = logprobs
 
     def _finish(self, rows: Sequence[Row]) -> None:
         """Let go of what the rows still hold, bring KV back within budget, shrink a mostly
@@ -202,19 +220,36 @@ class PrefixCachedLM(BatchedAsyncLM):
         if depth == len(ids) and node.chain is not None:
             self.store.pin(node)
             return
-        row = self._plan(None, ids, lora, node)
+        row = self._plan(0, ids, lora, node)
         try:
-            self._reserve([row])
-            self._run_rows([row], [])
+            self._allocate([row])
+            self._store_row(row, self._run_rows([row])[0])
             self.store.pin(self.store.node_at(node, ids))
         finally:
             self._finish([row])
 
-    def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> tuple[KVNode, int, Any, int]:
+    def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
         root = self.store.root(lora)
         node = self.store.walk(root, ids)[0]
         source = self.store.kv_source(node) if self.kv_reuse else None
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
         if source is None or source.chain is None or not start:
-            return root, 0, None, 0
-        return source, start, self._read_past(source.chain, start), source.depth
+            return CacheWalk(root, 0, None, 0)
+        return CacheWalk(source, start, self._read_past(source.chain, start), source.depth)
+
+
+def run_grouped(
+    rows: Sequence[Row],
+    key: Callable[[Row], Hashable],
+    run: Callable[[list[Row]], Sequence[Any]],
+) -> list[Any]:
+    """``run`` (one result per row) over the rows grouped by ``key``, the results in the
+    order of ``rows``."""
+    groups: dict[Hashable, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(key(row), []).append(index)
+    results: list[Any] = [None] * len(rows)
+    for indices in groups.values():
+        for index, result in zip(indices, run([rows[i] for i in indices]), strict=True):
+            results[index] = result
+    return results

@@ -8,7 +8,7 @@ the same `Protocol` as the real one, and nothing here imports an engine package.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,11 +43,16 @@ class SGLEngine(Protocol):
 
 
 class VLLMEngine(Protocol):
-    """What `AsyncVirtualLM` uses of a ``vllm.LLM``."""
+    """What `AsyncVirtualLM` uses of a ``vllm.AsyncLLM`` (its session pool streams
+    ``generate``; adapter and prefix-cache calls are optional, looked up by name)."""
 
     def get_tokenizer(self) -> Any: ...
 
-    def generate(self, prompts: Any, sampling_params: Any, **kwargs: Any) -> list[Any]: ...
+    def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncIterator[Any]: ...
+
+    def shutdown(self, timeout: float | None = None) -> None: ...
 
 
 class CaptureRows(Protocol):

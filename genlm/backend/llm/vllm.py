@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import hashlib
 import itertools
 import json
@@ -46,8 +47,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
 from genlm.backend.llm.vllm_defaults import (
     available_memory,
     cpu_engine_defaults,
@@ -130,21 +133,6 @@ def hash_to_int(value: str) -> int:
     """A deterministic integer in ``[1, 2**31 - 1]`` for ``value`` (vLLM's LoRA ids)."""
     digest = hashlib.blake2b(value.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (2**31 - 1) + 1
-
-
-def shutdown_engine(llm_engine: Any, timeout: float | None = None) -> None:
-    """Stop an engine's processes now instead of at garbage collection.
-
-    ``AsyncLLM`` has a public ``shutdown(timeout)``; ``vllm.LLM`` has none (0.11 to 0.32),
-    so for it this reaches past the public API, to ``llm_engine.engine_core.shutdown()``.
-    """
-    shutdown = getattr(llm_engine, "shutdown", None)
-    if callable(shutdown):
-        shutdown(timeout=timeout)
-        return
-    core = getattr(getattr(llm_engine, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        core.shutdown()
 
 
 def shared_memory_dir() -> str:
@@ -328,10 +316,12 @@ class AsyncVirtualLM(EngineLM):
     (`genlm.backend.llm.vllm_loop.check_output_handler`); `from_name` has no such limit.
     """
 
+    batcher: AutoBatcher[Any, Any]  # keys: `Query` and `_SampleRequest`
+
     def __init__(
         self,
-        llm_engine: Any,
-        logprobs_capture: Any,
+        llm_engine: VLLMEngine,
+        logprobs_capture: LogprobsCapture,
         cache_size: int = 0,
         cache_opts: dict[str, Any] | None = None,
         batch_size: int = 20,
@@ -344,7 +334,7 @@ class AsyncVirtualLM(EngineLM):
             raise ValueError(
                 f"stall_timeout must be a finite number of seconds > 0, got {stall_timeout!r}"
             )
-        self.llm_engine = llm_engine
+        self.llm_engine: Any = llm_engine  # None once closed
         self.logprobs_capture = logprobs_capture
         self.stall_timeout = float(stall_timeout)
         self._engine_loop = engine_loop(llm_engine)
@@ -563,7 +553,7 @@ def stop_engine(engine: Any, loop: EngineLoop) -> None:
     seconds)."""
     try:
         loop.run(
-            _call_async(shutdown_engine, engine, ENGINE_SHUTDOWN_TIMEOUT),
+            _call_async(functools.partial(engine.shutdown, timeout=ENGINE_SHUTDOWN_TIMEOUT)),
             timeout=2 * ENGINE_SHUTDOWN_TIMEOUT,
         )
     except (TimeoutError, EngineLoopClosedError) as error:

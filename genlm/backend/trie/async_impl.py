@@ -34,12 +34,19 @@ class _Request:
         self.ws = ws
 
 
-class _BlockPool:
+class _ResultBlocks:
     """float32 ``[rows, nodes]`` result blocks, reused once no caller holds a row of one.
 
     A fresh block of tens of megabytes is served by new zero-filled pages, which can
     cost as much as computing it; the block of a batch whose results were dropped
     costs nothing to reuse. At most ``max_bytes`` of blocks are kept.
+
+    A caller's lease on a block is its reference to it: each row handed out is a numpy
+    view whose ``base`` is the block, and so is every view a caller derives from its row
+    (numpy points a view of a view at the array owning the memory). A block is free when
+    only this list references it. An explicit lease object per handed-out row could not
+    see those derived views (a row dropped while its slice lives would free a block still
+    read), and copying each row out would cost what reuse saves.
     """
 
     def __init__(self, max_bytes: int = 256 << 20):
@@ -47,16 +54,22 @@ class _BlockPool:
         self.blocks: list[np.ndarray] = []
 
     def take(self, rows: int, cols: int) -> np.ndarray:
-        for block in self.blocks:
-            # references: the list, the loop variable and getrefcount's argument; every
-            # row handed to a caller adds one (its base is the block)
-            if block.shape[0] >= rows and block.shape[1] == cols and sys.getrefcount(block) == 3:
-                return block[:rows]
+        """A block of at least ``rows`` rows that no caller holds, else a new one."""
+        for index in range(len(self.blocks)):
+            if self._unleased(index):
+                block = self.blocks[index]
+                if block.shape[0] >= rows and block.shape[1] == cols:
+                    return block[:rows]
         block = np.empty((rows, cols), np.float32)
         self.blocks.append(block)
         while len(self.blocks) > 1 and sum(b.nbytes for b in self.blocks) > self.max_bytes:
             self.blocks.pop(0)
         return block
+
+    def _unleased(self, index: int) -> bool:
+        """Whether only this list references block ``index`` (getrefcount counts its own
+        argument too)."""
+        return sys.getrefcount(self.blocks[index]) == 2
 
 
 class AsyncTokenCharacterTrie:
@@ -103,7 +116,7 @@ class AsyncTokenCharacterTrie:
         return cls(trie)
 
     def _batch_function(self, name: str):
-        blocks = _BlockPool()  # one per batcher: each runs one batch at a time
+        blocks = _ResultBlocks()  # one per batcher: each runs one batch at a time
 
         def process(requests: list[_Request]) -> np.ndarray:
             method = getattr(self.trie, f"batch_weight_{name}")

@@ -1,7 +1,8 @@
 """`PrefixKVStore`: a paged prefix-KV store shared by particles (framework-agnostic policy).
 
-KV states live in fixed-size blocks of ``block_size`` tokens inside a backend's pool,
-whose size this module sets; it hands out block ids and decides what they hold.
+KV states live in fixed-size blocks of ``block_size`` tokens inside a `BlockPool`
+(`genlm.backend.kv.pool`), whose size this module sets; it hands out block ids and
+decides what they hold.
 
 - A prefix tree (`KVNode`, a plain record per token prefix, one tree per adapter) maps
   a prefix to its *chain*: the ids of the blocks holding its KV, token ``j`` in block
@@ -24,9 +25,8 @@ whose size this module sets; it hands out block ids and decides what they hold.
   to `INITIAL_BLOCKS`, and `trim` halves it between batches while three quarters of it
   are free. Without a byte budget the pool doubles.
 
-The backend implements only the forward: given a row's chain and its new tokens it
-reads the chain's blocks and writes the new tokens' KV into the blocks `extend`
-returned, applying the copies `extend` asked for first.
+The caller applies the copies `extend` asks for (`BlockPool.copy`); a backend's forward
+then reads a row's chain and writes its new tokens' KV into the blocks `extend` returned.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from genlm.backend.kv.pool import BlockPool
 
 Chain = tuple[int, ...]
 
@@ -71,11 +74,8 @@ class PrefixKVStore:
     """Blocks, prefix trees (one per adapter key), reference counts, LRU budgets and pins.
 
     Args:
-        block_size: tokens per block.
-        block_bytes: bytes of one block in the backend's pool (all layers, K and V).
-        grow: ``grow(num_blocks)`` resizes the backend's pool to that many blocks, larger or
-            smaller, keeping the contents of the blocks both sizes have (block 0 must stay
-            zero). The store calls it only when every block from ``num_blocks`` on is free.
+        pool: the KV memory (its ``block_size`` and ``block_bytes``); the store resizes it
+            (`BlockPool.resize`) only when every block past the new size is free.
         max_kv_bytes: budget for blocks held by unpinned chains (None: unbounded).
         max_logprobs_bytes: budget for cached logprobs (None: unbounded).
         nbytes: size of a logprobs value.
@@ -85,22 +85,20 @@ class PrefixKVStore:
 
     def __init__(
         self,
-        block_size: int,
-        block_bytes: int,
-        grow: Callable[[int], None],
+        pool: BlockPool,
         max_kv_bytes: int | None = None,
         max_logprobs_bytes: int | None = None,
         nbytes: Callable[[Any], int] = lambda value: int(value.nbytes),
         max_kv_entries: int | None = None,
         max_logprobs_entries: int | None = None,
     ):
-        self.block_size = block_size
-        self.block_bytes = block_bytes
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.block_bytes = pool.block_bytes
         self.max_kv_bytes = max_kv_bytes
         self.max_logprobs_bytes = max_logprobs_bytes
         self.max_kv_entries = max_kv_entries
         self.max_logprobs_entries = max_logprobs_entries
-        self._grow = grow
         self._nbytes = nbytes
         self.reset()
 
@@ -408,7 +406,7 @@ class PrefixKVStore:
         old = self.capacity
         if capacity == old:
             return
-        self._grow(capacity)
+        self.pool.resize(capacity)
         if capacity < old:
             del self._refs[capacity:], self._pins[capacity:], self._fill[capacity:]
             self._free = [block for block in self._free if block < capacity]
