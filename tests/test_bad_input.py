@@ -145,9 +145,11 @@ async def test_async_trie_close_is_idempotent_and_final():
 def test_async_trie_with_block_and_pausing_names():
     ws = np.ones(len(VOCAB))
     with AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB)) as trie:
-        asyncio.run(trie.weight_sum(ws))
-        trie.shutdown()  # pauses: the worker restarts on the next call
-        asyncio.run(trie.cleanup())
+        for pause in (trie.pause, trie.shutdown, lambda: asyncio.run(trie.cleanup())):
+            asyncio.run(trie.weight_sum(ws))
+            pause()  # the worker stops, and restarts on the next call
+            workers = [t for t in threading.enumerate() if t.name.startswith("genlm-trie")]
+            assert not workers
         assert asyncio.run(trie.weight_max(ws))[trie.trie.root] == 1.0
     with pytest.raises(RuntimeError):
         asyncio.run(trie.weight_max(ws))

@@ -5,9 +5,10 @@ Each particle of an SMC run awaits its own prefix weights; the shared
 ``batch_weight_sum`` (or ``batch_weight_max``) call that runs on a worker thread,
 so the event loop keeps scheduling particles meanwhile.
 
-Lifecycle: `cleanup` / `shutdown` stop the worker threads (they restart if the trie
-is used again); `close` (also run by ``with`` / ``async with``) stops them for good,
-after which calls raise `RuntimeError`.
+Lifecycle: `pause` stops the worker threads, which restart if the trie is used again
+(`cleanup` and `shutdown`, the reference design's names, pause too); `close` (also run
+by ``with`` / ``async with``) stops them for good, after which calls raise
+`RuntimeError`, as `close` does for every LM.
 """
 
 from __future__ import annotations
@@ -163,25 +164,29 @@ class AsyncTokenCharacterTrie:
         for batcher in self._batchers.values():
             batcher.run_sync(lambda: None)
 
-    async def cleanup(self) -> None:
-        """Drop queued requests and stop the worker threads (they restart on demand)."""
-        await asyncio.to_thread(self.shutdown)
-
-    def shutdown(self) -> None:
-        """Synchronous `cleanup`."""
+    def pause(self) -> None:
+        """Drop queued requests and stop the worker threads; they restart on demand."""
         for batcher in self._batchers.values():
             batcher.close()
+
+    async def cleanup(self) -> None:
+        """`pause`, off the event loop (the reference design's name: it does not close)."""
+        await asyncio.to_thread(self.pause)
+
+    def shutdown(self) -> None:
+        """`pause` (the reference design's name: it does not close)."""
+        self.pause()
 
     def close(self) -> None:
         """Stop the worker threads for good (idempotent); later calls raise `RuntimeError`."""
         self._closed = True
-        self.shutdown()
+        self.pause()
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
-                "AsyncTokenCharacterTrie used after close(): create a new one (cleanup() and "
-                "shutdown() only pause it)"
+                "AsyncTokenCharacterTrie used after close(): create a new one (pause(), "
+                "cleanup() and shutdown() only pause it)"
             )
 
     def __enter__(self) -> AsyncTokenCharacterTrie:
