@@ -72,6 +72,7 @@ class ForwardLog:
         return sum(rows * length for rows, length in self.shapes)
 
 
+@pytest.mark.slow
 def test_cache_keyword_is_the_model_class_own_under_an_instance_wrapper(hf_model, monkeypatch):
     """A profiler's ``forward(**kwargs)`` set on the instance, or a wrapper class taking
     ``**kwargs``, hides the signature: the keyword still follows the model's class and the
@@ -87,275 +88,13 @@ def test_cache_keyword_is_the_model_class_own_under_an_instance_wrapper(hf_model
     assert cache_keyword(PaddedHead(hf_model, extra=1)) == keyword  # forward(**kwargs) class
 
 
+@pytest.mark.slow
 def test_uncached_is_the_plain_forward(lm, prompt):
     got = lm.next_token_logprobs_uncached(prompt)
     assert_close(lm, prompt, got)
     assert torch.logsumexp(got, 0).item() == pytest.approx(0.0, abs=1e-4)  # float32 normalization
-
-
-def test_sync_answers_match_before_and_after_caching(lm, prompt):
-    first = lm.next_token_logprobs_sync(prompt)
-    assert_close(lm, prompt, first)
-    assert torch.equal(lm.next_token_logprobs_sync(prompt), first)  # logprobs cache hit
-    longer = prompt + [1000, 2000]
-    assert_close(lm, longer, lm.next_token_logprobs_sync(longer))
-
-
-async def test_mixed_length_batch_matches_uncached(lm, prompt, monkeypatch):
-    short, full = prompt[:6], prompt
-    lm.batch_next_token_logprobs_sync([short, full])  # KV for two different past lengths
-    queries = [
-        full + [450],  # past 9, 1 new token
-        short + [17],  # past 6, 1 new token: padded against the row above
-        prompt[:3],  # its KV comes from below (a slice of a longer prefix's)
-        [5],  # nothing cached: past 0, padded in the 1-new-token group
-        full + [450, 451, 452],  # past 9, 3 new tokens
-        short + [17, 18, 19],  # past 6, 3 new tokens: padded
-        prompt[:2] + [3, 4, 5, 6],  # past 2 (from below), 4 new tokens
-        short,  # logprobs cache hit
-        full + [450],  # duplicate
-    ]
-    log = ForwardLog(lm.model, monkeypatch)
-    results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
-    assert sorted(log.shapes) == [(1, 4), (2, 3), (4, 1)]
-    for ids, got in zip(queries, results, strict=True):
-        assert_close(lm, ids, got)
-    assert list(lm.batcher.batch_sizes) == [len(set(map(tuple, queries)))]
-
-
-async def test_extending_by_one_token_runs_only_that_token(lm, prompt, monkeypatch):
-    await lm.next_token_logprobs(prompt)
-    log = ForwardLog(lm.model, monkeypatch)
-    children = [prompt + [t] for t in (11, 12, 13, 14)]
-    results = await asyncio.gather(*(lm.next_token_logprobs(c) for c in children))
-    assert log.shapes == [(4, 1)]  # one batched forward of 4 rows x 1 new token
-    grandchild = children[2] + [99]
-    node, next_index, past, base = lm.walk_cache(grandchild)
-    assert next_index == base == len(grandchild) - 1
-    assert past.shape[-2] == next_index
-    results.append(await lm.next_token_logprobs(grandchild))
-    assert log.shapes[-1] == (1, 1)
-    for ids, got in zip(children + [grandchild], results, strict=True):
-        assert_close(lm, ids, got)
-
-
-async def test_particle_loop_matches_uncached_at_every_step(lm, prompt):
-    contexts = {}
-
-    async def particle(index):
-        generator = torch.Generator().manual_seed(index)
-        ctx = list(prompt)
-        for _ in range(5):
-            logps = await lm.next_token_logprobs(ctx)
-            contexts[tuple(ctx)] = logps
-            ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
-
-    await asyncio.gather(*(particle(i) for i in range(4)))
-    for ids, got in contexts.items():
-        assert_close(lm, ids, got)
-
-
-async def test_tiny_kv_budget_evicts_and_stays_correct(hf_model, smollm2_tokenizer, prompt):
-    budget = 600_000  # about a dozen tokens of KV: forces eviction every step
-    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=budget, max_logprobs_bytes=0)
-    seen = []
-
-    async def particle(index):
-        generator = torch.Generator().manual_seed(index)
-        ctx = list(prompt)
-        for _ in range(4):
-            logps = await lm.next_token_logprobs(ctx)
-            seen.append((tuple(ctx), logps))
-            assert lm.kv_nbytes <= budget
-            ctx = ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
-
-    await asyncio.gather(*(particle(i) for i in range(3)))
-    for ids, got in seen:
-        assert_close(lm, ids, got)
-    # an evicted prefix is recomputed transparently
-    assert_close(lm, seen[0][0], lm.next_token_logprobs_sync(seen[0][0]))
-
-
-async def test_budget_bounds_kv_in_a_longer_run(hf_model, smollm2_tokenizer, prompt):
-    budget = 8 << 20
-    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=budget)
-    peak = 0
-
-    async def particle(index):
-        nonlocal peak
-        ctx = list(prompt) + [index]
-        for step in range(12):
-            await lm.next_token_logprobs(ctx)
-            peak = max(peak, lm.kv_nbytes)
-            ctx = ctx + [100 + step]
-
-    await asyncio.gather(*(particle(i) for i in range(8)))
-    assert 0 < peak <= budget
-
-
-def test_after_clear_kv_cache_and_clear_cache(lm, prompt):
-    ids = prompt + [300]
-    lm.next_token_logprobs_sync(ids)
-    lm.clear_kv_cache()
-    assert lm.kv_nbytes == 0
-    assert lm.walk_cache(ids + [5])[1] == 0
-    assert_close(lm, ids + [5], lm.next_token_logprobs_sync(ids + [5]))
-    assert_close(lm, ids, lm.next_token_logprobs_sync(ids))  # logprobs survived
-    lm.clear_cache()
-    assert lm.kv_nbytes == 0 and not lm.cache.children
-    assert_close(lm, ids, lm.next_token_logprobs_sync(ids))
-
-
-def pool_blocks(lm):
-    """Blocks the backend's pool tensors really hold (each layer's K and V)."""
-    layers = lm._pool.layers
-    assert len(layers) == lm._pool.layout.num_layers
-    assert {layer.shape[1] for layer in layers} == {lm.store.capacity * lm.store.block_size}
-    return lm.store.capacity
-
-
-async def test_the_pool_stays_within_budget_plus_the_rows_and_shrinks_on_clears(
-    hf_model, smollm2_tokenizer, prompt, monkeypatch
-):
-    import genlm.backend.kv.store as kv_store
-
-    monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)  # small steps: many resizes
-    budget_blocks = 6
-    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=budget_blocks * 737_280)
-    assert lm.store.block_bytes == 737_280  # SmolLM2-135M fp32: 30 layers x 2 x 3 x 64 x 4 x 16
-    size = lm.store.block_size
-    generators = [torch.Generator().manual_seed(i) for i in range(4)]
-    contexts = [list(prompt) + [i] for i in range(4)]
-    seen, bound = {}, 1 + budget_blocks
-    for step in range(12):
-        # what the rows of this batch may hold: their KV, plus one partly filled block each
-        bound = max(bound, 1 + sum(-(-len(ctx) // size) + 1 for ctx in contexts))
-        answers = await asyncio.gather(*(lm.next_token_logprobs(ctx) for ctx in contexts))
-        assert pool_blocks(lm) <= bound
-        if step % 3 == 2:  # checked against plain forwards below (a sample: they are slow)
-            seen.update(zip(map(tuple, contexts), answers, strict=True))
-        contexts = [
-            ctx + [torch.multinomial(logps.exp(), 1, generator=generator).item()]
-            for ctx, logps, generator in zip(contexts, answers, generators, strict=True)
-        ]
-        if step % 4 == 3:  # resample: pairs of particles fork from one ancestor
-            contexts = [list(contexts[i // 2 * 2]) for i in range(4)]
-    assert pool_blocks(lm) > 1 + budget_blocks  # the rows held more than the budget
-    for ids, got in seen.items():
-        assert_close(lm, ids, got)
-    lm.cache_kv(contexts[0])
-    lm.clear_kv_cache()
-    assert pool_blocks(lm) == 4
-    assert_close(lm, contexts[1], lm.next_token_logprobs_sync(contexts[1]))
-    await asyncio.gather(*(lm.next_token_logprobs(ctx + [5]) for ctx in contexts))
-    assert pool_blocks(lm) > 4
-    lm.clear_cache()
-    assert pool_blocks(lm) == 4
-    assert_close(lm, contexts[2], lm.next_token_logprobs_sync(contexts[2]))
-
-
-def test_a_trimmed_pool_keeps_the_pinned_prompt_exact(
-    hf_model, smollm2_tokenizer, prompt, monkeypatch
-):
-    import genlm.backend.kv.store as kv_store
-
-    monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)
-    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=0)
-    lm.cache_kv(prompt)  # one block, the lowest free one
-    sizes = []
-    resize = lm._pool.resize
-    monkeypatch.setattr(lm._pool, "resize", lambda blocks: sizes.append(blocks) or resize(blocks))
-    long = [prompt + [t] * 40 for t in (5, 6, 7, 8)]  # 4 rows of 4 blocks
-    lm.batch_next_token_logprobs_sync(long)
-    # the batch grew the pool; once its rows let go (nothing unpinned kept) trim halved it
-    assert max(sizes) >= 16 and pool_blocks(lm) == max(sizes) // 2
-    lm.batch_next_token_logprobs_sync([prompt + [9]])
-    assert pool_blocks(lm) == max(sizes) // 4
-    log = ForwardLog(lm.model, monkeypatch)
-    got = lm.next_token_logprobs_sync(prompt + [77])
-    assert log.shapes == [(1, 1)]  # the pinned prompt's KV was used after the shrinks
-    assert_close(lm, prompt + [77], got)
-    past = lm.walk_cache(prompt + [77])[2]
-    expected = kv_cache(hf_model, input_ids=torch.tensor([prompt]))
-    assert torch.allclose(past[5, 1], expected.layers[5].values[0], atol=TOL)  # KV: as rows
-
-
-def test_cache_kv_pins_the_prompt(hf_model, smollm2_tokenizer, prompt, monkeypatch):
-    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=400_000)
-    lm.cache_kv(prompt)
-    for token in range(5):  # traffic that evicts everything unpinned
-        lm.next_token_logprobs_sync([token + 40, token + 41, token + 42])
-    node, next_index, past, base = lm.walk_cache(prompt + [77])
-    assert (next_index, base) == (len(prompt), len(prompt))
-    lm.clear_cache()
-    lm.cache_kv(prompt)
-    log = ForwardLog(lm.model, monkeypatch)
-    extended = lm.next_token_logprobs_sync(prompt + [77])
-    again = lm.next_token_logprobs_sync(prompt + [78])
-    assert log.shapes == [(1, 1), (1, 1)]  # the pinned prompt is never rerun
-    assert_close(lm, prompt + [77], extended)
-    assert_close(lm, prompt + [78], again)
-    lm.clear_kv_cache()
-    assert lm.walk_cache(prompt + [77])[1] == 0
-
-
-def test_add_query_and_batch_evaluate_queries(lm, prompt):
-    queries = [prompt, prompt + [3], prompt]
-    assert [lm.add_query(q) for q in queries] == [0, 1, 2]
-    results = lm.batch_evaluate_queries()
-    assert len(results) == 3 and torch.equal(results[0], results[2])
-    for ids, got in zip(queries, results, strict=True):
-        assert_close(lm, ids, got)
-    assert lm.batch_evaluate_queries() == []
-    batch = lm.batch_next_token_logprobs_sync([prompt[:4], prompt[:5]])
-    assert batch.shape == (2, lm.vocab_size)
-    assert_close(lm, prompt[:5], batch[1])
-
-
-@pytest.mark.parametrize(
-    "bad, error, needle",
-    [
-        ([], ValueError, "empty"),
-        ([1, 2, 10**9], ValueError, "1000000000"),
-        ([1, -3], ValueError, "-3"),
-        ([1, 2.5], TypeError, "2.5"),
-        (["7"], TypeError, "'7'"),
-    ],
-)
-async def test_bad_input_fails_before_model_work(lm, monkeypatch, bad, error, needle):
-    log = ForwardLog(lm.model, monkeypatch)
-    for call in (lm.next_token_logprobs_sync, lm.next_token_logprobs_uncached, lm.cache_kv):
-        with pytest.raises(error, match=needle):
-            call(bad)
-    with pytest.raises(error, match=needle):
-        await lm.next_token_logprobs(bad)
-    assert log.shapes == []
-
-
-async def test_a_failed_batch_reaches_every_caller_and_the_next_batch_works(
-    lm, prompt, monkeypatch
-):
-    ForwardLog(lm.model, monkeypatch, fail_times=1)
-    queries = [prompt + [t] for t in range(3)]
-    outcomes = await asyncio.gather(
-        *(lm.next_token_logprobs(q) for q in queries), return_exceptions=True
-    )
-    assert all(isinstance(o, RuntimeError) and "on purpose" in str(o) for o in outcomes)
-    results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
-    for ids, got in zip(queries, results, strict=True):
-        assert_close(lm, ids, got)
-
-
-async def test_a_cancelled_caller_does_not_disturb_the_others(lm, prompt):
-    tasks = [asyncio.create_task(lm.next_token_logprobs(prompt + [t])) for t in range(4)]
-    await asyncio.sleep(0)
-    tasks[1].cancel()
-    done = await asyncio.gather(*tasks, return_exceptions=True)
-    assert isinstance(done[1], asyncio.CancelledError)
-    for t in (0, 2, 3):
-        assert_close(lm, prompt + [t], done[t])
-    lm.reset_async_queries()
-    assert_close(lm, prompt + [9], await lm.next_token_logprobs(prompt + [9]))
+    with pytest.raises(ValueError, match="empty"):
+        lm.next_token_logprobs_uncached([])
 
 
 class PaddedHead(torch.nn.Module):
@@ -382,6 +121,7 @@ class PaddedHead(torch.nn.Module):
         return out
 
 
+@pytest.mark.slow
 async def test_padded_output_rows_are_dropped_and_renormalized(hf_model, smollm2_tokenizer, prompt):
     lm = AsyncTransformer(PaddedHead(hf_model, extra=64), smollm2_tokenizer)
     results = await asyncio.gather(
@@ -394,20 +134,7 @@ async def test_padded_output_rows_are_dropped_and_renormalized(hf_model, smollm2
         assert (got - expected).abs().max().item() <= TOL
 
 
-async def test_without_kv_reuse_the_fallback_is_still_exact(
-    hf_model, smollm2_tokenizer, prompt, monkeypatch
-):
-    monkeypatch.setattr(AsyncTransformer, "_probe_kv_layout", lambda self: (None, "test"))
-    with pytest.warns(UserWarning, match="KV reuse is off"):
-        lm = AsyncTransformer(hf_model, smollm2_tokenizer)
-    queries = [prompt, prompt + [5], prompt[:4]]
-    results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))
-    for ids, got in zip(queries, results, strict=True):
-        assert_close(lm, ids, got)
-    with pytest.raises(NotImplementedError, match="KV reuse"):
-        lm.cache_kv(prompt + [1, 2])
-
-
+@pytest.mark.slow
 async def test_eager_attention_uses_an_additive_mask(default_model_dir, smollm2_tokenizer, prompt):
     from transformers import AutoModelForCausalLM
 
@@ -422,31 +149,7 @@ async def test_eager_attention_uses_an_additive_mask(default_model_dir, smollm2_
         assert_close(lm, ids, got)
 
 
-# peft 0.21's get_peft_model reads a property transformers 5.23 deprecated
-@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-def test_lora_switching(random_lora, smollm2_tokenizer, prompt, tmp_path):
-    pytest.importorskip("peft")
-    adapted = random_lora(tmp_path / "lora")
-    ids = prompt + [42]
-    with_lora = reference(adapted, ids, len(smollm2_tokenizer))
-    with adapted.disable_adapter():
-        base = reference(adapted, ids, len(smollm2_tokenizer))
-    # the adapter changes the answer by far more than TOL (random B of scale ~1: > 1 seen)
-    assert (with_lora - base).abs().max().item() > 1e-2
-
-    lm = AsyncTransformer(adapted.unload(), smollm2_tokenizer)  # the base model, LoRA removed
-    with pytest.raises(ValueError, match="add_new_lora"):
-        lm.set_lora(lora_name="missing")
-    assert torch.allclose(lm.next_token_logprobs_sync(ids), base, atol=TOL)
-    lm.add_new_lora(tmp_path / "lora", lora_name="mine")
-    assert torch.allclose(lm.next_token_logprobs_sync(ids), base, atol=TOL)  # loaded, not active
-    lm.set_lora(lora_name="mine")
-    assert torch.allclose(lm.next_token_logprobs_sync(ids), with_lora, atol=TOL)
-    assert torch.allclose(lm.next_token_logprobs_uncached(ids), with_lora, atol=TOL)
-    lm.clear_lora()
-    assert torch.allclose(lm.next_token_logprobs_sync(ids), base, atol=TOL)
-
-
+@pytest.mark.slow
 def test_bitsandbytes_8bit_loads_and_agrees_on_the_top_token(
     default_model_dir, hf_model, smollm2_tokenizer, caplog
 ):
@@ -464,6 +167,7 @@ def test_bitsandbytes_8bit_loads_and_agrees_on_the_top_token(
     assert len(notices) <= 1  # bitsandbytes' cast notice once, not once per matmul
 
 
+@pytest.mark.slow
 def test_from_name_options(default_model_dir, hf_model, smollm2_tokenizer, monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -513,6 +217,7 @@ def long_prompt(smollm2_tokenizer):
     return smollm2_tokenizer.encode(text)[:90]  # 5 full blocks and a partial one
 
 
+@pytest.mark.slow
 async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     lm, long_prompt, monkeypatch, random_walks
 ):
@@ -538,22 +243,26 @@ async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     assert lm.kv_nbytes <= (prompt_blocks + 5) * block
 
 
-def test_pinned_long_prompt_forks_and_evictions_stay_exact(
-    hf_model, smollm2_tokenizer, long_prompt
-):
-    lm = AsyncTransformer(hf_model, smollm2_tokenizer, max_kv_bytes=3 << 20)
+@pytest.mark.slow
+def test_walk_cache_past_is_the_plain_forwards_kv(hf_model, smollm2_tokenizer, long_prompt):
+    """`walk_cache`'s ``past`` (HF layout ``[layers, 2, kv_heads, tokens, head_dim]``) of a
+    pinned prompt whose last block forks appended to and copied: a plain forward's KV."""
+    lm = AsyncTransformer(hf_model, smollm2_tokenizer)
     lm.cache_kv(long_prompt)
-    forks = [long_prompt + [t, t + 1] for t in (5, 6, 7, 8)]
-    results = lm.batch_next_token_logprobs_sync(forks)
-    assert lm.kv_nbytes <= 3 << 20
-    for ids, got in zip(forks, results, strict=True):
-        assert_close(lm, ids, got)
+    lm.batch_next_token_logprobs_sync([long_prompt + [t, t + 1] for t in (5, 6, 7, 8)])
     walk = lm.walk_cache(long_prompt + [9])
     node, next_index, past, base = walk  # the reference design's 4-tuple
     assert next_index == base == len(long_prompt) and node.pinned
-    assert (walk.node, walk.next_token_index, walk.base) == (node, next_index, base)
-    reference_past = kv_cache(hf_model, input_ids=torch.tensor([long_prompt]))
-    assert torch.allclose(past[3, 0], reference_past.layers[3].keys[0], atol=TOL)  # KV: as rows
+    assert (walk.node, walk.next_token_index, walk.past, walk.base) == (
+        node,
+        next_index,
+        past,
+        base,
+    )
+    expected = kv_cache(hf_model, input_ids=torch.tensor([long_prompt]))
+    assert past.shape == (30, 2, 3, len(long_prompt), 64)
+    assert torch.allclose(past[3, 0], expected.layers[3].keys[0], atol=TOL)
+    assert torch.allclose(past[5, 1], expected.layers[5].values[0], atol=TOL)
 
 
 def test_cascade_attention_is_softmax_attention_over_shared_plus_own_keys():

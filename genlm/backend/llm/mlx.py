@@ -347,7 +347,7 @@ class AsyncMlxLM(PrefixCachedLM):
         vocabulary (a model's padding columns dropped)."""
         mx = _import_mlx()
         logits = logits[:, -1, : self.vocab_size].astype(mx.float32)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return logits - _logsumexp(logits)
 
     def _read_past(self, chain: Chain, tokens: int) -> list[Any]:
         """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
@@ -375,6 +375,21 @@ class AsyncMlxLM(PrefixCachedLM):
         if kinds or not cache:
             return None, f"its cache layers are {sorted(kinds)}, not only plain KVCache"
         return uniform_layout([(layer.keys, layer.values) for layer in cache])
+
+
+def _logsumexp(logits: Any, chunk: int = 256) -> Any:
+    """Each row's log-sum-exp (``[rows, 1]``), summed in two levels: MLX's CPU build sums
+    a row in one sequential pass, whose float32 rounding over a vocabulary of ~50,000 left
+    rows normalized only to ~1e-4 (`mx.logsumexp`); sums of ``chunk`` terms, then of
+    those, stay within ~1e-6."""
+    mx = _import_mlx()
+    top = mx.max(logits, axis=-1, keepdims=True)
+    terms = mx.exp(logits - top)
+    rows, vocab = terms.shape
+    if vocab % chunk:
+        terms = mx.pad(terms, [(0, 0), (0, chunk - vocab % chunk)])
+    total = terms.reshape(rows, -1, chunk).sum(axis=-1).sum(axis=-1, keepdims=True)
+    return top + mx.log(total)
 
 
 def _torch_rows(logprobs: Any) -> list[torch.Tensor]:
