@@ -434,8 +434,8 @@ def small_llama(small_llama_dir):
 
 
 async def check_agreement(lm, model):
-    """Batched rows, a live extension, a fork and ``sample`` on ``lm``: every row against
-    vLLM's own rows on ``lm``'s engine and a transformers forward of ``model``."""
+    """Batched rows, a live extension, a fork, ``sample`` and a failed step on ``lm``: every
+    row against vLLM's own rows on ``lm``'s engine and a transformers forward of ``model``."""
     tokenizer = lm.tokenizer
     prompts = [p for p in prompts_of(tokenizer) if len(p) < 400]
     rows = await asyncio.wait_for(lm.batch_next_token_logprobs(prompts), timeout=300)
@@ -475,6 +475,20 @@ async def check_agreement(lm, model):
         row = await lm.next_token_logprobs(context)
         assert_right(lm, context, row, model)
         context.append(token)
+
+    # A failed step: the engine's error reaches every caller of the step, and it serves on.
+    too_long = [5] * (lm.llm_engine.vllm_config.model_config.max_model_len + 10)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            lm.next_token_logprobs(base + [7]),
+            lm.next_token_logprobs(too_long),
+            return_exceptions=True,
+        ),
+        timeout=300,
+    )
+    assert all(isinstance(r, Exception) for r in results), results
+    row = await asyncio.wait_for(lm.next_token_logprobs(base + [8]), timeout=300)
+    assert_right(lm, base + [8], row, model)
 
 
 async def test_two_tensor_parallel_workers_return_the_rows_of_one_model(
