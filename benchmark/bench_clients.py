@@ -198,21 +198,16 @@ def bare_forward(
 
 
 async def run_regex(lm: Any) -> str:
-    from genlm.control import AWRS, BoolFSA, PromptedLLM
+    from genlm.control import BoolFSA, PromptedLLM
 
     llm = PromptedLLM(lm)
     llm.set_prompt_from_str("Here is my honest opinion:")
     fsa = BoolFSA.from_regex(r" SMC is (🔥🔥|😍😍|🤌🤌) with LMs")
-    sampler = AWRS(llm, fsa.coerce(llm, f=b"".join))
-    try:
-        sequences = await sampler.smc(n_particles=10, ess_threshold=0.5, max_tokens=30)
-    finally:
-        await sampler.cleanup()
-    return _top(sequences.decoded_posterior)
+    return await _awrs_smc(llm, fsa, max_tokens=30)
 
 
 async def run_json(lm: Any) -> str:
-    from genlm.control import AWRS, JsonSchema, PromptedLLM
+    from genlm.control import JsonSchema, PromptedLLM
 
     llm = PromptedLLM(lm, eos_byte_strings=[b"<|im_end|>"], temperature=0.8)
     llm.prompt_ids = list(
@@ -228,12 +223,7 @@ async def run_json(lm: Any) -> str:
             return_dict=False,
         )
     )
-    sampler = AWRS(llm, JsonSchema(BOOK_SCHEMA).coerce(llm, f=b"".join))
-    try:
-        sequences = await sampler.smc(n_particles=10, ess_threshold=0.5, max_tokens=40)
-    finally:
-        await sampler.cleanup()
-    return _top(sequences.decoded_posterior)
+    return await _awrs_smc(llm, JsonSchema(BOOK_SCHEMA), max_tokens=40)
 
 
 async def run_beam(lm: Any) -> str:
@@ -265,6 +255,19 @@ async def run_sis(lm: Any) -> str:
     finally:
         await smc.cleanup()
     return f"{len(sequences.contexts)} particles, {sum(map(len, sequences.contexts))} tokens"
+
+
+async def _awrs_smc(llm: Any, potential: Any, max_tokens: int) -> str:
+    """The README examples' sampling: AWRS of ``llm`` under ``potential`` (coerced to its
+    tokens), SMC with 10 particles resampled at ESS 0.5; the most probable text."""
+    from genlm.control import AWRS
+
+    sampler = AWRS(llm, potential.coerce(llm, f=b"".join))
+    try:
+        sequences = await sampler.smc(n_particles=10, ess_threshold=0.5, max_tokens=max_tokens)
+    finally:
+        await sampler.cleanup()
+    return _top(sequences.decoded_posterior)
 
 
 def _top(posterior: dict[str, float]) -> str:

@@ -152,6 +152,20 @@ class Harness:
         """Make the next `make` build an LM whose KV cannot be reused."""
         raise NotImplementedError
 
+    def pool(self, lm):
+        return lm._pool
+
+
+class ModelHarness(Harness):
+    """A real model's harness: its wrapped forward records ``(rows, tokens)`` shapes in
+    ``shapes`` and fails while ``fail`` is above zero."""
+
+    def fed(self):
+        return sum(rows * tokens for rows, tokens in self.shapes)
+
+    def fail_next(self, times=1):
+        self.fail = times
+
 
 class FakeHarness(Harness):
     def __init__(self, monkeypatch, tokenizer):
@@ -178,9 +192,6 @@ class FakeHarness(Harness):
     def fail_next(self, times=1):
         self.lm.fail = times
 
-    def pool(self, lm):
-        return lm._pool
-
     def pool_blocks(self, lm):
         return len(lm._pool.data) // FAKE_BLOCK
 
@@ -192,7 +203,7 @@ class FakeHarness(Harness):
         lm.add_new_lora(str(path), name)
 
 
-class HFHarness(Harness):
+class HFHarness(ModelHarness):
     # Batched, padded, paged (cascade) rows vs a plain float32 forward on the same CPU: only
     # the order of float32 sums differs (a few 1e-6 typically; SPEC's bound 1e-4).
     tolerance = 1e-4
@@ -244,15 +255,6 @@ class HFHarness(Harness):
             references[key] = torch.log_softmax(logits[: lm.vocab_size].float(), -1)
         return references[key]
 
-    def fed(self):
-        return sum(rows * tokens for rows, tokens in self.shapes)
-
-    def fail_next(self, times=1):
-        self.fail = times
-
-    def pool(self, lm):
-        return lm._pool
-
     def pool_blocks(self, lm):
         layers = lm._pool.layers
         assert len(layers) == lm._pool.layout.num_layers
@@ -278,7 +280,7 @@ MLX_CACHES: collections.OrderedDict = collections.OrderedDict()
 HF_REFERENCES: dict = {}
 
 
-class MlxHarness(Harness):
+class MlxHarness(ModelHarness):
     # Batched, paged rows vs a plain mlx-lm forward of the whole prefix: the same kernels on
     # other shapes, only the order of sums differs (SPEC: 1e-4).
     tolerance = adapter_tolerance = 1e-4
@@ -352,15 +354,6 @@ class MlxHarness(Harness):
                 MLX_CACHES.popitem(last=False)
             assert all(isinstance(layer, KVCache) for layer in cache)
         return MLX_REFERENCES[ids]
-
-    def fed(self):
-        return sum(rows * tokens for rows, tokens in self.shapes)
-
-    def fail_next(self, times=1):
-        self.fail = times
-
-    def pool(self, lm):
-        return lm._pool
 
     def pool_blocks(self, lm):
         sizes = {array.shape[0] for array in lm._pool.keys + lm._pool.values}

@@ -491,6 +491,16 @@ async def check_agreement(lm, model):
     assert_right(lm, base + [8], row, model)
 
 
+# Engine options of the two-process tests on the small random Llama.
+SMALL_LLAMA_ENGINE_OPTS = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "max_logprobs": -1,
+}
+
+
 async def test_two_tensor_parallel_workers_return_the_rows_of_one_model(
     small_llama_dir, small_llama, monkeypatch
 ):
@@ -498,14 +508,7 @@ async def test_two_tensor_parallel_workers_return_the_rows_of_one_model(
     logits processor capture runs in the workers, not in this process. Batched rows, a live
     extension, a fork and ``sample``: every row against vLLM's own rows and transformers."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
-    opts = {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": 512,
-        "max_num_seqs": 8,
-        "max_logprobs": -1,
-        "tensor_parallel_size": 2,
-    }
+    opts = SMALL_LLAMA_ENGINE_OPTS | {"tensor_parallel_size": 2}
     lm = AsyncVirtualLM.from_name(small_llama_dir, engine_opts=opts, batch_size=8)
     async with lm:
         config = lm.llm_engine.vllm_config.parallel_config
@@ -529,14 +532,7 @@ def test_two_pipeline_parallel_stages_are_served_or_skipped_with_the_reason(requ
         )
     if torch.cuda.device_count() < 2:
         pytest.skip("pipeline_parallel_size=2 needs two GPUs")
-    opts = {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": 512,
-        "max_num_seqs": 8,
-        "max_logprobs": -1,
-        "pipeline_parallel_size": 2,
-    }
+    opts = SMALL_LLAMA_ENGINE_OPTS | {"pipeline_parallel_size": 2}
     small_llama_dir = request.getfixturevalue("small_llama_dir")
     small_llama = request.getfixturevalue("small_llama")
 
