@@ -24,7 +24,10 @@ bash scripts/setup.sh "${LATEST[@]}"
 VLLM_SETUP_LOG=$(mktemp)
 setsid bash scripts/setup.sh --vllm-only "${LATEST[@]}" >"$VLLM_SETUP_LOG" 2>&1 &
 VLLM_SETUP=$!  # a session of its own: a failed step stops it, pip included
-trap 'kill -- -$VLLM_SETUP 2>/dev/null || true; rm -f "$VLLM_SETUP_LOG"' EXIT
+INSTALL_CHECK_LOG=$(mktemp)
+INSTALL_CHECK=
+trap 'kill -- -$VLLM_SETUP ${INSTALL_CHECK:+-$INSTALL_CHECK} 2>/dev/null || true
+      rm -f "$VLLM_SETUP_LOG" "$INSTALL_CHECK_LOG"' EXIT
 
 step "ruff"
 $MAIN/bin/ruff check .
@@ -33,11 +36,19 @@ $MAIN/bin/ruff format --check .
 step "mypy (genlm/backend)"
 $MAIN/bin/mypy
 
+# The installation check runs beside the main suite: it mostly waits on pip and the disk.
+step "installation check (the wheel and the client libraries in a fresh venv), in the background"
+MAIN=$MAIN setsid bash scripts/install_check.sh "${LATEST[@]}" >"$INSTALL_CHECK_LOG" 2>&1 &
+INSTALL_CHECK=$!
+
 step "main test suite ($MAIN)"
 $MAIN/bin/pytest -q -p no:cacheprovider --durations=15 tests
 
-step "installation check: the wheel and the client libraries in a fresh venv"
-MAIN=$MAIN bash scripts/install_check.sh "${LATEST[@]}"
+step "installation check: its result"
+install_check_status=0
+wait $INSTALL_CHECK || install_check_status=$?
+cat "$INSTALL_CHECK_LOG" >&2
+[ $install_check_status = 0 ] || exit $install_check_status
 
 step "set-up ($VLLM_VENV), made in the background"
 vllm_setup_status=0
@@ -46,7 +57,7 @@ cat "$VLLM_SETUP_LOG" >&2
 [ $vllm_setup_status = 0 ] || exit $vllm_setup_status
 
 step "vLLM test suite ($VLLM_VENV)"
-$VLLM_VENV/bin/pytest -q -p no:cacheprovider -m vllm tests/test_vllm.py tests/test_vllm_docs.py
+$VLLM_VENV/bin/pytest -q -p no:cacheprovider --durations=15 -m vllm tests/test_vllm.py tests/test_vllm_docs.py
 
 step "docs (mkdocs build --strict)"
 MKDOCS=$MAIN/bin/mkdocs bash scripts/docs.sh
