@@ -361,14 +361,21 @@ def test_load_model_by_name_mlx(default_model_dir, reference):
     assert max_diff(lm.next_token_logprobs_sync([504, 17]), reference([504, 17])) <= HF_TOLERANCE
 
 
-@pytest.mark.slow
-def test_constructor_rejects_bad_options(mlx_loaded):
-    with pytest.raises(ValueError, match="prefill_step_size"):
-        AsyncMlxLM(*mlx_loaded, prefill_step_size=0)
-    with pytest.raises(ValueError, match="cache_size"):
-        AsyncMlxLM(*mlx_loaded, cache_size=-1)
-    with pytest.raises(TypeError, match="max_kv_bytes"):
-        AsyncMlxLM(*mlx_loaded, max_kv_bytes=1.5)
+@pytest.mark.parametrize(
+    "option, error",
+    [
+        ({"prefill_step_size": 0}, ValueError),
+        ({"cache_size": -1}, ValueError),
+        ({"max_kv_bytes": 1.5}, TypeError),
+        ({"max_kv_bytes": -1}, ValueError),
+        ({"max_logprobs_bytes": "1GB"}, TypeError),
+        ({"max_logprobs_bytes": -1}, ValueError),
+    ],
+)
+def test_constructor_rejects_bad_options_before_touching_the_model(option, error):
+    pytest.importorskip("mlx_lm")
+    with pytest.raises(error, match=f"{next(iter(option))} must be"):
+        AsyncMlxLM(None, None, **option)
 
 
 def test_a_model_with_fewer_outputs_than_tokens_is_rejected(smollm2_tokenizer):

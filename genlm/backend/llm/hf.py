@@ -282,7 +282,7 @@ def _normalize_dtype(opts: dict[str, Any]) -> None:
         opts["dtype"] = _DTYPE_NAMES[name]
 
 
-class AsyncTransformer(PrefixCachedLM):
+class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
 
     Each returned log-probability vector is the caller's own copy.
@@ -307,6 +307,7 @@ class AsyncTransformer(PrefixCachedLM):
         hf_tokenizer: Any,
         batch_size: int = 20,
         timeout: float | None = 0.02,
+        *,
         max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES,
         max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
         max_batch_tokens: int = 4096,
@@ -517,7 +518,7 @@ class AsyncTransformer(PrefixCachedLM):
         new tokens' KV written into their chains."""
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
-        slots = [pool.slots(row.chain or (), len(row.ids)) for row in rows]
+        slots = [pool.slots(row.chain, len(row.ids)) for row in rows]
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
         write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])
@@ -580,7 +581,7 @@ class AsyncTransformer(PrefixCachedLM):
         if not self._cascade or len(rows) < 2:
             return 0
         limit = min(row.start for row in rows) // BLOCK_SIZE
-        chains = [row.chain or () for row in rows]
+        chains = [row.chain for row in rows]
         first = chains[0]
         blocks = 0
         while blocks < limit and all(chain[blocks] == first[blocks] for chain in chains):

@@ -22,8 +22,9 @@ whole prefix, copies applied); per adapter, this module's forward:
    never computed), over the tokenizer's vocabulary, as float32 log-probabilities.
 
 ``cache_size`` bounds how many prefixes keep their KV (unpinned chains) and how many
-keep their logprobs, least recently used first; ``max_kv_bytes`` optionally bounds the
-bytes of those chains' blocks. Prompts pinned with `cache_kv` are outside both.
+keep their logprobs, least recently used first; ``max_kv_bytes`` and
+``max_logprobs_bytes`` optionally bound their bytes, as on `AsyncTransformer`. Prompts
+pinned with `cache_kv` are outside these budgets.
 
 Models whose cache layers are not all plain ``KVCache`` (sliding windows, quantized or
 recurrent states) still work, without KV reuse: a warning says so, each request runs its
@@ -48,7 +49,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,6 +60,9 @@ from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import Chain, PrefixKVStore
 from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, Row, run_grouped
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import KVCache
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
 
@@ -156,7 +160,7 @@ class _PagedCache:
         )
 
 
-class AsyncMlxLM(PrefixCachedLM):
+class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
     """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
 
     Returned log-probability vectors are shared with the cache (each a tensor of its own):
@@ -172,6 +176,7 @@ class AsyncMlxLM(PrefixCachedLM):
             used evicted first (0: nothing is kept between batches), over every adapter's
             prefix tree together; prompts pinned with `cache_kv` are outside it.
         max_kv_bytes: optional cap on the bytes of the KV blocks those prefixes hold.
+        max_logprobs_bytes: optional cap on the bytes of the cached log-probabilities.
     """
 
     def __init__(
@@ -182,18 +187,22 @@ class AsyncMlxLM(PrefixCachedLM):
         timeout: float | None = 0.001,
         prefill_step_size: int = 2048,
         cache_size: int = 400,
+        *,
         max_kv_bytes: int | None = None,
+        max_logprobs_bytes: int | None = None,
     ):
         mx = _import_mlx()
         check_int("prefill_step_size", prefill_step_size, minimum=1)
         check_int("cache_size", cache_size)
         check_int("max_kv_bytes", max_kv_bytes, optional=True)
+        check_int("max_logprobs_bytes", max_logprobs_bytes, optional=True)
         super().__init__(_hf_tokenizer(tokenizer))
         self.mlx_tokenizer = tokenizer
         self.model = mlx_lm_model
         self.prefill_step_size = prefill_step_size
         self.cache_size = cache_size
         self.max_kv_bytes = max_kv_bytes
+        self.max_logprobs_bytes = max_logprobs_bytes
         mx.eval(mlx_lm_model.parameters())
         layout, reason = self._probe_kv_layout()
         self._pool = None if layout is None else MlxBlockPool(layout)
@@ -201,6 +210,7 @@ class AsyncMlxLM(PrefixCachedLM):
         store = PrefixKVStore(
             self._pool or NoKVPool(reason),
             max_kv_bytes=max_kv_bytes,
+            max_logprobs_bytes=max_logprobs_bytes,
             max_kv_entries=cache_size,
             max_logprobs_entries=cache_size,
         )
@@ -309,7 +319,7 @@ class AsyncMlxLM(PrefixCachedLM):
         read = np.zeros((len(rows), width), dtype=np.int32)
         write = []
         for i, (row, first, end) in enumerate(zip(rows, firsts, ends, strict=True)):
-            slots = pool.slots(row.chain or (), end)
+            slots = pool.slots(row.chain, end)
             read[i, width - end :] = slots
             write.append(slots[first:])
         padding = [width - end for end in ends]
@@ -349,7 +359,7 @@ class AsyncMlxLM(PrefixCachedLM):
         logits = logits[:, -1, : self.vocab_size].astype(mx.float32)
         return logits - _logsumexp(logits)
 
-    def _read_past(self, chain: Chain, tokens: int) -> list[Any]:
+    def _read_past(self, chain: Chain, tokens: int) -> list[KVCache]:
         """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
         (keys and values ``[1, kv_heads, tokens, head_dim]``)."""
         from mlx_lm.models.cache import KVCache
