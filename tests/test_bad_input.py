@@ -206,6 +206,7 @@ def hf_lm(hf_model, smollm2_tokenizer):
     lm.close()
 
 
+@pytest.mark.slow
 async def test_hf_prefix_longer_than_the_context_names_the_context_length(
     hf_lm, hf_model, monkeypatch
 ):
@@ -219,6 +220,7 @@ async def test_hf_prefix_longer_than_the_context_names_the_context_length(
     assert batches == []
 
 
+@pytest.mark.slow
 def test_hf_prefix_longer_than_max_batch_tokens_is_prefilled_in_chunks(hf_lm, hf_model):
     ids = list(range(100, 130))  # 30 tokens with max_batch_tokens=8
     with torch.no_grad():
@@ -229,6 +231,7 @@ def test_hf_prefix_longer_than_max_batch_tokens_is_prefilled_in_chunks(hf_lm, hf
     torch.testing.assert_close(hf_lm.next_token_logprobs_sync(ids), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs, error, name",
     [
@@ -300,6 +303,7 @@ async def test_bad_sampling_arguments_fail_before_the_model_is_called(
     assert batches == []
 
 
+@pytest.mark.slow
 async def test_empty_batches_are_empty_answers(mock_lm, hf_lm):
     for lm in (mock_lm, hf_lm):
         assert (await lm.batch_next_token_logprobs([])).shape == (0, lm.vocab_size)
