@@ -406,17 +406,14 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     # -- LoRA ----------------------------------------------------------------------------------
 
-    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+    def _check_adapter(self, lora_path: str) -> str:
         try:
             import peft  # noqa: F401
         except ImportError as error:
             raise ImportError(
                 "LoRA adapters need peft: pip install 'genlm-backend[lora]'"
             ) from error
-        self.batcher.run_sync(self._load_adapter, lora_path, lora_name)
-
-    def _unload_lora(self, lora_name: str) -> None:
-        self.batcher.run_sync(self._delete_adapter, lora_name)
+        return lora_path
 
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         """Check the adapter, load it under a fresh peft name, and only then let it replace
@@ -446,7 +443,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._peft_names[lora_name] = peft_name
         if replaced is not None:
             self._delete_peft_adapter(replaced)
-        self.store.drop_root(lora_name)
 
     def _discard_adapter(self, peft_name: str) -> None:
         """Undo a failed load of ``peft_name``: delete what peft added of it, or, if the
@@ -466,7 +462,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     def _delete_adapter(self, lora_name: str) -> None:
         self._delete_peft_adapter(self._peft_names.pop(lora_name))
-        self.store.drop_root(lora_name)
 
     def _delete_peft_adapter(self, peft_name: str) -> None:
         if not set(self._peft_names.values()) - {peft_name}:

@@ -242,19 +242,15 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
 
     # -- LoRA ----------------------------------------------------------------------------------
 
-    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+    def _check_adapter(self, lora_path: str) -> str:
+        from genlm.backend.llm.adapters import check_mlx_adapter
+
+        return str(check_mlx_adapter(lora_path))
+
+    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         """Load an mlx-lm adapter directory (``adapter_config.json``, ``adapters.safetensors``)
         into a model of its own: the base model and an adapter registered under the same
         name are untouched until it has loaded."""
-        from genlm.backend.llm.adapters import check_mlx_adapter
-
-        path = check_mlx_adapter(lora_path)
-        self.batcher.run_sync(self._load_adapter, str(path), lora_name)
-
-    def _unload_lora(self, lora_name: str) -> None:
-        self.batcher.run_sync(self._delete_adapter, lora_name)
-
-    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         from mlx_lm.tuner.utils import load_adapters
 
         mx = _import_mlx()
@@ -268,11 +264,9 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         model.eval()
         mx.eval(model.parameters())
         self._adapters[lora_name] = model
-        self.store.drop_root(lora_name)
 
     def _delete_adapter(self, lora_name: str) -> None:
         del self._adapters[lora_name]
-        self.store.drop_root(lora_name)
 
     def _model(self, lora: str | None) -> Any:
         """The model serving adapter ``lora`` (``None``: the base model)."""

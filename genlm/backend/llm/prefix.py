@@ -97,6 +97,36 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         """A copy of the KV of a chain's first ``tokens`` tokens (`walk_cache`'s ``past``)."""
         return self.store.pool.read(chain, tokens)
 
+    def _check_adapter(self, lora_path: str) -> str:
+        """What can be checked of an adapter before the worker loads it; the path to load."""
+        return lora_path
+
+    @abstractmethod
+    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
+        """Load an adapter under ``lora_name``, replacing one of that name only once it has
+        loaded (a failure leaves the model as it was)."""
+
+    @abstractmethod
+    def _delete_adapter(self, lora_name: str) -> None:
+        """Free a loaded adapter."""
+
+    # -- LoRA wiring: the checks in the caller's thread, the model work on the worker ------------
+
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+        path = self._check_adapter(lora_path)
+        self.batcher.run_sync(self._swap_adapter, path, lora_name)
+
+    def _unload_lora(self, lora_name: str) -> None:
+        self.batcher.run_sync(self._drop_adapter, lora_name)
+
+    def _swap_adapter(self, lora_path: str, lora_name: str) -> None:
+        self._load_adapter(lora_path, lora_name)
+        self.store.drop_root(lora_name)
+
+    def _drop_adapter(self, lora_name: str) -> None:
+        self._delete_adapter(lora_name)
+        self.store.drop_root(lora_name)
+
     # -- public API ----------------------------------------------------------------------------
 
     @property
