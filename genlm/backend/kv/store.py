@@ -270,8 +270,7 @@ class PrefixKVStore:
     def pin(self, node: KVNode) -> None:
         """Keep ``node``'s chain until a clear, outside the budget."""
         if node.chain is not None and not node.pinned:
-            chain = self.hold(node.chain)
-            self.set_chain(node, chain, pinned=True)
+            self.set_chain(node, self.hold(node.chain), pinned=True)
 
     def set_chain(self, node: KVNode, chain: Chain | None, pinned: bool = False) -> None:
         """Give ``node`` a chain (held by the caller; the node takes that hold), or drop its chain."""

@@ -482,15 +482,11 @@ class BatchedAsyncLM(AsyncLM):
         gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]
         if not any(gone):
             return self._process_batch(keys)
-        kept = self._process_batch([key for key, g in zip(keys, gone, strict=True) if not g])
-        answers: list[Any] = []
-        served = 0
-        for key, is_gone in zip(keys, gone, strict=True):
-            if is_gone:
-                answers.append(self._unknown_lora(key.lora))
-            else:
-                answers.append(kept[served])
-                served += 1
+        kept = iter(self._process_batch([key for key, g in zip(keys, gone, strict=True) if not g]))
+        answers: list[Any] = [  # an exception is its caller's answer
+            self._unknown_lora(key.lora) if g else next(kept)
+            for key, g in zip(keys, gone, strict=True)
+        ]
         return answers
 
     def _run_batch(self, keys: list[Query]) -> list[torch.Tensor]:

@@ -1,15 +1,10 @@
 """`AsyncMlxLM`: the `AsyncLM` interface on an mlx-lm model (Apple silicon, or Linux CPU).
 
-The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
-`clear_kv_cache`, `reset_async_queries`), input validation and the batcher come from
+The request plan, the cache calls, input validation and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, with the same meanings as for
-`AsyncTransformer`; this module is the forward over rows of (block chain, new tokens).
-KV states live in the shared paged store (`genlm.backend.kv.store.PrefixKVStore`):
-16-token blocks in one pool per layer (`genlm.backend.kv.mlx_pool.MlxBlockPool`: a keys
-and a values ``mx.array`` of ``[blocks * 16, kv_heads, head_dim]``, block 0 all zeros),
-reference-counted, a prefix tree mapping token prefixes to block chains, shared between
-particles, copy-on-write where they fork. The base plans each row (its own chain for its
-whole prefix, copies applied); per adapter, this module's forward:
+`AsyncTransformer`, the paged KV from `genlm.backend.kv` (an `MlxBlockPool`: a keys and a
+values ``mx.array`` per layer); this module is the forward over planned rows (each a
+block chain and new tokens), per adapter:
 
 1. prefills each row's new tokens but the last (rows with as many such tokens together,
    in steps of ``prefill_step_size``), then runs every row's last token in one forward.
@@ -242,20 +237,18 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
 
     # -- LoRA ----------------------------------------------------------------------------------
 
-    def _check_adapter(self, lora_path: str) -> str:
-        from genlm.backend.llm.adapters import check_mlx_adapter
-
-        return str(check_mlx_adapter(lora_path))
-
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         """Load an mlx-lm adapter directory (``adapter_config.json``, ``adapters.safetensors``)
         into a model of its own: the base model and an adapter registered under the same
         name are untouched until it has loaded."""
         from mlx_lm.tuner.utils import load_adapters
 
+        from genlm.backend.llm.adapters import check_mlx_adapter
+
         mx = _import_mlx()
+        path = str(check_mlx_adapter(lora_path))
         try:
-            model = load_adapters(_share_weights_copy(self.model), lora_path)
+            model = load_adapters(_share_weights_copy(self.model), path)
         except (ValueError, KeyError, AttributeError, TypeError, OSError, RuntimeError) as error:
             raise ValueError(
                 f"cannot load the mlx-lm adapter {lora_path!r} onto this model: "

@@ -5,10 +5,8 @@ copy-on-write copies applied to the pool), the logprobs and KV bookkeeping after
 forward, and the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
 `clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with
 one meaning for every backend. A backend implements only the forward, `_run_rows`: it
-reads each planned row (read-only), writes its new tokens' KV into the row's chain and
-returns its logprobs; it never calls the store or back up into this class. What a batch
-holds (each row's source, each row's chain until a node takes it) is this class's own
-bookkeeping, released when the batch ends.
+reads the planned (frozen) rows, writes their new tokens' KV into their chains and
+returns their logprobs; it never calls the store or back up into this class.
 """
 
 from __future__ import annotations
@@ -30,11 +28,9 @@ R = TypeVar("R")
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One planned request of a batch (read-only): run ``ids[start:]`` on top of the KV of
-    ``ids[:start]``, which ``source`` (held while the batch runs) holds; with KV reuse,
-    ``chain`` is the row's own chain for ``ids`` whole (empty before `_allocate` and
-    without KV reuse): its first ``start`` tokens' KV is there, the forward writes the rest.
-    """
+    """One planned request: run ``ids[start:]`` on top of the KV of ``ids[:start]``, held
+    in ``source`` while the batch runs; ``chain``, the row's own chain for ``ids`` whole
+    (with KV reuse, once allocated), holds that KV and gets the new tokens'."""
 
     slot: int  # the position of its query in the batch
     ids: tuple[int, ...]
@@ -97,24 +93,19 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         """A copy of the KV of a chain's first ``tokens`` tokens (`walk_cache`'s ``past``)."""
         return self.store.pool.read(chain, tokens)
 
-    def _check_adapter(self, lora_path: str) -> str:
-        """What can be checked of an adapter before the worker loads it; the path to load."""
-        return lora_path
-
     @abstractmethod
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
-        """Load an adapter under ``lora_name``, replacing one of that name only once it has
-        loaded (a failure leaves the model as it was)."""
+        """Check and load an adapter under ``lora_name``, replacing one of that name only
+        once it has loaded (a failure leaves the model as it was)."""
 
     @abstractmethod
     def _delete_adapter(self, lora_name: str) -> None:
         """Free a loaded adapter."""
 
-    # -- LoRA wiring: the checks in the caller's thread, the model work on the worker ------------
+    # -- LoRA wiring: the model work on the worker, then that adapter's tree dropped ----------
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
-        path = self._check_adapter(lora_path)
-        self.batcher.run_sync(self._swap_adapter, path, lora_name)
+        self.batcher.run_sync(self._swap_adapter, lora_path, lora_name)
 
     def _unload_lora(self, lora_name: str) -> None:
         self.batcher.run_sync(self._drop_adapter, lora_name)
@@ -244,9 +235,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def _finish(self, planned: Sequence[Row], chains: dict[int, Chain]) -> None:
         """Let go of the rows' sources and of the chains no node took, bring KV back within
         budget, shrink a mostly free pool, prune the trees."""
-        for row in planned:
-            self.store.release(row.source)
-        for chain in chains.values():
+        for chain in [*(row.source for row in planned), *chains.values()]:
             self.store.release(chain)
         self.store.evict()
         self.store.trim()
