@@ -244,6 +244,18 @@ def test_cache_size_zero_keeps_nothing_between_batches(mlx_loaded, plain):
         assert lm.store.held_blocks == 0 and not any(n.logprobs is not None for n in nodes(lm))
 
 
+@pytest.mark.slow
+def test_max_logprobs_bytes_keeps_the_most_recent_rows(mlx_loaded, lm):
+    row_bytes = 4 * lm.vocab_size  # a float32 row
+    budgeted = AsyncMlxLM(*mlx_loaded, max_logprobs_bytes=2 * row_bytes)
+    for ids in [[520 + i, 17] for i in range(3)]:
+        budgeted.next_token_logprobs_sync(ids)
+    kept = [node for node in nodes(budgeted) if node.logprobs is not None]
+    assert budgeted.store.logprobs_nbytes == 2 * row_bytes and len(kept) == 2
+    assert all(node.token == 17 and node.parent.token != 520 for node in kept)  # oldest went
+    budgeted.close()
+
+
 @pytest.fixture(scope="module")
 def long_prompt(lm):
     text = "The old clockmaker opened his shop and said good morning to the town. " * 3
