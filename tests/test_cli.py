@@ -12,7 +12,7 @@ def run_cli(*args):
     )
 
 
-@pytest.mark.parametrize("backend", ["mock", "hf"])
+@pytest.mark.parametrize("backend", ["mock", pytest.param("hf", marks=pytest.mark.slow)])
 def test_sis_demo_prints_weighted_continuations_and_throughput(default_model_dir, backend):
     result = run_cli(
         "sis",

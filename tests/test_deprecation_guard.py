@@ -53,6 +53,7 @@ def test_deprecations_not_called_by_our_code_and_our_own_are_not_recorded(guard)
     assert guard.found == []
 
 
+@pytest.mark.slow
 def test_the_real_forward_of_our_hf_backend_is_clean(guard, hf_model, smollm2_tokenizer):
     from genlm.backend.llm.hf import AsyncTransformer
 

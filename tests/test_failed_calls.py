@@ -77,6 +77,7 @@ async def test_output_cache_hits_edited_in_place_leave_the_cache_alone(smollm2_t
         assert torch.equal(lm.next_token_logprobs_sync([3, 4]), lm.expected([3, 4]))
 
 
+@pytest.mark.slow
 async def test_hf_rows_edited_in_place_leave_the_cache_alone(hf_lm, hf_model, smollm2_tokenizer):
     ids = smollm2_tokenizer.encode("Rows stay as computed")
     edit_in_place(hf_lm.next_token_logprobs_sync(ids))
@@ -106,6 +107,7 @@ def test_mlx_rows_edited_in_place_leave_the_cache_alone_and_context_is_enforced(
 # -- byte_vocab extended by a caller -----------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_appending_to_byte_vocab_changes_neither_validation_nor_rows(
     hf_model, smollm2_tokenizer
 ):
@@ -146,6 +148,7 @@ async def test_eos_ids_outside_the_vocabulary_are_refused(mock, eos):
             await call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1e-38, 1e-45, 1e-300, 5e-324])
 async def test_a_tiny_temperature_draws_the_greedy_token(hf_lm, hf_model, temperature):
     prompt = hf_lm.tokenizer.encode("The capital of France is")
@@ -189,6 +192,7 @@ async def test_sampling_stops_at_the_context_length_and_keeps_what_it_has(smollm
             await lm.batch_sample([[1, 2], [1] * 7], 10, [])
 
 
+@pytest.mark.slow
 async def test_hf_sampling_stops_at_the_context_length(hf_lm, monkeypatch):
     monkeypatch.setattr(AsyncTransformer, "max_context_length", property(lambda self: 8))
     prompt = hf_lm.tokenizer.encode("One two three four five")
@@ -218,6 +222,7 @@ async def test_async_trie_weights_changed_before_the_batch_runs_do_not_count(for
 # -- loading: errors that name what is wrong, before the work ---------------------------------
 
 
+@pytest.mark.slow
 def test_a_tokenizer_of_another_model_is_refused(hf_model):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -306,6 +311,7 @@ def test_from_name_checks_its_options_before_loading(monkeypatch, kwargs, error,
         AsyncTransformer.from_name("someone/any", **kwargs)
 
 
+@pytest.mark.slow
 async def test_code_that_resets_queries_as_a_list_keeps_working(hf_lm, hf_model):
     """The reference design's ``llm.queries`` is the list of queued prefixes."""
     hf_lm.queries = []  # as the reference's own tests do

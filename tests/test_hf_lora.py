@@ -6,6 +6,7 @@ is checked against a plain forward of a model with that adapter merged into its 
 """
 
 import asyncio
+import sys
 
 import pytest
 import torch
@@ -276,3 +277,10 @@ def test_re_registering_with_a_bad_adapter_keeps_the_old_weights(
         assert (row - references["b"](prompt)).abs().max() <= TOL
         assert_untouched(lm, references, prompt)
     lm.remove_lora("b")  # still registered, removable
+
+
+def test_without_peft_an_adapter_is_refused_with_what_to_install(lm, adapter_dirs, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'genlm-backend\[lora\]'"):
+        lm.add_new_lora(adapter_dirs["a"], "c")
+    assert sorted(lm.lora_paths) == ["a", "b"]

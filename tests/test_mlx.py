@@ -244,6 +244,18 @@ def test_cache_size_zero_keeps_nothing_between_batches(mlx_loaded, plain):
         assert lm.store.held_blocks == 0 and not any(n.logprobs is not None for n in nodes(lm))
 
 
+@pytest.mark.slow
+def test_max_logprobs_bytes_keeps_the_most_recent_rows(mlx_loaded, lm):
+    row_bytes = 4 * lm.vocab_size  # a float32 row
+    budgeted = AsyncMlxLM(*mlx_loaded, max_logprobs_bytes=2 * row_bytes)
+    for ids in [[520 + i, 17] for i in range(3)]:
+        budgeted.next_token_logprobs_sync(ids)
+    kept = [node for node in nodes(budgeted) if node.logprobs is not None]
+    assert budgeted.store.logprobs_nbytes == 2 * row_bytes and len(kept) == 2
+    assert all(node.token == 17 and node.parent.token != 520 for node in kept)  # oldest went
+    budgeted.close()
+
+
 @pytest.fixture(scope="module")
 def long_prompt(lm):
     text = "The old clockmaker opened his shop and said good morning to the town. " * 3
@@ -361,14 +373,21 @@ def test_load_model_by_name_mlx(default_model_dir, reference):
     assert max_diff(lm.next_token_logprobs_sync([504, 17]), reference([504, 17])) <= HF_TOLERANCE
 
 
-@pytest.mark.slow
-def test_constructor_rejects_bad_options(mlx_loaded):
-    with pytest.raises(ValueError, match="prefill_step_size"):
-        AsyncMlxLM(*mlx_loaded, prefill_step_size=0)
-    with pytest.raises(ValueError, match="cache_size"):
-        AsyncMlxLM(*mlx_loaded, cache_size=-1)
-    with pytest.raises(TypeError, match="max_kv_bytes"):
-        AsyncMlxLM(*mlx_loaded, max_kv_bytes=1.5)
+@pytest.mark.parametrize(
+    "option, error",
+    [
+        ({"prefill_step_size": 0}, ValueError),
+        ({"cache_size": -1}, ValueError),
+        ({"max_kv_bytes": 1.5}, TypeError),
+        ({"max_kv_bytes": -1}, ValueError),
+        ({"max_logprobs_bytes": "1GB"}, TypeError),
+        ({"max_logprobs_bytes": -1}, ValueError),
+    ],
+)
+def test_constructor_rejects_bad_options_before_touching_the_model(option, error):
+    pytest.importorskip("mlx_lm")
+    with pytest.raises(error, match=f"{next(iter(option))} must be"):
+        AsyncMlxLM(None, None, **option)
 
 
 def test_a_model_with_fewer_outputs_than_tokens_is_rejected(smollm2_tokenizer):

@@ -19,7 +19,7 @@ from genlm.backend.llm.mlx import AsyncMlxLM, _share_weights_copy
 # wrong adapter is off by far more (random A, B of scale 0.05 on two layers).
 TOLERANCE = 1e-4
 
-pytestmark = pytest.mark.mlx
+pytestmark = [pytest.mark.mlx, pytest.mark.slow]  # the real default model
 
 PROMPTS = ([504, 3458, 282], [400, 401, 402, 403, 404], [700, 17])
 

@@ -97,13 +97,11 @@ class FakeLM(PrefixCachedLM):
         self.fail = 0  # forwards still to fail
         self.adapters: set[str] = set()
 
-    def _load_lora(self, lora_path, lora_name):
+    def _load_adapter(self, lora_path, lora_name):
         self.adapters.add(lora_name)
-        self.store.drop_root(lora_name)
 
-    def _unload_lora(self, lora_name):
+    def _delete_adapter(self, lora_name):
         self.adapters.discard(lora_name)
-        self.store.drop_root(lora_name)
 
     def _run_rows(self, rows):
         if self.fail:

@@ -270,8 +270,7 @@ class PrefixKVStore:
     def pin(self, node: KVNode) -> None:
         """Keep ``node``'s chain until a clear, outside the budget."""
         if node.chain is not None and not node.pinned:
-            chain = self.hold(node.chain)
-            self.set_chain(node, chain, pinned=True)
+            self.set_chain(node, self.hold(node.chain), pinned=True)
 
     def set_chain(self, node: KVNode, chain: Chain | None, pinned: bool = False) -> None:
         """Give ``node`` a chain (held by the caller; the node takes that hold), or drop its chain."""
@@ -294,12 +293,9 @@ class PrefixKVStore:
         limit = None
         if self.max_kv_bytes is not None:
             limit = self.max_kv_bytes // self.block_bytes - reserve_blocks
-        entries = self.max_kv_entries
-        while self._kv_lru and (
-            (limit is not None and self._counted > limit)
-            or (entries is not None and len(self._kv_lru) > entries)
-        ):
-            node = next(iter(self._kv_lru.values()))
+        lru = self._kv_lru
+        while lru and _over(self._counted, limit, len(lru), self.max_kv_entries):
+            node = next(iter(lru.values()))
             self.set_chain(node, None)
             self._emptied.append(node)
 
@@ -332,12 +328,9 @@ class PrefixKVStore:
             return
         self.logprobs_nbytes += self._nbytes(logprobs)
         self._logprobs_lru[id(node)] = node
-        limit, entries = self.max_logprobs_bytes, self.max_logprobs_entries
-        while self._logprobs_lru and (
-            (limit is not None and self.logprobs_nbytes > limit)
-            or (entries is not None and len(self._logprobs_lru) > entries)
-        ):
-            oldest = next(iter(self._logprobs_lru.values()))
+        lru, limit = self._logprobs_lru, self.max_logprobs_bytes
+        while lru and _over(self.logprobs_nbytes, limit, len(lru), self.max_logprobs_entries):
+            oldest = next(iter(lru.values()))
             self.set_logprobs(oldest, None)
             self._emptied.append(oldest)
 
@@ -416,6 +409,12 @@ class PrefixKVStore:
             self._fill += [0] * (capacity - old)
             self._free.extend(range(old, capacity))
         heapq.heapify(self._free)
+
+
+def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:
+    """Whether an LRU budget is exceeded: ``used`` over ``limit`` or ``kept`` entries over
+    ``entries`` (None: no bound)."""
+    return (limit is not None and used > limit) or (entries is not None and kept > entries)
 
 
 def _subtree(root: KVNode) -> list[KVNode]:

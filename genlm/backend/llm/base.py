@@ -200,13 +200,15 @@ class AsyncLM(ABC):
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
     ) -> torch.Tensor:
-        """Blocking `batch_next_token_logprobs`."""
+        """Blocking `batch_next_token_logprobs`: ``[B, V]``."""
         queries = self._query_list(token_ids_list, lora_name)
         if not queries:
             return torch.empty(0, self.vocab_size)
-        return torch.stack(
-            [self.next_token_logprobs_sync(q.token_ids, lora_name=q.lora) for q in queries]
-        )
+        return torch.stack(self._rows_sync(queries))
+
+    def _rows_sync(self, queries: list[Query]) -> list[torch.Tensor]:
+        """`next_token_logprobs_sync` of validated queries (batched backends: one batch)."""
+        return [self.next_token_logprobs_sync(q.token_ids, lora_name=q.lora) for q in queries]
 
     def clear_cache(self) -> None:
         """Forget cached results (no-op for backends without a cache)."""
@@ -471,14 +473,8 @@ class BatchedAsyncLM(AsyncLM):
         """Blocking `next_token_logprobs` (a batch of one)."""
         return self._run_batch([self._query(token_ids, lora_name)])[0]
 
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Blocking next-token log-probabilities for several prefixes, in one batch: ``[B, V]``."""
-        queries = self._query_list(token_ids_list, lora_name)
-        if not queries:
-            return torch.empty(0, self.vocab_size)
-        return torch.stack(self._run_batch(queries))
+    def _rows_sync(self, queries: list[Query]) -> list[torch.Tensor]:
+        return self._run_batch(queries)
 
     def _serve_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """`_process_batch` on the keys whose adapter is still registered; the others get
@@ -486,15 +482,11 @@ class BatchedAsyncLM(AsyncLM):
         gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]
         if not any(gone):
             return self._process_batch(keys)
-        kept = self._process_batch([key for key, g in zip(keys, gone, strict=True) if not g])
-        answers: list[Any] = []
-        served = 0
-        for key, is_gone in zip(keys, gone, strict=True):
-            if is_gone:
-                answers.append(self._unknown_lora(key.lora))
-            else:
-                answers.append(kept[served])
-                served += 1
+        kept = iter(self._process_batch([key for key, g in zip(keys, gone, strict=True) if not g]))
+        answers: list[Any] = [  # an exception is its caller's answer
+            self._unknown_lora(key.lora) if g else next(kept)
+            for key, g in zip(keys, gone, strict=True)
+        ]
         return answers
 
     def _run_batch(self, keys: list[Query]) -> list[torch.Tensor]:

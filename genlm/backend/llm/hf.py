@@ -1,17 +1,11 @@
 """`AsyncTransformer`: a Hugging Face transformers causal LM behind the `AsyncLM` interface.
 
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
-tokens. The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`, ...)
-and the batcher come from `genlm.backend.llm.prefix.PrefixCachedLM`; this module is the
-forward over planned rows of (block chain, new tokens). KV states live in a paged store
-(`genlm.backend.kv.store.PrefixKVStore`, over a `genlm.backend.kv.torch_pool.TorchBlockPool`:
-fixed-size blocks in one tensor per layer, sized by the store, reference-counted, a prefix
-tree mapping token prefixes to block chains, shared between particles, copy-on-write
-where they fork). The base plans each batch: every row holds the deepest KV along its
-request (or below its end: a descendant's chain starts with it) and gets its own chain
-for its whole prefix (the source's full blocks shared, its partly filled last block
-appended to in place or copied, fresh blocks for the new tokens), the copies applied.
-This module then, per group of rows that need the same number ``t`` of new tokens:
+tokens. The request plan, the cache calls and the batcher come from
+`genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
+`TorchBlockPool`: one tensor per layer); this module is the forward over planned rows
+(each a block chain and new tokens), per group of rows with the same number ``t`` of
+new tokens:
 
 1. runs ONE forward over the ``rows x t`` new tokens with explicit position ids and a
    4-D mask (none when nothing is padded); a small `Cache` writes each layer's new KV
@@ -32,12 +26,8 @@ Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 - Rows are grouped by ``t`` so no query row is padded (the usual step has ``t = 1``
   for everyone; a fresh prompt or a recomputed prefix forms its own group), hence
   no fully-masked attention rows and no NaNs from them.
-- Memory: the budget counts exactly the blocks held by unpinned prefixes; least recently
-  used chains are released when a block is needed and after every batch, so KV stays
-  within ``max_kv_bytes`` between batches (during one, the blocks its rows hold are kept).
-  Prompts pinned with `cache_kv` are outside the budget. The pool grows before a batch to
-  what the budget (or the batch's rows) need, shrinks on cache clears and when mostly
-  free, and resizes one layer at a time so it is never held twice while it copies.
+- Memory: KV stays within ``max_kv_bytes`` between batches (docs/kv-store.md); the
+  pool resizes one layer at a time, so it is never held twice while it copies.
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's
@@ -282,7 +272,7 @@ def _normalize_dtype(opts: dict[str, Any]) -> None:
         opts["dtype"] = _DTYPE_NAMES[name]
 
 
-class AsyncTransformer(PrefixCachedLM):
+class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
 
     Each returned log-probability vector is the caller's own copy.
@@ -307,6 +297,7 @@ class AsyncTransformer(PrefixCachedLM):
         hf_tokenizer: Any,
         batch_size: int = 20,
         timeout: float | None = 0.02,
+        *,
         max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES,
         max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
         max_batch_tokens: int = 4096,
@@ -405,30 +396,22 @@ class AsyncTransformer(PrefixCachedLM):
 
     # -- LoRA ----------------------------------------------------------------------------------
 
-    def _load_lora(self, lora_path: str, lora_name: str) -> None:
-        try:
-            import peft  # noqa: F401
-        except ImportError as error:
-            raise ImportError(
-                "LoRA adapters need peft: pip install 'genlm-backend[lora]'"
-            ) from error
-        self.batcher.run_sync(self._load_adapter, lora_path, lora_name)
-
-    def _unload_lora(self, lora_name: str) -> None:
-        self.batcher.run_sync(self._delete_adapter, lora_name)
-
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         """Check the adapter, load it under a fresh peft name, and only then let it replace
         an adapter registered under ``lora_name``: any failure leaves the model and the
         registry as they were (no LoRA layers left injected)."""
-        # peft sees its own names: a user's name may hold "." (not a module name), be
-        # "__base__", or be part of peft's "lora_" prefix, which peft misreads.
-        import peft
-
+        try:
+            import peft
+        except ImportError as error:
+            raise ImportError(
+                "LoRA adapters need peft: pip install 'genlm-backend[lora]'"
+            ) from error
         from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
 
         path, weights = read_peft_adapter(lora_path)
         check_peft_shapes(weights, self.model, path)
+        # peft sees its own names: a user's name may hold "." (not a module name), be
+        # "__base__", or be part of peft's "lora_" prefix, which peft misreads.
         peft_name = f"genlm{next(self._adapter_ids)}"
         try:
             if self._peft is None:
@@ -445,7 +428,6 @@ class AsyncTransformer(PrefixCachedLM):
         self._peft_names[lora_name] = peft_name
         if replaced is not None:
             self._delete_peft_adapter(replaced)
-        self.store.drop_root(lora_name)
 
     def _discard_adapter(self, peft_name: str) -> None:
         """Undo a failed load of ``peft_name``: delete what peft added of it, or, if the
@@ -465,7 +447,6 @@ class AsyncTransformer(PrefixCachedLM):
 
     def _delete_adapter(self, lora_name: str) -> None:
         self._delete_peft_adapter(self._peft_names.pop(lora_name))
-        self.store.drop_root(lora_name)
 
     def _delete_peft_adapter(self, peft_name: str) -> None:
         if not set(self._peft_names.values()) - {peft_name}:
@@ -517,23 +498,26 @@ class AsyncTransformer(PrefixCachedLM):
         new tokens' KV written into their chains."""
         new_tokens = rows[0].new_tokens
         past_length = max(row.start for row in rows)
-        slots = [pool.slots(row.chain or (), len(row.ids)) for row in rows]
+        slots = [pool.slots(row.chain, len(row.ids)) for row in rows]
         starts = torch.tensor([row.start for row in rows], device=self._input_device)
         input_ids = torch.tensor([row.ids[row.start :] for row in rows], device=self._input_device)
         write = torch.stack([own[row.start :] for row, own in zip(rows, slots, strict=True)])
         loras = [row.lora for row in rows]
         shared = self._shared_tokens(rows) if new_tokens <= self.max_batch_tokens else 0
         if shared:
-            # Cascade: the shared prefix is read once per layer; each row reads only its own tokens.
+            # Cascade: the shared prefix is read once per layer; each row reads only its own
+            # tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword).
             read = self._padded(slots, shared)
-            logits = self._cascade_forward(
+            cache = paged_cache(pool, write.flatten(), read, past_length, slots[0][:shared])
+            logits = self._forward(
                 loras,
                 input_ids=input_ids,
                 attention_mask=self._attention_mask(
                     starts - shared, past_length - shared, new_tokens, boolean=True
                 ),
                 position_ids=starts[:, None] + torch.arange(new_tokens, device=self._input_device),
-                cache=paged_cache(pool, write.flatten(), read, past_length, slots[0][:shared]),
+                cache=cache,
+                genlm_cache=cache,
                 use_cache=True,
                 logits_to_keep=1,
             ).logits
@@ -580,17 +564,13 @@ class AsyncTransformer(PrefixCachedLM):
         if not self._cascade or len(rows) < 2:
             return 0
         limit = min(row.start for row in rows) // BLOCK_SIZE
-        chains = [row.chain or () for row in rows]
+        chains = [row.chain for row in rows]
         first = chains[0]
         blocks = 0
         while blocks < limit and all(chain[blocks] == first[blocks] for chain in chains):
             blocks += 1
         shared = blocks * BLOCK_SIZE
         return shared if shared >= CASCADE_MIN_SHARED else 0
-
-    def _cascade_forward(self, loras: Sequence[str | None], **kwargs: Any) -> Any:
-        """`_forward` whose attention layers run `cascade_attention` (chosen by the keyword)."""
-        return self._forward(loras, **kwargs, genlm_cache=kwargs["cache"])
 
     def _run_without_kv(self, rows: list[Row]) -> list[torch.Tensor]:
         """Fallback for models without reusable KV: one plain forward of whole prefixes of

@@ -1,15 +1,10 @@
 """`AsyncMlxLM`: the `AsyncLM` interface on an mlx-lm model (Apple silicon, or Linux CPU).
 
-The request plan, the cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
-`clear_kv_cache`, `reset_async_queries`), input validation and the batcher come from
+The request plan, the cache calls, input validation and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, with the same meanings as for
-`AsyncTransformer`; this module is the forward over rows of (block chain, new tokens).
-KV states live in the shared paged store (`genlm.backend.kv.store.PrefixKVStore`):
-16-token blocks in one pool per layer (`genlm.backend.kv.mlx_pool.MlxBlockPool`: a keys
-and a values ``mx.array`` of ``[blocks * 16, kv_heads, head_dim]``, block 0 all zeros),
-reference-counted, a prefix tree mapping token prefixes to block chains, shared between
-particles, copy-on-write where they fork. The base plans each row (its own chain for its
-whole prefix, copies applied); per adapter, this module's forward:
+`AsyncTransformer`, the paged KV from `genlm.backend.kv` (an `MlxBlockPool`: a keys and a
+values ``mx.array`` per layer); this module is the forward over planned rows (each a
+block chain and new tokens), per adapter:
 
 1. prefills each row's new tokens but the last (rows with as many such tokens together,
    in steps of ``prefill_step_size``), then runs every row's last token in one forward.
@@ -22,8 +17,9 @@ whole prefix, copies applied); per adapter, this module's forward:
    never computed), over the tokenizer's vocabulary, as float32 log-probabilities.
 
 ``cache_size`` bounds how many prefixes keep their KV (unpinned chains) and how many
-keep their logprobs, least recently used first; ``max_kv_bytes`` optionally bounds the
-bytes of those chains' blocks. Prompts pinned with `cache_kv` are outside both.
+keep their logprobs, least recently used first; ``max_kv_bytes`` and
+``max_logprobs_bytes`` optionally bound their bytes, as on `AsyncTransformer`. Prompts
+pinned with `cache_kv` are outside these budgets.
 
 Models whose cache layers are not all plain ``KVCache`` (sliding windows, quantized or
 recurrent states) still work, without KV reuse: a warning says so, each request runs its
@@ -48,7 +44,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,6 +55,9 @@ from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import Chain, PrefixKVStore
 from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, Row, run_grouped
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import KVCache
 
 MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
 
@@ -156,7 +155,7 @@ class _PagedCache:
         )
 
 
-class AsyncMlxLM(PrefixCachedLM):
+class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
     """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
 
     Returned log-probability vectors are shared with the cache (each a tensor of its own):
@@ -172,6 +171,7 @@ class AsyncMlxLM(PrefixCachedLM):
             used evicted first (0: nothing is kept between batches), over every adapter's
             prefix tree together; prompts pinned with `cache_kv` are outside it.
         max_kv_bytes: optional cap on the bytes of the KV blocks those prefixes hold.
+        max_logprobs_bytes: optional cap on the bytes of the cached log-probabilities.
     """
 
     def __init__(
@@ -182,18 +182,22 @@ class AsyncMlxLM(PrefixCachedLM):
         timeout: float | None = 0.001,
         prefill_step_size: int = 2048,
         cache_size: int = 400,
+        *,
         max_kv_bytes: int | None = None,
+        max_logprobs_bytes: int | None = None,
     ):
         mx = _import_mlx()
         check_int("prefill_step_size", prefill_step_size, minimum=1)
         check_int("cache_size", cache_size)
         check_int("max_kv_bytes", max_kv_bytes, optional=True)
+        check_int("max_logprobs_bytes", max_logprobs_bytes, optional=True)
         super().__init__(_hf_tokenizer(tokenizer))
         self.mlx_tokenizer = tokenizer
         self.model = mlx_lm_model
         self.prefill_step_size = prefill_step_size
         self.cache_size = cache_size
         self.max_kv_bytes = max_kv_bytes
+        self.max_logprobs_bytes = max_logprobs_bytes
         mx.eval(mlx_lm_model.parameters())
         layout, reason = self._probe_kv_layout()
         self._pool = None if layout is None else MlxBlockPool(layout)
@@ -201,6 +205,7 @@ class AsyncMlxLM(PrefixCachedLM):
         store = PrefixKVStore(
             self._pool or NoKVPool(reason),
             max_kv_bytes=max_kv_bytes,
+            max_logprobs_bytes=max_logprobs_bytes,
             max_kv_entries=cache_size,
             max_logprobs_entries=cache_size,
         )
@@ -232,24 +237,18 @@ class AsyncMlxLM(PrefixCachedLM):
 
     # -- LoRA ----------------------------------------------------------------------------------
 
-    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         """Load an mlx-lm adapter directory (``adapter_config.json``, ``adapters.safetensors``)
         into a model of its own: the base model and an adapter registered under the same
         name are untouched until it has loaded."""
-        from genlm.backend.llm.adapters import check_mlx_adapter
-
-        path = check_mlx_adapter(lora_path)
-        self.batcher.run_sync(self._load_adapter, str(path), lora_name)
-
-    def _unload_lora(self, lora_name: str) -> None:
-        self.batcher.run_sync(self._delete_adapter, lora_name)
-
-    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
         from mlx_lm.tuner.utils import load_adapters
 
+        from genlm.backend.llm.adapters import check_mlx_adapter
+
         mx = _import_mlx()
+        path = str(check_mlx_adapter(lora_path))
         try:
-            model = load_adapters(_share_weights_copy(self.model), lora_path)
+            model = load_adapters(_share_weights_copy(self.model), path)
         except (ValueError, KeyError, AttributeError, TypeError, OSError, RuntimeError) as error:
             raise ValueError(
                 f"cannot load the mlx-lm adapter {lora_path!r} onto this model: "
@@ -258,11 +257,9 @@ class AsyncMlxLM(PrefixCachedLM):
         model.eval()
         mx.eval(model.parameters())
         self._adapters[lora_name] = model
-        self.store.drop_root(lora_name)
 
     def _delete_adapter(self, lora_name: str) -> None:
         del self._adapters[lora_name]
-        self.store.drop_root(lora_name)
 
     def _model(self, lora: str | None) -> Any:
         """The model serving adapter ``lora`` (``None``: the base model)."""
@@ -309,7 +306,7 @@ class AsyncMlxLM(PrefixCachedLM):
         read = np.zeros((len(rows), width), dtype=np.int32)
         write = []
         for i, (row, first, end) in enumerate(zip(rows, firsts, ends, strict=True)):
-            slots = pool.slots(row.chain or (), end)
+            slots = pool.slots(row.chain, end)
             read[i, width - end :] = slots
             write.append(slots[first:])
         padding = [width - end for end in ends]
@@ -349,7 +346,7 @@ class AsyncMlxLM(PrefixCachedLM):
         logits = logits[:, -1, : self.vocab_size].astype(mx.float32)
         return logits - _logsumexp(logits)
 
-    def _read_past(self, chain: Chain, tokens: int) -> list[Any]:
+    def _read_past(self, chain: Chain, tokens: int) -> list[KVCache]:
         """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
         (keys and values ``[1, kv_heads, tokens, head_dim]``)."""
         from mlx_lm.models.cache import KVCache

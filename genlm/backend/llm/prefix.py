@@ -5,29 +5,32 @@ copy-on-write copies applied to the pool), the logprobs and KV bookkeeping after
 forward, and the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
 `clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with
 one meaning for every backend. A backend implements only the forward, `_run_rows`: it
-reads each planned row's chain, writes its new tokens' KV into the chain's slots and
-returns its logprobs; it never calls the store or back up into this class.
+reads the planned (frozen) rows, writes their new tokens' KV into their chains and
+returns their logprobs; it never calls the store or back up into this class.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, replace
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.store import Chain, KVNode, PrefixKVStore
 from genlm.backend.llm.base import BatchedAsyncLM, Query
 
+Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
+R = TypeVar("R")
 
-@dataclass
+
+@dataclass(frozen=True, slots=True)
 class Row:
-    """One request in a batch: run ``ids[start:]`` on top of the KV of ``ids[:start]``.
-
-    ``source`` holds the blocks of that KV while the batch runs; ``chain`` is the row's
-    own chain (``ids`` whole, with KV reuse) from the plan until a node takes it.
-    """
+    """One planned request: run ``ids[start:]`` on top of the KV of ``ids[:start]``, held
+    in ``source`` while the batch runs; ``chain``, the row's own chain for ``ids`` whole
+    (with KV reuse, once allocated), holds that KV and gets the new tokens'."""
 
     slot: int  # the position of its query in the batch
     ids: tuple[int, ...]
@@ -35,7 +38,7 @@ class Row:
     node: KVNode
     start: int
     source: Chain = ()
-    chain: Chain | None = None
+    chain: Chain = ()
 
     @property
     def new_tokens(self) -> int:
@@ -52,10 +55,11 @@ class CacheWalk(NamedTuple):
     base: int
 
 
-class PrefixCachedLM(BatchedAsyncLM):
+class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     """An auto-batched LM with a prefix tree of cached logprobs and paged KV (`store`).
 
-    Subclasses call `_init_prefix_cache` and implement `_run_rows`.
+    Subclasses call `_init_prefix_cache` and implement `_run_rows`; ``Past`` is the type
+    of the KV copies `walk_cache` returns (`_read_past`).
     """
 
     store: PrefixKVStore
@@ -79,15 +83,40 @@ class PrefixCachedLM(BatchedAsyncLM):
     # -- backend hooks (worker thread) ---------------------------------------------------------
 
     @abstractmethod
-    def _run_rows(self, rows: Sequence[Row]) -> list[Any]:
+    def _run_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Each row's next-token logprobs (a tensor of its own), in order. With KV reuse a
         row's chain is allocated and its copies applied: read its first ``row.start``
         tokens' KV from the chain and write ``ids[start:]``'s into it; without, run the
         whole prefix."""
 
-    def _read_past(self, chain: Chain, tokens: int) -> Any:
+    def _read_past(self, chain: Chain, tokens: int) -> Past:
         """A copy of the KV of a chain's first ``tokens`` tokens (`walk_cache`'s ``past``)."""
         return self.store.pool.read(chain, tokens)
+
+    @abstractmethod
+    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
+        """Check and load an adapter under ``lora_name``, replacing one of that name only
+        once it has loaded (a failure leaves the model as it was)."""
+
+    @abstractmethod
+    def _delete_adapter(self, lora_name: str) -> None:
+        """Free a loaded adapter."""
+
+    # -- LoRA wiring: the model work on the worker, then that adapter's tree dropped ----------
+
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+        self.batcher.run_sync(self._swap_adapter, lora_path, lora_name)
+
+    def _unload_lora(self, lora_name: str) -> None:
+        self.batcher.run_sync(self._drop_adapter, lora_name)
+
+    def _swap_adapter(self, lora_path: str, lora_name: str) -> None:
+        self._load_adapter(lora_path, lora_name)
+        self.store.drop_root(lora_name)
+
+    def _drop_adapter(self, lora_name: str) -> None:
+        self._delete_adapter(lora_name)
+        self.store.drop_root(lora_name)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -127,7 +156,7 @@ class PrefixCachedLM(BatchedAsyncLM):
         self.queries.append(self._query(token_ids, lora_name))
         return len(self.queries) - 1
 
-    def batch_evaluate_queries(self) -> list[Any]:
+    def batch_evaluate_queries(self) -> list[torch.Tensor]:
         """Evaluate every queued prefix in one batch (blocking); empties the queue."""
         queries, self.queries = self.queries, []
         return self._run_batch(queries) if queries else []
@@ -147,9 +176,10 @@ class PrefixCachedLM(BatchedAsyncLM):
 
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
-    def _process_batch(self, keys: list[Query]) -> list[Any]:
-        results: list[Any] = [None] * len(keys)
-        rows: list[Row] = []
+    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
+        results: dict[int, torch.Tensor] = {}
+        planned: list[Row] = []
+        chains: dict[int, Chain] = {}  # by slot: each row's own chain until a node takes it
         try:
             for slot, (ids, lora) in enumerate(keys):
                 node, depth = self.store.walk(self.store.root(lora), ids)
@@ -157,16 +187,16 @@ class PrefixCachedLM(BatchedAsyncLM):
                     self.store.touch(node)
                     results[slot] = node.logprobs
                 else:
-                    rows.append(self._plan(slot, ids, lora, node))
-            if rows:
-                self._allocate(rows)
+                    planned.append(self._plan(slot, ids, lora, node))
+            if planned:
+                rows = self._allocate(planned, chains)
                 for row, logprobs in zip(rows, self._run_rows(rows), strict=True):
-                    self._store_row(row, logprobs)
+                    self._store_row(row, logprobs, chains)
                     results[row.slot] = logprobs
         finally:
-            self._finish(rows)
+            self._finish(planned, chains)
         # Callers get copies: a row edited in place must not change what the tree holds.
-        return [row.clone() for row in results]
+        return [results[slot].clone() for slot in range(len(keys))]
 
     def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
@@ -179,34 +209,34 @@ class PrefixCachedLM(BatchedAsyncLM):
         held = self.store.hold(source.chain[: -(-start // self.store.block_size)])
         return Row(slot, ids, lora, node, start, held)
 
-    def _allocate(self, rows: Sequence[Row]) -> None:
-        """With KV reuse, give each row its own chain (making room in the pool first) and
-        apply the copy-on-write copies, before the forward."""
+    def _allocate(self, rows: Sequence[Row], chains: dict[int, Chain]) -> list[Row]:
+        """With KV reuse, the rows with their own chains (room made in the pool first; each
+        chain recorded in ``chains`` as it is made), the copy-on-write copies applied."""
         if not self.kv_reuse:
-            return
+            return list(rows)
         self.store.reserve([(row.source, row.start, len(row.ids)) for row in rows])
-        copies = []
+        allocated, copies = [], []
         for row in rows:
-            row.chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
+            chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
+            chains[row.slot] = chain
             copies += row_copies
+            allocated.append(replace(row, chain=chain))
         self.store.pool.copy(copies)
+        return allocated
 
-    def _store_row(self, row: Row, logprobs: Any) -> None:
+    def _store_row(self, row: Row, logprobs: torch.Tensor, chains: dict[int, Chain]) -> None:
         """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
-        chain to its node (unless the node holds a pinned chain)."""
+        chain to its node (unless the node holds a pinned chain), out of ``chains``."""
         node = self.store.node_at(row.node, row.ids)
         self.store.set_logprobs(node, logprobs)
-        if row.chain is not None and not node.pinned:
-            self.store.set_chain(node, row.chain)
-            row.chain = None
+        if row.chain and not node.pinned:
+            self.store.set_chain(node, chains.pop(row.slot))
 
-    def _finish(self, rows: Sequence[Row]) -> None:
-        """Let go of what the rows still hold, bring KV back within budget, shrink a mostly
-        free pool, prune the trees."""
-        for row in rows:
-            self.store.release(row.source)
-            self.store.release(row.chain)
-            row.source, row.chain = (), None
+    def _finish(self, planned: Sequence[Row], chains: dict[int, Chain]) -> None:
+        """Let go of the rows' sources and of the chains no node took, bring KV back within
+        budget, shrink a mostly free pool, prune the trees."""
+        for chain in [*(row.source for row in planned), *chains.values()]:
+            self.store.release(chain)
         self.store.evict()
         self.store.trim()
         self.store.prune()
@@ -220,13 +250,14 @@ class PrefixCachedLM(BatchedAsyncLM):
         if depth == len(ids) and node.chain is not None:
             self.store.pin(node)
             return
-        row = self._plan(0, ids, lora, node)
+        planned = [self._plan(0, ids, lora, node)]
+        chains: dict[int, Chain] = {}
         try:
-            self._allocate([row])
-            self._store_row(row, self._run_rows([row])[0])
+            rows = self._allocate(planned, chains)
+            self._store_row(rows[0], self._run_rows(rows)[0], chains)
             self.store.pin(self.store.node_at(node, ids))
         finally:
-            self._finish([row])
+            self._finish(planned, chains)
 
     def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
         root = self.store.root(lora)
@@ -241,15 +272,14 @@ class PrefixCachedLM(BatchedAsyncLM):
 def run_grouped(
     rows: Sequence[Row],
     key: Callable[[Row], Hashable],
-    run: Callable[[list[Row]], Sequence[Any]],
-) -> list[Any]:
+    run: Callable[[list[Row]], Sequence[R]],
+) -> list[R]:
     """``run`` (one result per row) over the rows grouped by ``key``, the results in the
     order of ``rows``."""
     groups: dict[Hashable, list[int]] = {}
     for index, row in enumerate(rows):
         groups.setdefault(key(row), []).append(index)
-    results: list[Any] = [None] * len(rows)
+    results: dict[int, R] = {}
     for indices in groups.values():
-        for index, result in zip(indices, run([rows[i] for i in indices]), strict=True):
-            results[index] = result
-    return results
+        results.update(zip(indices, run([rows[i] for i in indices]), strict=True))
+    return [results[index] for index in range(len(rows))]
