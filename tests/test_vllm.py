@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,9 +23,11 @@ pytest.importorskip("vllm")
 
 from genlm.backend.llm.hf import cache_keyword  # noqa: E402
 from genlm.backend.llm.vllm import (  # noqa: E402
+    CAPTURE_KEY,
     AsyncVirtualLM,
     EngineLogprobsCapture,
     LogitsProcessorCapture,
+    MissingRowsError,
 )
 
 pytestmark = [
@@ -173,6 +177,32 @@ def test_engine_logprobs_capture_agrees_with_the_logits_processor(vlm, hf_model)
     via_engine = AsyncVirtualLM(vlm.llm_engine, EngineLogprobsCapture())
     assert isinstance(vlm.logprobs_capture, LogitsProcessorCapture)
     assert_right(vlm, prompt, via_engine.next_token_logprobs_sync(prompt), hf_model)
+
+
+class CaptureElsewhere(LogitsProcessorCapture):
+    """The logits processor capture, with the engine told to write each row to a file that
+    is not the caller's: as for a sampling worker on another machine, whose ``/dev/shm``
+    is not the caller's."""
+
+    @contextmanager
+    def batch(self, n, width):
+        with super().batch(n, width) as rows:
+            elsewhere = os.path.join(self.directory, "genlm-elsewhere", "rows.f32")
+            kwargs = {"extra_args": {CAPTURE_KEY: (elsewhere, 0, width)}}
+            yield SimpleNamespace(sampling_kwargs=lambda row: kwargs, read=rows.read)
+
+
+def test_the_capture_probe_switches_to_vllms_logprobs_where_rows_cannot_come_back(vlm, hf_model):
+    """The construction-time probe (`from_name` runs it) against the real logits processor
+    in vLLM's engine process: the row is never written, the engine allows
+    ``max_logprobs=-1``, so the LM switches to vLLM's own logprobs and its rows are right."""
+    lm = AsyncVirtualLM(vlm.llm_engine, CaptureElsewhere())
+    with pytest.raises(MissingRowsError):
+        lm.next_token_logprobs_sync([1, 2, 3])
+    lm._check_capture()
+    assert isinstance(lm.logprobs_capture, EngineLogprobsCapture)
+    prompt = prompts_of(vlm.tokenizer)[1]
+    assert_right(vlm, prompt, lm.next_token_logprobs_sync(prompt), hf_model)
 
 
 async def test_sample_respects_max_tokens_eos_and_seed(vlm):
@@ -679,9 +709,10 @@ def test_cleanup_stops_the_engine_processes_and_later_calls_raise(vlm):
         vlm.next_token_logprobs_sync([1, 2])
 
 
-# An LM built inside a running event loop (a notebook cell), then one built in another
-# thread and used from the main thread's loop, each closed with `async with` / `with`, and
-# a third left open at exit (closed by the backend's exit hook). Rows go to argv[2].
+# An LM built inside a running event loop (a notebook cell) and closed with `async with`,
+# then one built in another thread, used from the main thread's loop and left open at exit
+# (closed by the backend's exit hook; `with` is used by the few-blocks test). Rows go to
+# argv[2].
 WHERE_BUILT_SCRIPT = """
 import asyncio, sys, threading, torch
 from genlm.backend.llm.vllm import AsyncVirtualLM
@@ -695,20 +726,15 @@ async def notebook_cell():
     async with lm:
         return await asyncio.wait_for(lm.next_token_logprobs(prompt), 120)
 
-def built_in_another_thread():
+def built_in_another_thread_and_left_open():
     box = {}
     builder = threading.Thread(target=lambda: box.update(lm=AsyncVirtualLM.from_name(model, engine_opts=opts)))
     builder.start()
     builder.join()
-    with box["lm"] as lm:
-        return asyncio.run(asyncio.wait_for(lm.next_token_logprobs(prompt), 120))
-
-async def left_open():
-    lm = AsyncVirtualLM.from_name(model, engine_opts=opts)
-    return await asyncio.wait_for(lm.next_token_logprobs(prompt), 120)
+    return asyncio.run(asyncio.wait_for(box["lm"].next_token_logprobs(prompt), 120))
 
 if __name__ == "__main__":
-    rows = [asyncio.run(notebook_cell()), built_in_another_thread(), asyncio.run(left_open())]
+    rows = [asyncio.run(notebook_cell()), built_in_another_thread_and_left_open()]
     torch.save(torch.stack(rows), out)
 """
 
@@ -720,14 +746,15 @@ def untidy_exit_lines(stderr):
 
 
 def test_lms_built_inside_a_running_loop_or_in_a_thread_serve_and_exit_cleanly(
-    default_model_dir, hf_model, tmp_path
+    small_llama_dir, small_llama, tmp_path
 ):
-    """The notebook case (vLLM's output handler would start on the caller's loop), a
-    thread, and an LM never closed: every row right, the process ends in time, tidily."""
+    """The notebook case (vLLM's output handler would start on the caller's loop), and an
+    LM built in a thread and never closed: every row right, the process ends in time,
+    tidily. On the small Llama: the engines start faster than SmolLM2's."""
     script, out = tmp_path / "where_built.py", tmp_path / "rows.pt"
     script.write_text(WHERE_BUILT_SCRIPT)
     run = subprocess.run(
-        [sys.executable, str(script), default_model_dir, str(out)],
+        [sys.executable, str(script), small_llama_dir, str(out)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -736,18 +763,21 @@ def test_lms_built_inside_a_running_loop_or_in_a_thread_serve_and_exit_cleanly(
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert untidy_exit_lines(run.stderr) == []
-    expected = reference_logprobs(hf_model, [504, 3458, 282, 4649, 314])
-    for row in torch.load(out):
+    expected = reference_logprobs(small_llama, [504, 3458, 282, 4649, 314])
+    rows = torch.load(out)
+    assert len(rows) == 2
+    for row in rows:
         diff = (row - expected[: len(row)]).abs().max().item()
         record("transformers", diff)
         assert diff <= TRANSFORMERS_TOLERANCE
 
 
-def test_the_cli_on_vllm_exits_cleanly_and_a_failed_engine_exits_non_zero(default_model_dir):
+def test_the_cli_on_vllm_exits_cleanly_and_a_failed_engine_exits_non_zero(small_llama_dir):
     """`python -m genlm.backend sis --backend vllm` with the CPU build's defaults (no KV
-    space given): status 0, tidy exit; an engine that cannot start: status 1, one line."""
+    space given): status 0, tidy exit; an engine that cannot start: status 1, one line.
+    On the small Llama, whose engine starts faster than SmolLM2's."""
     command = [sys.executable, "-m", "genlm.backend", "sis", "--backend", "vllm"]
-    command += ["--model", default_model_dir, "--particles", "2", "--max-tokens", "2"]
+    command += ["--model", small_llama_dir, "--particles", "2", "--max-tokens", "2"]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
