@@ -535,11 +535,10 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
             memory.append(process_memory())
         print(f"{steps} steps of {n} particles: {time.monotonic() - started:.1f} s")
         assert pool.counts["one_shot"] > 0 and pool.counts["continued"] > 0
+    mib = [(own // 2**20, engine // 2**20) for own, engine in memory]
+    print("memory (MiB, this process / engine) after steps 2, 10, 20, 30, 40:")
+    print([mib[i] for i in (1, 9, 19, 29, 39)])
     (own_start, engine_start), (own_end, engine_end) = memory[1], memory[-1]
-    print(
-        f"memory: this process {own_start / 2**20:.0f} -> {own_end / 2**20:.0f} MiB, "
-        f"engine {engine_start / 2**20:.0f} -> {engine_end / 2**20:.0f} MiB"
-    )
     assert own_end - own_start < 256 * 2**20
     assert engine_end - engine_start < 256 * 2**20
 
