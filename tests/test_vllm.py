@@ -282,9 +282,9 @@ async def pool_close(vlm):
     )
 
 
-async def test_128_particles_with_600_token_prompts_return_every_row_right(vlm, hf_model):
+async def test_64_particles_with_600_token_prompts_return_every_row_right(vlm, hf_model):
     prefix = prompts_of(vlm.tokenizer)[4][:598]
-    n = 128
+    n = 64  # four times the engine's slots
     first = [prefix + [100 + i] for i in range(n)]
     second = [p + [300 + i % 7] for i, p in enumerate(first)]
     lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture, batch_size=n)
@@ -303,7 +303,7 @@ async def test_128_particles_with_600_token_prompts_return_every_row_right(vlm, 
         diff = (rows[j] - expected[:, j]).abs().max().item()
         record("transformers", diff)
         assert diff <= TRANSFORMERS_TOLERANCE
-        for i in range(0, n, 37):  # vLLM's own rows for a few particles (each takes ~0.1 s)
+        for i in range(0, n, 21):  # vLLM's own rows for a few particles (each takes ~0.1 s)
             own = vllm_own_logprobs(lm.llm_engine, contexts[i])[: lm.vocab_size]
             diff = (rows[j][i] - own).abs().max().item()
             record("vLLM's own rows", diff)
