@@ -630,6 +630,38 @@ def test_from_name_rejects_an_unknown_capture():
         AsyncVirtualLM.from_name("m", capture="telepathy")
 
 
+def test_from_name_fails_at_construction_where_the_workers_rows_cannot_reach_us(fake_vllm):
+    """The sampling worker on another machine (no shared /dev/shm): the probe request finds
+    its row unwritten, and the engine allows no full-vocabulary logprobs, so from_name
+    raises naming the options, and stops the engine; never a hang or a wrong row."""
+    fake_vllm.rows_reach_us = False
+    with pytest.raises(ValueError, match="do not reach") as error:
+        AsyncVirtualLM.from_name("m")
+    assert "capture='logprobs'" in str(error.value)
+    assert "capture=LogitsProcessorCapture(directory=...)" in str(error.value)
+    (engine,) = fake_vllm.built
+    assert engine.shutdowns == 1 and len(engine.requests) == 1  # the probe only
+
+
+async def test_from_name_switches_to_vllm_logprobs_where_rows_cannot_reach_us(fake_vllm, caplog):
+    fake_vllm.rows_reach_us = False
+    lm = AsyncVirtualLM.from_name("m", engine_opts={"max_logprobs": -1})
+    assert isinstance(lm.logprobs_capture, EngineLogprobsCapture)
+    assert "capturing with vLLM's logprobs=-1 instead" in caplog.text
+    await serves_and_closes(lm)
+
+
+async def test_from_name_takes_a_capture_with_a_shared_directory(fake_vllm, tmp_path):
+    capture = LogitsProcessorCapture(directory=str(tmp_path))
+    lm = AsyncVirtualLM.from_name("m", capture=capture)
+    assert lm.logprobs_capture is capture
+    (engine,) = fake_vllm.built
+    assert all(
+        r.params.extra_args[CAPTURE_KEY][0].startswith(str(tmp_path)) for r in engine.requests
+    )
+    await serves_and_closes(lm)
+
+
 async def test_a_context_asked_again_replaces_its_paused_session(lm, engine):
     await step(lm, engine, [[1, 2]])
     assert await step(lm, engine, [[1, 2]]) == ["open"]  # the same position again
@@ -757,11 +789,16 @@ class OutputHandlerEngine(StandInEngine):
 @pytest.fixture
 def fake_vllm(monkeypatch, smollm2_tokenizer):
     """``import vllm`` gives a module whose engine is an `OutputHandlerEngine`, so
-    `AsyncVirtualLM.from_name` runs on the stand-in; ``built`` lists the engines."""
+    `AsyncVirtualLM.from_name` runs on the stand-in; ``built`` lists the engines, and
+    ``rows_reach_us = False`` makes their capture write nothing."""
     built = []
+    state = SimpleNamespace(built=built, rows_reach_us=True)
 
     def from_engine_args(args):
-        engine = OutputHandlerEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+        engine = OutputHandlerEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()), 16)
+        engine.vllm_config.model_config = SimpleNamespace(max_logprobs=args.get("max_logprobs", 20))
+        if not state.rows_reach_us:  # a sampling worker on another machine: no file to write
+            engine._write_capture = lambda target, logits: None
         built.append(engine)
         return engine
 
@@ -774,7 +811,7 @@ def fake_vllm(monkeypatch, smollm2_tokenizer):
     platforms = SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: False))
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
-    return SimpleNamespace(built=built)
+    return state
 
 
 async def serves_and_closes(lm):
@@ -892,6 +929,71 @@ async def test_close_ends_a_step_in_flight_in_bounded_time(stalling):
     with pytest.raises(EngineLoopClosedError, match="closing"):
         await asyncio.wait_for(waiting, timeout=10)
     assert stalling.shutdowns == 1
+
+
+class AbortingStandInEngine(StandInEngine):
+    """The stand-in where something else (``AsyncLLM.abort``, ``pause_generation(mode=
+    "abort")``) aborts the requests for the contexts in ``abort_on`` once they have computed,
+    their capture rows written: the output says finish_reason "abort", with ``finished``
+    (vLLM 0.32) or, with ``looks_like_a_chunk_end``, without, as if the abort ended a chunk.
+    A session's later chunks are then never answered (its request is gone)."""
+
+    def __init__(self, *args, looks_like_a_chunk_end=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.abort_on = set()
+        self.looks_like_a_chunk_end = looks_like_a_chunk_end
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        async for output in super().generate(prompt, params, request_id, lora_request):
+            if tuple(output.prompt_token_ids) not in self.abort_on:
+                yield output
+                continue
+            output.outputs[0].finish_reason = "abort"
+            streaming = not isinstance(prompt, dict)
+            output.finished = not (streaming and self.looks_like_a_chunk_end)
+            yield output
+            if not output.finished:
+                async for _ in prompt:  # later chunks are taken, never answered
+                    pass
+            return
+
+
+@pytest.mark.parametrize("looks_like_a_chunk_end", [False, True], ids=["finished", "chunk-end"])
+async def test_an_aborted_request_fails_its_step_at_once_and_the_next_is_served(
+    smollm2_tokenizer, looks_like_a_chunk_end
+):
+    """vLLM's streaming-input hazard: an abort in the middle of a step is not a chunk's
+    end. Its row was written, so taken for one the step would pass and the next step's
+    chunk would wait for ever (stall_timeout 600 s here); instead the step fails at once
+    with RequestEndedError, and the next step opens a new session. An aborted sample
+    would come back cut short: it fails too."""
+    from genlm.backend.llm.vllm_sessions import RequestEndedError
+
+    engine = AbortingStandInEngine(
+        smollm2_tokenizer,
+        len(smollm2_tokenizer.get_vocab()),
+        looks_like_a_chunk_end=looks_like_a_chunk_end,
+    )
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), timeout=0.01, stall_timeout=600)
+    a, b = [1, 2], [3, 4]
+    await step(lm, engine, [a, b])
+    engine.abort_on = {(1, 2, 5)}
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(lm.next_token_logprobs(c) for c in (a + [5], b + [6])), return_exceptions=True
+        ),
+        timeout=10,
+    )
+    assert all(isinstance(r, RequestEndedError) for r in results), results
+    assert "finish_reason 'abort'" in str(results[0])
+    engine.abort_on = set()
+    contexts = [a + [5, 7], b + [6, 8]]
+    assert await asyncio.wait_for(step(lm, engine, contexts), timeout=10) == ["open", "open"]
+    engine.abort_on = {(9, 9)}
+    with pytest.raises(RequestEndedError, match="abort"):
+        await asyncio.wait_for(lm.sample([9, 9], max_tokens=3, eos_token_ids=[]), timeout=10)
+    await asyncio.wait_for(asyncio.to_thread(lm.close), timeout=10)
+    close_engine_loop(engine)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "5"])

@@ -143,6 +143,10 @@ def shared_memory_dir() -> str:
     return tempfile.gettempdir()
 
 
+class MissingRowsError(RuntimeError):
+    """The logits processor wrote no logits for some rows of a batch."""
+
+
 class _FileRows:
     """One batch's rows in a capture file, written by the engine-side logits processor."""
 
@@ -157,7 +161,7 @@ class _FileRows:
         rows = torch.from_numpy(flat.reshape(self.n, self.width))
         missing = torch.isnan(rows).any(dim=1).nonzero().flatten().tolist()
         if missing:
-            raise RuntimeError(
+            raise MissingRowsError(
                 f"The vLLM logits processor wrote no logits for rows {missing} of {self.n} "
                 f"(is {CAPTURE_PROCESSOR!r} in the engine's logits_processors, and does the "
                 f"sampler run on this host? If not, use EngineLogprobsCapture)."
@@ -170,8 +174,9 @@ class LogitsProcessorCapture:
 
     Each batch gets a float32 file of ``n x width`` NaNs in ``directory`` (default
     ``/dev/shm``); every request names its row, the processor fills it, and rows still
-    NaN afterwards raise a `RuntimeError`. ``directory`` must be visible to the process
-    that samples (a shared filesystem if that is another host).
+    NaN afterwards raise `MissingRowsError`. ``directory`` must be visible to the process
+    that samples (a shared filesystem if that is another host; `AsyncVirtualLM.from_name`
+    checks it with a probe request).
     """
 
     engine_opts: dict[str, Any] = {"logits_processors": [CAPTURE_PROCESSOR]}
@@ -355,7 +360,7 @@ class AsyncVirtualLM(EngineLM):
         cls,
         model_name: str,
         engine_opts: dict[str, Any] | None = None,
-        capture: str = "processor",
+        capture: str | LogprobsCapture = "processor",
         **kwargs: Any,
     ) -> AsyncVirtualLM:
         """Start a vLLM engine (``AsyncLLM``) for ``model_name`` (a hub id or a local HF directory).
@@ -370,15 +375,21 @@ class AsyncVirtualLM(EngineLM):
                 (`logging_configured`), the engine logs with `quiet_scheduler_logging`.
                 On a CPU build, a KV space from the memory available and a context
                 that fits it (`genlm.backend.llm.vllm_defaults`), unless given here.
-            capture: ``"processor"`` (logits processor, fast) or ``"logprobs"``
-                (vLLM's ``logprobs=-1``).
+            capture: ``"processor"`` (logits processor, fast), ``"logprobs"`` (vLLM's
+                ``logprobs=-1``), or a capture object, e.g.
+                ``LogitsProcessorCapture(directory=...)`` for a directory that the
+                machines of the sampling workers share. A probe request checks that the
+                logits processor's rows reach this process (`_check_capture`).
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
         """
-        if capture not in CAPTURES:
-            raise ValueError(f"capture must be one of {sorted(CAPTURES)}, got {capture!r}")
+        if isinstance(capture, str):
+            if capture not in CAPTURES:
+                raise ValueError(f"capture must be one of {sorted(CAPTURES)}, got {capture!r}")
+            logprobs_capture: LogprobsCapture = CAPTURES[capture]()
+        else:
+            logprobs_capture = capture
         cls.check_constructor_options(kwargs)
         vllm = import_vllm()
-        logprobs_capture = CAPTURES[capture]()
         opts = engine_options(engine_opts, logprobs_capture)
         if is_cpu_build():
             dtype = str(opts.get("dtype", "auto")).removeprefix("torch.")
@@ -389,10 +400,44 @@ class AsyncVirtualLM(EngineLM):
         args = vllm.AsyncEngineArgs(model=model_name, **opts)
         engine = start_engine(lambda: vllm.AsyncLLMEngine.from_engine_args(args))
         try:
-            return cls(engine, logprobs_capture, **kwargs)
+            lm = cls(engine, logprobs_capture, **kwargs)
         except BaseException:
             stop_engine(engine, engine_loop(engine))
             raise
+        try:
+            lm._check_capture()
+        except BaseException:
+            lm.close()
+            raise
+        return lm
+
+    def _check_capture(self) -> None:
+        """Send one probe request through the logits processor capture: where its row does
+        not reach this process (the sampling worker on another machine, no shared
+        directory), switch to vLLM's own logprobs if the engine allows them
+        (``max_logprobs=-1``), else raise ``ValueError`` naming the options to set. So a
+        capture that cannot work fails here, at construction, not at the first request."""
+        if not isinstance(self.logprobs_capture, LogitsProcessorCapture):
+            return
+        probe = Query((self.tokenizer.bos_token_id or 0,))
+        try:
+            self.batcher.run_sync(self._process_batch, [probe])
+        except MissingRowsError as error:
+            model_config = self.llm_engine.vllm_config.model_config
+            if model_config.max_logprobs != -1:
+                raise ValueError(
+                    "The vLLM logits processor's rows do not reach this process (its workers "
+                    f"cannot write to {self.logprobs_capture.directory!r}: on another "
+                    "machine?). Build the LM with capture='logprobs', or with "
+                    "capture=LogitsProcessorCapture(directory=...) naming a directory that "
+                    f"every worker's machine shares. ({error})"
+                ) from error
+            logger.warning(
+                "The vLLM logits processor's rows do not reach this process (workers on "
+                "another machine?); capturing with vLLM's logprobs=-1 instead (%s)",
+                error,
+            )
+            self.logprobs_capture = EngineLogprobsCapture()
 
     @property
     def underlying_model(self) -> Any:

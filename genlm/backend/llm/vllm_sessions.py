@@ -27,7 +27,10 @@ The pool runs on the engine's loop (`genlm.backend.llm.vllm_loop.EngineLoop`). A
 that stops making progress (no output for any of its requests for ``stall_timeout``
 seconds: sessions waiting on each other for KV blocks, a request the engine dropped) fails
 its callers with `StepStalledError` instead of waiting forever, and so does a step of an
-engine that reports itself dead.
+engine that reports itself dead. A request the engine ends early (aborted by other code,
+``pause_generation(mode="abort")``, a reset) is not taken for the end of its chunk: the step
+fails with `RequestEndedError` at once, rather than passing on a missing row, or leaving a
+dead session whose next chunk would never be answered.
 """
 
 from __future__ import annotations
@@ -52,6 +55,27 @@ RELEASE_TIMEOUT = 10.0
 
 class StepStalledError(TimeoutError):
     """A step got no output from the engine for ``stall_timeout`` seconds."""
+
+
+class RequestEndedError(RuntimeError):
+    """The engine ended a request of a step before its output: aborted, or a session
+    finished before the chunk it was sent."""
+
+
+def _finish_reason(output: Any) -> str | None:
+    """Why vLLM finished a request (``"abort"``, ``"length"``, ...), None while it runs."""
+    completions = getattr(output, "outputs", None) or [None]
+    return getattr(completions[0], "finish_reason", None)
+
+
+def _ended(request_id: str, output: Any) -> RequestEndedError:
+    return RequestEndedError(
+        f"vLLM ended request {request_id} before its output "
+        f"(finish_reason {_finish_reason(output)!r}): "
+        "something else aborted it (AsyncLLM.abort, pause_generation(mode='abort'), a reset "
+        "of the engine) or the engine dropped it, so this step's callers get this error "
+        "rather than a missing row; the next step opens a new session."
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +122,7 @@ class Session:
     """
 
     def __init__(self, engine: Any, request_id: str, request: StepRequest, make_chunk: Callable):
+        self.request_id = request_id
         self.context = request.token_ids
         self.lora = request.lora
         self.sent = asyncio.Event()
@@ -114,8 +139,16 @@ class Session:
             self.sent.set()
 
     async def next_output(self) -> Any:
-        """The engine's output for the chunk sent last."""
-        return await anext(self._outputs)
+        """The engine's output for the chunk sent last. A chunk's output leaves the request
+        open; a finished one, an aborted one (even if it looks like a chunk's end) or none
+        means the engine ended the session: `RequestEndedError`."""
+        try:
+            output = await anext(self._outputs)
+        except StopAsyncIteration:
+            raise _ended(self.request_id, None) from None
+        if getattr(output, "finished", False) or _finish_reason(output) == "abort":
+            raise _ended(self.request_id, output)
+        return output
 
     def extend(self, request: StepRequest) -> None:
         """Send the request's last token as the next chunk."""
@@ -363,16 +396,20 @@ class SessionPool:
             self._close_later(self.sessions.pop(next(iter(self.sessions))))
 
     async def _one_shot(self, request: StepRequest) -> Any:
+        """An ordinary request's final output; `RequestEndedError` if it was aborted."""
         final = None
+        request_id = self._request_id()
         outputs = self.engine.generate(
             self._make_prompt(request.token_ids),
             request.params,
-            self._request_id(),
+            request_id,
             lora_request=request.lora_request,
         )
         async for output in outputs:
             self._output_marked()
             final = output
+        if final is None or _finish_reason(final) == "abort":
+            raise _ended(request_id, final)
         return final
 
     def _close_later(self, session: Session) -> None:
