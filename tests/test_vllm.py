@@ -13,11 +13,15 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+from small_models import save_small_llama  # noqa: E402
 
 from genlm.backend.llm.hf import cache_keyword  # noqa: E402
 from genlm.backend.llm.vllm import (  # noqa: E402
@@ -390,39 +394,9 @@ async def test_96_particles_on_kv_blocks_for_a_few_stay_right_and_bounded(
 
 @pytest.fixture(scope="module")
 def small_llama_dir(smollm2_tokenizer, tmp_path_factory):
-    """A small random Llama whose heads split over two workers (8 query / 2 KV heads of
-    dim 64: vLLM's CPU attention takes head dims 64 and 128 only; SmolLM2's 9 heads do not
-    split), SmolLM2's vocabulary and tokenizer, weights drawn wide (std 0.2) so that rows
-    differ clearly between contexts (one token apart: up to ~7 nats); saved in float32.
-    The output head is drawn at std 0.05: at 0.2 the logits span ~40 nats and float32
-    sum-order differences reach 2.3e-4 from transformers (seen), over the tolerance."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = smollm2_tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" not in name:
-                parameter.normal_(0.0, 0.05 if name.startswith("lm_head") else 0.2)
-    path = tmp_path_factory.mktemp("small-llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    """The small random Llama of `small_models.save_small_llama` (heads that split over two
+    workers, SmolLM2's vocabulary), saved in float32."""
+    return save_small_llama(smollm2_tokenizer, tmp_path_factory.mktemp("small-llama"))
 
 
 @pytest.fixture(scope="module")
