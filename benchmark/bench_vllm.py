@@ -32,7 +32,8 @@ Configurations (``--configs``, one engine each; default all three):
   sessions keep to half of the blocks, the other particles run as one-shot requests, and
   vLLM's own ``generate`` runs its requests in waves. Results: vllm_few_blocks.json.
 
-16 tokens per particle (``--tokens``; 8 in ``few-blocks``). ``--out`` names the directory.
+16 tokens per particle (``--tokens``; 8 in ``few-blocks``). ``--out`` names the directory;
+with ``--captures ... logprobs`` the files are named ``*_captures.json``.
 """
 
 from __future__ import annotations
@@ -329,7 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, config in configs(args).items():
         if name in args.configs:
             result = run_config(config, args)
-            out = Path(args.out) / config.result_file
+            name = config.result_file
+            if "logprobs" in args.captures:  # the capture comparison: its own file
+                name = name.replace(".json", "_captures.json")
+            out = Path(args.out) / name
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
 
