@@ -14,12 +14,16 @@ import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+from small_models import save_small_llama  # noqa: E402
 
 from genlm.backend.llm.hf import cache_keyword  # noqa: E402
 from genlm.backend.llm.vllm import (  # noqa: E402
@@ -315,39 +319,9 @@ async def test_64_particles_with_600_token_prompts_return_every_row_right(vlm, h
 
 @pytest.fixture(scope="module")
 def small_llama_dir(smollm2_tokenizer, tmp_path_factory):
-    """A small random Llama whose heads split over two workers (8 query / 2 KV heads of
-    dim 64: vLLM's CPU attention takes head dims 64 and 128 only; SmolLM2's 9 heads do not
-    split), SmolLM2's vocabulary and tokenizer, weights drawn wide (std 0.2) so that rows
-    differ clearly between contexts (one token apart: up to ~7 nats); saved in float32.
-    The output head is drawn at std 0.05: at 0.2 the logits span ~40 nats and float32
-    sum-order differences reach 2.3e-4 from transformers (seen), over the tolerance."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = smollm2_tokenizer
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" not in name:
-                parameter.normal_(0.0, 0.05 if name.startswith("lm_head") else 0.2)
-    path = tmp_path_factory.mktemp("small-llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    """The small random Llama of `small_models.save_small_llama` (heads that split over two
+    workers, SmolLM2's vocabulary), saved in float32."""
+    return save_small_llama(smollm2_tokenizer, tmp_path_factory.mktemp("small-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -844,5 +818,25 @@ def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
     assert list(files.maps) == [str(path)]  # mapped once, for both rows
     rows = np.fromfile(path, dtype=np.float32).reshape(2, 3)
     assert rows.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, float("-inf")]]
-    files.keep_only(set())
-    assert files.maps == {}
+
+
+def test_row_files_keep_a_few_unused_maps_and_drop_replaced_files(tmp_path):
+    """The caller reuses its files between steps, when no request names them: their maps
+    stay (the `KEEP_UNUSED` most recent), and a path that names a new file is mapped anew."""
+    import numpy as np
+
+    from genlm.backend.llm.vllm_capture import RowFiles, write_row
+
+    paths = [str(tmp_path / f"rows{i}.f32") for i in range(RowFiles.KEEP_UNUSED + 2)]
+    files = RowFiles()
+    for path in paths:
+        np.zeros(3, dtype=np.float32).tofile(path)
+        write_row(files, (path, 0, 3), torch.tensor([1.0, 2.0, 3.0]))
+    files.keep_only({paths[0]})  # paths[0] in use: now the most recently used
+    assert list(files.maps) == paths[-RowFiles.KEEP_UNUSED :] + [paths[0]]
+    os.unlink(paths[-1])
+    np.full(3, 9.0, dtype=np.float32).tofile(paths[-1])  # a new file at the same path
+    files.check({paths[-1], paths[-2]})
+    assert paths[-1] not in files.maps and paths[-2] in files.maps
+    write_row(files, (paths[-1], 0, 3), torch.tensor([4.0, 5.0, 6.0]))
+    assert np.fromfile(paths[-1], dtype=np.float32).tolist() == [4.0, 5.0, 6.0]

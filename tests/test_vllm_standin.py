@@ -591,9 +591,28 @@ def test_engine_options_defaults_overrides_and_scale_out():
     assert engine_options({}, EngineLogprobsCapture())["max_logprobs"] == -1
 
 
-def test_capture_files_are_removed_after_each_batch(lm, tmp_path):
+def test_capture_files_are_reused_refilled_and_removed_after_a_failure_or_close(
+    lm, engine, tmp_path
+):
     lm.logprobs_capture = LogitsProcessorCapture(directory=str(tmp_path))
     lm.batch_next_token_logprobs_sync(PROMPTS)
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1
+    extended = [p + [7] for p in PROMPTS]
+    rows = lm.batch_next_token_logprobs_sync(extended)
+    assert list(tmp_path.iterdir()) == files  # the same file, rows of this batch
+    for prompt, row in zip(extended, rows, strict=True):
+        torch.testing.assert_close(row, expected_logprobs(prompt, lm.vocab_size))
+    # A row the engine skips is caught although the previous batch wrote that row, and
+    # the failed batch's file is removed (its requests might still write to it).
+    engine.skip_capture_rows = {1}
+    with pytest.raises(RuntimeError, match=r"rows \[1\]"):
+        lm.batch_next_token_logprobs_sync(PROMPTS)
+    assert list(tmp_path.iterdir()) == []
+    engine.skip_capture_rows = set()
+    lm.batch_next_token_logprobs_sync(PROMPTS)
+    assert len(list(tmp_path.iterdir())) == 1
+    lm.close()
     assert list(tmp_path.iterdir()) == []
 
 

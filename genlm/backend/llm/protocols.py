@@ -71,3 +71,7 @@ class LogprobsCapture(Protocol):
     engine_opts: dict[str, Any]
 
     def batch(self, n: int, width: int) -> AbstractContextManager[CaptureRows]: ...
+
+    def close(self) -> None:
+        """Free what the capture keeps between batches (it stays usable)."""
+        ...

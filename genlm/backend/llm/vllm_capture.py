@@ -6,13 +6,12 @@ imports vllm at the top and nothing in `genlm.backend` imports it otherwise.
 
 A request opts in through its ``SamplingParams.extra_args[CAPTURE_KEY] = (path, row,
 width)``: at every step the processor writes that request's full row of float32 logits
-into row ``row`` of the shared file ``path`` (``width`` floats per row). Each file (one
-per step of the caller) is memory-mapped once and the mapping dropped when no request
-names it any more, so writing a row opens nothing. Rows are found
-through vLLM's public `BatchUpdate` bookkeeping (added, removed, moved requests), so
-reordering of the persistent batch never mixes requests up; a chunked prefill writes
-the row more than once and the last write, the one at the end of the prompt, is the
-one the caller reads.
+into row ``row`` of the shared file ``path`` (``width`` floats per row). The caller
+reuses its files step after step; each is memory-mapped once (`RowFiles`), so writing a
+row opens nothing. Rows are found through vLLM's public `BatchUpdate` bookkeeping
+(added, removed, moved requests), so reordering of the persistent batch never mixes
+requests up; a chunked prefill writes the row more than once and the last write, the
+one at the end of the prompt, is the one the caller reads.
 """
 
 from __future__ import annotations
@@ -76,33 +75,69 @@ def apply_batch_update(
 
 
 class RowFiles:
-    """Memory maps of the capture files that current requests write to."""
+    """Memory maps of the capture files that requests write to.
+
+    The caller reuses its files step after step, while between steps no request names
+    them (a session waiting for its next chunk leaves vLLM's batch): so the `KEEP_UNUSED`
+    most recently used maps stay when no request names them, and a map whose path now
+    names another file (the caller removed it and made a new one) is dropped.
+    """
+
+    KEEP_UNUSED = 4
 
     def __init__(self):
-        self.maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        # path -> (mapping, [rows, width] view, file identity); least recently used first
+        self.maps: dict[str, tuple[mmap.mmap, np.ndarray, tuple[int, int]]] = {}
 
     def rows(self, path: str, width: int) -> np.ndarray:
         """The float32 ``[rows, width]`` view of ``path``, mapped on first use."""
         entry = self.maps.get(path)
         if entry is None or entry[1].shape[1] != width:
+            self._unmap(path)
             fd = os.open(path, os.O_RDWR)
             try:
-                mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+                stat = os.fstat(fd)
+                mapping = mmap.mmap(fd, stat.st_size)
             finally:
                 os.close(fd)
             view = np.frombuffer(mapping, dtype=np.float32).reshape(-1, width)
-            entry = self.maps[path] = (mapping, view)
+            entry = self.maps[path] = (mapping, view, (stat.st_dev, stat.st_ino))
         return entry[1]
 
+    def check(self, paths: set[str]) -> None:
+        """Drop the maps of ``paths`` (just named by new requests) that are no longer the
+        file at that path."""
+        for path in paths:
+            entry = self.maps.get(path)
+            if entry is not None:
+                try:
+                    stat = os.stat(path)
+                except OSError:
+                    self._unmap(path)
+                    continue
+                if (stat.st_dev, stat.st_ino) != entry[2]:
+                    self._unmap(path)
+
     def keep_only(self, paths: set[str]) -> None:
-        """Unmap the files no current request names."""
-        for path in [p for p in self.maps if p not in paths]:
-            mapping, view = self.maps.pop(path)
-            del view
-            try:
-                mapping.close()
-            except BufferError:  # a view still alive elsewhere: unmapped at collection
-                pass
+        """Keep the maps of ``paths`` (the files current requests name, now the most
+        recently used) and the `KEEP_UNUSED` most recently used others; unmap the rest."""
+        for path in paths:
+            if path in self.maps:
+                self.maps[path] = self.maps.pop(path)
+        unused = [p for p in self.maps if p not in paths]
+        for path in unused[: max(len(unused) - self.KEEP_UNUSED, 0)]:
+            self._unmap(path)
+
+    def _unmap(self, path: str) -> None:
+        entry = self.maps.pop(path, None)
+        if entry is None:
+            return
+        mapping, view, _ = entry
+        del view, entry
+        try:
+            mapping.close()
+        except BufferError:  # a view still alive elsewhere: unmapped at collection
+            pass
 
 
 def write_row(files: RowFiles, target: Target, logits_row: torch.Tensor) -> None:
@@ -139,6 +174,8 @@ class FullLogitsCapture(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         apply_batch_update(self.targets, batch_update, capture_target)
         if batch_update is not None:
+            added = (capture_target(params) for _, params, _, _ in batch_update.added)
+            self.files.check({target[0] for target in added if target is not None})
             self.files.keep_only({target[0] for target in self.targets.values()})
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
