@@ -46,6 +46,8 @@ DOCS = ROOT / "docs"
 BLOCK_TAGS = {"slow", "mlx", "vllm", "sglang", "gpu"}
 PAGE_TAGS = {"one-program"}
 GPUS_TAG = re.compile(r"gpus=(\d+)$")
+# vLLM worker processes: one per CUDA device where CUDA is present, one per core otherwise.
+WORKERS_TAG = re.compile(r"workers=(\d+)$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:(?P<tags>.*?)-->\s*$")
 FENCE_OPEN = re.compile(r"^(?P<indent>\s*)```(?P<info>[^`]*)$")
 FENCE_CLOSE = re.compile(r"^\s*```\s*$")
@@ -141,6 +143,9 @@ class Program:
         counts = [int(m[1]) for tag in self.tags if (m := GPUS_TAG.match(tag))]
         return max(counts, default=1 if "gpu" in self.tags else 0)
 
+    def workers(self) -> int:
+        return max((int(m[1]) for tag in self.tags if (m := WORKERS_TAG.match(tag))), default=0)
+
     def marks(self) -> list[pytest.MarkDecorator]:
         marks = [getattr(pytest.mark, tag) for tag in ("slow", "mlx", "vllm") if tag in self.tags]
         return marks + ([pytest.mark.gpu] if self.gpus() else [])
@@ -174,6 +179,15 @@ def skip_unless_runnable(program: Program) -> None:
         if torch.cuda.device_count() < gpus:
             pytest.skip(
                 f"{program.id} needs {gpus} CUDA device(s); {torch.cuda.device_count()} here"
+            )
+    if workers := program.workers():
+        import torch
+
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+        if devices < workers:
+            kind = "CUDA devices" if torch.cuda.is_available() else "cores"
+            pytest.skip(
+                f"{program.id} runs {workers} vLLM workers, one each; {devices} {kind} here"
             )
 
 
@@ -258,7 +272,8 @@ def test_snippet_included_blocks_are_collected():
 def test_tags_are_known():
     for program in all_programs():
         for tag in program.tags:
-            assert tag in BLOCK_TAGS or GPUS_TAG.match(tag), f"{program.id}: unknown tag {tag!r}"
+            known = tag in BLOCK_TAGS or GPUS_TAG.match(tag) or WORKERS_TAG.match(tag)
+            assert known, f"{program.id}: unknown tag {tag!r}"
 
 
 def test_blocks_that_load_the_default_model_are_slow():
@@ -315,6 +330,15 @@ def test_tags_indented_blocks_and_titles_are_read():
     assert [set(b.tags) for b in blocks] == [{"slow", "gpus=2"}, set(), {"mlx"}]
     assert [b.line for b in blocks] == [4, 8, 14] and not page_tags
     assert Program((blocks[0],)).gpus() == 2
+
+
+def test_a_block_with_more_workers_than_devices_is_skipped_saying_why():
+    (block,), _ = parse(
+        Path("page.md"), "<!-- docs-test: workers=4096 -->\n```python\nx = 1\n```\n"
+    )
+    assert Program((block,)).workers() == 4096
+    with pytest.raises(pytest.skip.Exception, match="runs 4096 vLLM workers, one each; .* here"):
+        skip_unless_runnable(Program((block,)))
 
 
 def test_a_failing_block_fails_the_page(tmp_path):
