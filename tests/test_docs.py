@@ -19,6 +19,7 @@ An HTML comment just before a block (invisible in the built site) tags it:
 | ``sglang`` | needs sglang; runs as a script in its own process |
 | ``gpu`` | needs CUDA (pytest ``gpu``; skipped without it) |
 | ``gpus=N`` | needs N CUDA devices (implies ``gpu``) |
+| ``workers=N`` | starts N vLLM workers: needs N CUDA devices where CUDA is present, else N cores |
 
 A traceback from a block names the markdown file and its line. This module imports nothing
 beyond the standard library and pytest at the top: tests/test_vllm_docs.py imports it from
@@ -46,7 +47,6 @@ DOCS = ROOT / "docs"
 BLOCK_TAGS = {"slow", "mlx", "vllm", "sglang", "gpu"}
 PAGE_TAGS = {"one-program"}
 GPUS_TAG = re.compile(r"gpus=(\d+)$")
-# vLLM worker processes: one per CUDA device where CUDA is present, one per core otherwise.
 WORKERS_TAG = re.compile(r"workers=(\d+)$")
 MARKER = re.compile(r"^\s*<!--\s*docs-test:(?P<tags>.*?)-->\s*$")
 FENCE_OPEN = re.compile(r"^(?P<indent>\s*)```(?P<info>[^`]*)$")
@@ -140,11 +140,14 @@ class Program:
         return text
 
     def gpus(self) -> int:
-        counts = [int(m[1]) for tag in self.tags if (m := GPUS_TAG.match(tag))]
-        return max(counts, default=1 if "gpu" in self.tags else 0)
+        return max(self._counts(GPUS_TAG), default=1 if "gpu" in self.tags else 0)
 
     def workers(self) -> int:
-        return max((int(m[1]) for tag in self.tags if (m := WORKERS_TAG.match(tag))), default=0)
+        return max(self._counts(WORKERS_TAG), default=0)
+
+    def _counts(self, tag: re.Pattern[str]) -> list[int]:
+        """The N of each ``name=N`` tag that ``tag`` matches."""
+        return [int(m[1]) for t in self.tags if (m := tag.match(t))]
 
     def marks(self) -> list[pytest.MarkDecorator]:
         marks = [getattr(pytest.mark, tag) for tag in ("slow", "mlx", "vllm") if tag in self.tags]
@@ -183,9 +186,10 @@ def skip_unless_runnable(program: Program) -> None:
     if workers := program.workers():
         import torch
 
-        devices = torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+        cuda = torch.cuda.is_available()
+        devices = torch.cuda.device_count() if cuda else os.cpu_count() or 1
         if devices < workers:
-            kind = "CUDA devices" if torch.cuda.is_available() else "cores"
+            kind = "CUDA devices" if cuda else "cores"
             pytest.skip(
                 f"{program.id} runs {workers} vLLM workers, one each; {devices} {kind} here"
             )
