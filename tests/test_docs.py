@@ -386,7 +386,7 @@ def test_the_docs_check_fails_on_a_broken_reference(tmp_path):
     planted cross-reference to nothing: the build must fail and name it."""
     import shutil
 
-    parts = ("mkdocs.yml", "docs", "genlm", "DEVELOPING.md", "benchmark/README.md", "scripts")
+    parts = ("mkdocs.yml", "docs", "genlm", "DEVELOPING.md", "benchmark", "scripts")
     for part in parts:
         source, target = ROOT / part, tmp_path / part
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -403,3 +403,78 @@ def test_the_docs_check_fails_on_a_broken_reference(tmp_path):
     )
     assert build.returncode != 0
     assert "no-such-target" in build.stderr + build.stdout
+
+
+def mkdocs_build(cwd: Path, site: Path) -> subprocess.CompletedProcess:
+    """A strict build of this repository's docs, run from ``cwd``."""
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    if not mkdocs.exists():
+        pytest.skip("mkdocs is not installed in this venv")
+    return subprocess.run(
+        [str(mkdocs), "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=cwd,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_docs_build_from_another_directory(tmp_path):
+    """Snippets (the developer guide includes DEVELOPING.md) resolve from mkdocs.yml's
+    directory, not the working directory; the performance tables come with them."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    build = mkdocs_build(elsewhere, tmp_path / "site")
+    assert build.returncode == 0, build.stderr
+    developing = (tmp_path / "site" / "developing" / "index.html").read_text()
+    assert "Developing" in developing or "developing" in developing
+    performance = (tmp_path / "site" / "performance" / "index.html").read_text()
+    for result in sorted((ROOT / "benchmark" / "results").glob("*.json")):
+        assert result.name in performance, result.name
+
+
+def _benchmark_hook():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def _shown(value) -> list[str]:
+    """The ways a table may print a JSON value (3 significant digits for floats)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return [str(value).replace("|", "\\|")] if value is not None else [""]
+    return [f"{value:.3g}", f"{value:.0f}"]
+
+
+def test_the_performance_page_shows_every_row_of_every_results_file():
+    """The page's tables are made from benchmark/results/*.json at build time: each file has
+    a section, and each row's numbers are in that section (read from the JSON here)."""
+    import json
+
+    performance = (DOCS / "performance.md").read_text()
+    hooks = _benchmark_hook()
+    assert hooks.TABLES_MARKER in performance
+    page = hooks.on_page_markdown(performance)
+    sections = page.split("### `")[1:]
+    results = sorted((ROOT / "benchmark" / "results").glob("*.json"))
+    assert [section.split(".json`", 1)[0] for section in sections] == [r.stem for r in results]
+    for result, section in zip(results, sections, strict=True):
+        header, _, *table = [line for line in section.splitlines() if line.startswith("|")]
+        columns = [cell.strip() for cell in header.strip("|").split("|")]
+        rows = json.loads(result.read_text())["rows"]
+        assert len(table) == len(rows), result.name
+        for line, row in zip(table, rows, strict=True):
+            cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+            for column, cell in zip(columns, cells, strict=True):
+                assert cell in _shown(row.get(column)), (result.name, column, line)
+
+
+def test_benchmark_readme_tables_are_those_of_the_results():
+    """benchmark/README.md carries the same tables (plots.py --readme writes them)."""
+    hooks = _benchmark_hook()
+    readme = (ROOT / "benchmark" / "README.md").read_text()
+    assert hooks.benchmark_tables() in readme, "run: .venv/bin/python benchmark/plots.py --readme"
