@@ -5,6 +5,8 @@ picked up without editing this file. Each block is a complete program, run on it
 fresh namespace with ``__name__ == "__main__"`` (a block that leans on a name another block
 defined fails), except on a page that says ``<!-- docs-test: one-program -->``: there the
 blocks are one program, run in order in one namespace (the getting-started tutorial).
+Blocks tagged ``notebook`` run as Jupyter runs cells: each compiled with top-level
+``await`` and awaited on one running event loop (what IPython's kernel does).
 
 An HTML comment just before a block (invisible in the built site) tags it:
 
@@ -18,6 +20,7 @@ An HTML comment just before a block (invisible in the built site) tags it:
 | ``vllm`` | runs in the vLLM venv, as a script in its own process, by tests/test_vllm_docs.py |
 | ``sglang`` | needs sglang; runs as a script in its own process |
 | ``gpu`` | needs CUDA (pytest ``gpu``; skipped without it) |
+| ``notebook`` | a notebook cell: top-level ``await``, run inside a running event loop |
 | ``gpus=N`` | needs N CUDA devices (implies ``gpu``) |
 | ``workers=N`` | starts N vLLM workers: needs N CUDA devices where CUDA is present, else N cores |
 
@@ -28,8 +31,11 @@ the vLLM venv.
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import gc
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -44,7 +50,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
-BLOCK_TAGS = {"slow", "mlx", "vllm", "sglang", "gpu"}
+BLOCK_TAGS = {"slow", "mlx", "vllm", "sglang", "gpu", "notebook"}
 PAGE_TAGS = {"one-program"}
 GPUS_TAG = re.compile(r"gpus=(\d+)$")
 WORKERS_TAG = re.compile(r"workers=(\d+)$")
@@ -202,6 +208,24 @@ def run_in_process(program: Program) -> dict:
     return namespace
 
 
+def run_in_notebook(program: Program) -> dict:
+    """Run the program's blocks as notebook cells, in order, in one namespace: each compiled
+    with top-level ``await`` allowed and awaited on one running event loop, as IPython's
+    kernel runs cells (so ``asyncio.run`` inside one fails, as it does in Jupyter)."""
+    namespace: dict = {"__name__": "__main__"}
+
+    async def cells() -> None:
+        for block in program.blocks:
+            source = "\n" * (block.line - 1) + block.source
+            flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+            result = eval(compile(source, str(block.path), "exec", flags=flags), namespace)
+            if inspect.iscoroutine(result):
+                await result
+
+    asyncio.run(cells())
+    return namespace
+
+
 def run_script(program: Program, tmp_path: Path, env: dict[str, str] | None = None) -> str:
     """Run the program as a script in its own process (vLLM and SGLang start their engines in
     subprocesses); fail with its output unless it exits with 0. Returns its output."""
@@ -232,7 +256,7 @@ def run(program: Program, tmp_path: Path) -> None:
     if "sglang" in program.tags:
         run_script(program, tmp_path)
         return
-    namespace = run_in_process(program)
+    namespace = run_in_notebook(program) if "notebook" in program.tags else run_in_process(program)
     # Free what the program left open (an LM it did not close) before the next one runs.
     base = sys.modules.get("genlm.backend.llm.base")
     for value in namespace.values():
@@ -305,8 +329,11 @@ def test_every_program_passes_pyflakes():
         pytest.skip("ruff is not installed in this venv")
     failures = []
     for program in all_programs():
+        # Top-level await is what a notebook cell is for.
+        ignore = ["--ignore", "F704"] if "notebook" in program.tags else []
         lint = subprocess.run(
             [str(ruff), "check", "--isolated", "--no-cache", "--select", "F,E9", "--quiet"]
+            + ignore
             + ["--output-format", "concise", "--stdin-filename", f"{program.id}.py", "-"],
             input=program.source(),
             capture_output=True,
@@ -478,3 +505,23 @@ def test_benchmark_readme_tables_are_those_of_the_results():
     hooks = _benchmark_hook()
     readme = (ROOT / "benchmark" / "README.md").read_text()
     assert hooks.benchmark_tables() in readme, "run: .venv/bin/python benchmark/plots.py --readme"
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'main' was never awaited")
+def test_notebook_cells_run_with_top_level_await_inside_a_running_loop(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- docs-test: one-program -->\n"
+        "<!-- docs-test: notebook -->\n```python\nimport asyncio\n"
+        "x = await asyncio.sleep(0, result=41)\n```\n"
+        "<!-- docs-test: notebook -->\n```python\ny = x + 1\n```\n"
+    )
+    (program,) = programs(page)
+    assert "notebook" in program.tags
+    assert run_in_notebook(program)["y"] == 42
+    page.write_text(
+        "<!-- docs-test: notebook -->\n```python\nimport asyncio\n\n\n"
+        "async def main():\n    return 1\n\n\nasyncio.run(main())\n```\n"
+    )
+    with pytest.raises(RuntimeError, match="running event loop"):
+        run_in_notebook(programs(page)[0])
