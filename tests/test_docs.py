@@ -525,3 +525,72 @@ def test_notebook_cells_run_with_top_level_await_inside_a_running_loop(tmp_path)
     )
     with pytest.raises(RuntimeError, match="running event loop"):
         run_in_notebook(programs(page)[0])
+
+
+# Commands that only this repository's venv provides: a page runs them through `.venv/bin/`
+# (or `.venv-vllm/bin/`), or after `source .venv/bin/activate` in the same block.
+VENV_COMMANDS = {"python", "python3", "pytest", "mkdocs", "genlm-backend", "ruff", "mypy"}
+SHELL_FENCE = re.compile(r"^\s*```(?:bash|sh|shell|console)\s*$")
+
+
+def shell_commands(markdown: str) -> list[tuple[int, str]]:
+    """(line number, command) of each command line in the page's shell blocks; a command's
+    leading VAR=value assignments are dropped, comments and continuation lines too."""
+    commands, lines, index = [], markdown.splitlines(), 0
+    while index < len(lines):
+        if SHELL_FENCE.match(lines[index]):
+            index += 1
+            while index < len(lines) and not FENCE_CLOSE.match(lines[index]):
+                words = lines[index].split("#", 1)[0].split()
+                while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+                    words.pop(0)
+                if words and words[0] != "export":
+                    commands.append((index + 1, " ".join(words)))
+                index += 1
+        index += 1
+    return commands
+
+
+def bare_venv_commands(markdown: str) -> list[str]:
+    """The commands that name a venv-only program without its venv path."""
+    found, activated = [], False
+    for line, command in shell_commands(markdown):
+        program = command.split()[0]
+        activated = activated or command.startswith("source .venv")
+        if program in VENV_COMMANDS and not activated and command.split()[1:3] != ["-m", "venv"]:
+            found.append(f"line {line}: {command}")
+    return found
+
+
+def test_shell_commands_name_the_venv_they_run_in():
+    """Every command in the docs runs as written from a fresh clone after the set-up: the
+    ones only the venv has go through `.venv/bin/` (a bare `python -m genlm.backend` fails
+    with "No module named 'genlm'" unless .venv is activated)."""
+    failures = [
+        f"{page.name} {found}" for page in pages() for found in bare_venv_commands(page.read_text())
+    ]
+    assert not failures, "\n".join(failures)
+
+
+def test_the_venv_command_check_finds_bare_commands():
+    page = (
+        "```bash\npython -m genlm.backend sis\n.venv/bin/pytest -q\nHF_HUB_OFFLINE=1 pytest x\n"
+        "python -m venv .v\n```\n```bash\nsource .venv/bin/activate\nmkdocs build\n```\n"
+    )
+    assert bare_venv_commands(page) == ["line 2: python -m genlm.backend sis", "line 4: pytest x"]
+
+
+USER_PAGES = [
+    ROOT / "README.md",
+    *(p for p in sorted(DOCS.glob("*.md")) if p.name != "developing.md"),
+]
+
+
+def test_user_pages_hold_no_commit_hashes_or_issue_numbers():
+    """History (commits, issues, what was measured when) lives in DEVELOPING.md."""
+    history = re.compile(
+        r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b|\bissues? #?\d+", re.I
+    )
+    for page in USER_PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not history.search(line), f"{page.name}:{number}: {line}"
