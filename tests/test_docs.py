@@ -507,7 +507,6 @@ def test_benchmark_readme_tables_are_those_of_the_results():
     assert hooks.benchmark_tables() in readme, "run: .venv/bin/python benchmark/plots.py --readme"
 
 
-@pytest.mark.filterwarnings("ignore:coroutine 'main' was never awaited")
 def test_notebook_cells_run_with_top_level_await_inside_a_running_loop(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
@@ -521,7 +520,8 @@ def test_notebook_cells_run_with_top_level_await_inside_a_running_loop(tmp_path)
     assert run_in_notebook(program)["y"] == 42
     page.write_text(
         "<!-- docs-test: notebook -->\n```python\nimport asyncio\n\n\n"
-        "async def main():\n    return 1\n\n\nasyncio.run(main())\n```\n"
+        "async def main():\n    return 1\n\n\ncoroutine = main()\ntry:\n"
+        "    asyncio.run(coroutine)\nfinally:\n    coroutine.close()\n```\n"
     )
     with pytest.raises(RuntimeError, match="running event loop"):
         run_in_notebook(programs(page)[0])
