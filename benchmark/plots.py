@@ -231,10 +231,22 @@ def update_readme(
         raise ValueError(f"{readme} has no {README_START} ... {README_END} section")
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
-    tables = "\n\n".join(
+    tables = results_section(names, results_dir)
+    readme.write_text(f"{head}{README_START}\n\n{tables}\n\n{README_END}{tail}")
+
+
+def result_names(results_dir: Path = RESULTS_DIR) -> list[str]:
+    """The name of every result file in ``results_dir``, sorted."""
+    return sorted(path.stem for path in results_dir.glob("*.json"))
+
+
+def results_section(names: Sequence[str], results_dir: Path = RESULTS_DIR) -> str:
+    """One ``### `<name>.json` `` heading and table per result: the section of
+    `benchmark/README.md`, and the tables the docs' performance page renders at build time
+    (docs/hooks.py)."""
+    return "\n\n".join(
         f"### `{name}.json`\n\n{markdown_table(name, results_dir)}" for name in names
     )
-    readme.write_text(f"{head}{README_START}\n\n{tables}\n\n{README_END}{tail}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -246,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--readme", action="store_true", help="also rewrite the tables in benchmark/README.md"
     )
     args = parser.parse_args(argv)
-    names = args.names or sorted(path.stem for path in RESULTS_DIR.glob("*.json"))
+    names = args.names or result_names()
     if args.markdown:
         for name in names:
             print(f"### {name}\n\n{markdown_table(name)}\n")

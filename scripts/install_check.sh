@@ -27,8 +27,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/install_torch.sh
 PYTHON=${PYTHON:-python3}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # What the clients pull from PyPI when nothing else provides genlm-backend (locked runs).
 REGISTRY_BACKEND=genlm-backend==0.3.1
 # No byte-compiling at install: the throwaway venv compiles only what the checks import.
@@ -92,7 +92,7 @@ EOF
 log "a fresh venv: $TORCH_SPEC (CPU) first, then the wheel"
 "$PYTHON" -m venv "$VENV"
 quietly "$PIP" install --upgrade pip setuptools "${PINS[@]}"
-quietly "$PIP" install "$TORCH_SPEC"
+quietly install_torch "$PIP"
 quietly "$PIP" install "$WHEEL" "${PINS[@]}"
 
 CLIENTS=1

@@ -21,13 +21,15 @@
 # genlm-backend is satisfied by this repository's version, so pip keeps it, and their own
 # dependencies are in locks/main.txt. tests/test_clients.py runs them.
 #
-# TORCH_SPEC overrides the torch requirement (default torch==2.13.0, a CPU build on this
-# workplace's disk); installing it before anything else keeps pip from pulling a CUDA build.
+# torch is the CPU build, installed before anything else so that pip pulls no CUDA build:
+# TORCH_SPEC overrides it (default torch==2.13.0+cpu on Linux, from a local wheel directory
+# where pip's configuration names one, else from PyTorch's CPU index; see
+# scripts/install_torch.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/install_torch.sh
 
 PYTHON=${PYTHON:-python3}
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
@@ -108,13 +110,13 @@ prepare_venv() {  # venv stamp-name lock [more files the install depends on...]
     [ $LATEST = 1 ] && rm -rf "$venv"
     [ -x "$venv/bin/python" ] || { log "creating $venv"; "$PYTHON" -m venv "$venv"; }
     STAMP=/dev/null
-    if [ $LATEST = 0 ] && STAMP=$(stamp_is_fresh "$venv" "$name" pyproject.toml scripts/setup.sh "$lock" "$@"); then
+    if [ $LATEST = 0 ] && STAMP=$(stamp_is_fresh "$venv" "$name" pyproject.toml scripts/setup.sh scripts/install_torch.sh "$lock" "$@"); then
         log "$venv is up to date"; return 1
     fi
     mapfile -t PINS < <(pinned_by "$lock")
     log "installing $TORCH_SPEC (CPU) into $venv"
     "$venv/bin/pip" install -q --upgrade pip "${PINS[@]}"
-    "$venv/bin/pip" install -q "$TORCH_SPEC"
+    install_torch "$venv/bin/pip"
 }
 
 setup_main() {

@@ -5,6 +5,8 @@ picked up without editing this file. Each block is a complete program, run on it
 fresh namespace with ``__name__ == "__main__"`` (a block that leans on a name another block
 defined fails), except on a page that says ``<!-- docs-test: one-program -->``: there the
 blocks are one program, run in order in one namespace (the getting-started tutorial).
+Blocks tagged ``notebook`` run as Jupyter runs cells: each compiled with top-level
+``await`` and awaited on one running event loop (what IPython's kernel does).
 
 An HTML comment just before a block (invisible in the built site) tags it:
 
@@ -18,6 +20,7 @@ An HTML comment just before a block (invisible in the built site) tags it:
 | ``vllm`` | runs in the vLLM venv, as a script in its own process, by tests/test_vllm_docs.py |
 | ``sglang`` | needs sglang; runs as a script in its own process |
 | ``gpu`` | needs CUDA (pytest ``gpu``; skipped without it) |
+| ``notebook`` | a notebook cell: top-level ``await``, run inside a running event loop |
 | ``gpus=N`` | needs N CUDA devices (implies ``gpu``) |
 | ``workers=N`` | starts N vLLM workers: needs N CUDA devices where CUDA is present, else N cores |
 
@@ -28,8 +31,11 @@ the vLLM venv.
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import gc
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -44,7 +50,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
-BLOCK_TAGS = {"slow", "mlx", "vllm", "sglang", "gpu"}
+BLOCK_TAGS = {"slow", "mlx", "vllm", "sglang", "gpu", "notebook"}
 PAGE_TAGS = {"one-program"}
 GPUS_TAG = re.compile(r"gpus=(\d+)$")
 WORKERS_TAG = re.compile(r"workers=(\d+)$")
@@ -202,6 +208,24 @@ def run_in_process(program: Program) -> dict:
     return namespace
 
 
+def run_in_notebook(program: Program) -> dict:
+    """Run the program's blocks as notebook cells, in order, in one namespace: each compiled
+    with top-level ``await`` allowed and awaited on one running event loop, as IPython's
+    kernel runs cells (so ``asyncio.run`` inside one fails, as it does in Jupyter)."""
+    namespace: dict = {"__name__": "__main__"}
+
+    async def cells() -> None:
+        for block in program.blocks:
+            source = "\n" * (block.line - 1) + block.source
+            flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+            result = eval(compile(source, str(block.path), "exec", flags=flags), namespace)
+            if inspect.iscoroutine(result):
+                await result
+
+    asyncio.run(cells())
+    return namespace
+
+
 def run_script(program: Program, tmp_path: Path, env: dict[str, str] | None = None) -> str:
     """Run the program as a script in its own process (vLLM and SGLang start their engines in
     subprocesses); fail with its output unless it exits with 0. Returns its output."""
@@ -232,7 +256,7 @@ def run(program: Program, tmp_path: Path) -> None:
     if "sglang" in program.tags:
         run_script(program, tmp_path)
         return
-    namespace = run_in_process(program)
+    namespace = run_in_notebook(program) if "notebook" in program.tags else run_in_process(program)
     # Free what the program left open (an LM it did not close) before the next one runs.
     base = sys.modules.get("genlm.backend.llm.base")
     for value in namespace.values():
@@ -305,8 +329,11 @@ def test_every_program_passes_pyflakes():
         pytest.skip("ruff is not installed in this venv")
     failures = []
     for program in all_programs():
+        # Top-level await is what a notebook cell is for.
+        ignore = ["--ignore", "F704"] if "notebook" in program.tags else []
         lint = subprocess.run(
             [str(ruff), "check", "--isolated", "--no-cache", "--select", "F,E9", "--quiet"]
+            + ignore
             + ["--output-format", "concise", "--stdin-filename", f"{program.id}.py", "-"],
             input=program.source(),
             capture_output=True,
@@ -386,7 +413,7 @@ def test_the_docs_check_fails_on_a_broken_reference(tmp_path):
     planted cross-reference to nothing: the build must fail and name it."""
     import shutil
 
-    parts = ("mkdocs.yml", "docs", "genlm", "DEVELOPING.md", "benchmark/README.md", "scripts")
+    parts = ("mkdocs.yml", "docs", "genlm", "DEVELOPING.md", "benchmark", "scripts")
     for part in parts:
         source, target = ROOT / part, tmp_path / part
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -403,3 +430,167 @@ def test_the_docs_check_fails_on_a_broken_reference(tmp_path):
     )
     assert build.returncode != 0
     assert "no-such-target" in build.stderr + build.stdout
+
+
+def mkdocs_build(cwd: Path, site: Path) -> subprocess.CompletedProcess:
+    """A strict build of this repository's docs, run from ``cwd``."""
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    if not mkdocs.exists():
+        pytest.skip("mkdocs is not installed in this venv")
+    return subprocess.run(
+        [str(mkdocs), "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=cwd,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_docs_build_from_another_directory(tmp_path):
+    """Snippets (the developer guide includes DEVELOPING.md) resolve from mkdocs.yml's
+    directory, not the working directory; the performance tables come with them."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    build = mkdocs_build(elsewhere, tmp_path / "site")
+    assert build.returncode == 0, build.stderr
+    developing = (tmp_path / "site" / "developing" / "index.html").read_text()
+    assert "Developing" in developing or "developing" in developing
+    performance = (tmp_path / "site" / "performance" / "index.html").read_text()
+    for result in sorted((ROOT / "benchmark" / "results").glob("*.json")):
+        assert result.name in performance, result.name
+
+
+def _benchmark_hook():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def _shown(value) -> list[str]:
+    """The ways a table may print a JSON value (3 significant digits for floats)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return [str(value).replace("|", "\\|")] if value is not None else [""]
+    return [f"{value:.3g}", f"{value:.0f}"]
+
+
+def test_the_performance_page_shows_every_row_of_every_results_file():
+    """The page's tables are made from benchmark/results/*.json at build time: each file has
+    a section, and each row's numbers are in that section (read from the JSON here)."""
+    import json
+
+    performance = (DOCS / "performance.md").read_text()
+    hooks = _benchmark_hook()
+    assert hooks.TABLES_MARKER in performance
+    page = hooks.on_page_markdown(performance)
+    sections = page.split("### `")[1:]
+    results = sorted((ROOT / "benchmark" / "results").glob("*.json"))
+    assert [section.split(".json`", 1)[0] for section in sections] == [r.stem for r in results]
+    for result, section in zip(results, sections, strict=True):
+        header, _, *table = [line for line in section.splitlines() if line.startswith("|")]
+        columns = [cell.strip() for cell in header.strip("|").split("|")]
+        rows = json.loads(result.read_text())["rows"]
+        assert len(table) == len(rows), result.name
+        for line, row in zip(table, rows, strict=True):
+            cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+            for column, cell in zip(columns, cells, strict=True):
+                assert cell in _shown(row.get(column)), (result.name, column, line)
+
+
+def test_benchmark_readme_tables_are_those_of_the_results():
+    """benchmark/README.md carries the same tables (plots.py --readme writes them)."""
+    hooks = _benchmark_hook()
+    readme = (ROOT / "benchmark" / "README.md").read_text()
+    assert hooks.benchmark_tables() in readme, "run: .venv/bin/python benchmark/plots.py --readme"
+
+
+def test_notebook_cells_run_with_top_level_await_inside_a_running_loop(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- docs-test: one-program -->\n"
+        "<!-- docs-test: notebook -->\n```python\nimport asyncio\n"
+        "x = await asyncio.sleep(0, result=41)\n```\n"
+        "<!-- docs-test: notebook -->\n```python\ny = x + 1\n```\n"
+    )
+    (program,) = programs(page)
+    assert "notebook" in program.tags
+    assert run_in_notebook(program)["y"] == 42
+    page.write_text(
+        "<!-- docs-test: notebook -->\n```python\nimport asyncio\n\n\n"
+        "async def main():\n    return 1\n\n\ncoroutine = main()\ntry:\n"
+        "    asyncio.run(coroutine)\nfinally:\n    coroutine.close()\n```\n"
+    )
+    with pytest.raises(RuntimeError, match="running event loop"):
+        run_in_notebook(programs(page)[0])
+
+
+# Commands that only this repository's venv provides: a page runs them through `.venv/bin/`
+# (or `.venv-vllm/bin/`), or after `source .venv/bin/activate` in the same block.
+VENV_COMMANDS = {"python", "python3", "pytest", "mkdocs", "genlm-backend", "ruff", "mypy"}
+SHELL_FENCE = re.compile(r"^\s*```(?:bash|sh|shell|console)\s*$")
+
+
+def shell_commands(markdown: str) -> list[tuple[int, str]]:
+    """(line number, command) of each command line in the page's shell blocks; a command's
+    leading VAR=value assignments are dropped, comments and continuation lines too."""
+    commands, lines, index = [], markdown.splitlines(), 0
+    while index < len(lines):
+        if SHELL_FENCE.match(lines[index]):
+            index += 1
+            while index < len(lines) and not FENCE_CLOSE.match(lines[index]):
+                words = lines[index].split("#", 1)[0].split()
+                while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+                    words.pop(0)
+                if words and words[0] != "export":
+                    commands.append((index + 1, " ".join(words)))
+                index += 1
+        index += 1
+    return commands
+
+
+def bare_venv_commands(markdown: str) -> list[str]:
+    """The commands that name a venv-only program without its venv path."""
+    found, activated = [], False
+    for line, command in shell_commands(markdown):
+        program = command.split()[0]
+        activated = activated or command.startswith("source .venv")
+        if program in VENV_COMMANDS and not activated and command.split()[1:3] != ["-m", "venv"]:
+            found.append(f"line {line}: {command}")
+    return found
+
+
+def test_shell_commands_name_the_venv_they_run_in():
+    """Every command in the docs runs as written from a fresh clone after the set-up: the
+    ones only the venv has go through `.venv/bin/` (a bare `python -m genlm.backend` fails
+    with "No module named 'genlm'" unless .venv is activated)."""
+    failures = [
+        f"{page.name} {found}" for page in pages() for found in bare_venv_commands(page.read_text())
+    ]
+    assert not failures, "\n".join(failures)
+
+
+def test_the_venv_command_check_finds_bare_commands():
+    page = (
+        "```bash\npython -m genlm.backend sis\n.venv/bin/pytest -q\nHF_HUB_OFFLINE=1 pytest x\n"
+        "python -m venv .v\n```\n```bash\nsource .venv/bin/activate\nmkdocs build\n```\n"
+    )
+    assert bare_venv_commands(page) == ["line 2: python -m genlm.backend sis", "line 4: pytest x"]
+
+
+USER_PAGES = [
+    ROOT / "README.md",
+    *(p for p in sorted(DOCS.glob("*.md")) if p.name != "developing.md"),
+]
+
+
+def test_user_pages_hold_no_commit_hashes_or_issue_numbers():
+    """History (commits, issues, what was measured when) lives in DEVELOPING.md."""
+    history = re.compile(
+        r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b|\bissues? #?\d+", re.I
+    )
+    for page in USER_PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not history.search(line), f"{page.name}:{number}: {line}"

@@ -418,4 +418,4 @@ def test_module_imports_without_mlx_and_use_names_the_extra():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert "genlm-backend[mlx]" in out
+    assert "pip install -e '" in out and "[mlx]'" in out

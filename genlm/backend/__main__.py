@@ -1,6 +1,10 @@
 """Command line: ``python -m genlm.backend sis --prompt "Montreal is" --particles 10``
 (installed as the ``genlm-backend`` command too).
 
+Every bad option and every missing extra ends in one ``error:`` line and exit status 2 (the
+usage is printed by ``--help`` only); Ctrl-C ends in one line and status 130. Upstream log
+noise is off (`genlm.backend.logs`) unless ``--upstream-logs`` is given.
+
 ``sis`` runs the README's autobatched sequential importance sampler: every
 particle is an asyncio task awaiting ``next_token_logprobs``; the library
 batches their requests. Particles propose from the model at ``--temperature``
@@ -18,6 +22,8 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
 
 from genlm.backend.batching import SEED_LIMIT, first_line
 
@@ -63,7 +69,7 @@ async def run_sis(
             if limit is not None and len(prefix) > limit:
                 break  # the model's context is full: keep what was sampled
             logps = await llm.next_token_logprobs(prefix)
-            proposal = torch.log_softmax(logps / temperature, dim=-1)
+            proposal = proposal_logprobs(logps, temperature)
             token = int(torch.multinomial(proposal.exp(), 1, generator=generator).item())
             state.log_weight += float(logps[token] - proposal[token])
             if on_token is not None:
@@ -75,6 +81,16 @@ async def run_sis(
         return state
 
     return list(await asyncio.gather(*(particle(i) for i in range(n_particles))))
+
+
+def proposal_logprobs(logps, temperature: float):
+    """``log_softmax(logps / temperature)``, in float64 and from the top logprob, so that
+    every finite temperature > 0 works (a tiny one puts all the mass on the top token, as
+    the library's ``sample`` does; dividing float32 logprobs by it would give NaNs)."""
+    import torch
+
+    scores = logps.double()
+    return torch.log_softmax((scores - scores.max()) / temperature, dim=-1)
 
 
 def _normalized_weights(particles: Sequence[Particle]) -> list[float]:
@@ -94,14 +110,18 @@ def sis_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         try:
             model = str(default_model_path())
         except ImportError as error:
-            raise SystemExit(f"error: {error}") from None
+            parser.error(f"argument --model: no model given, and {first_line(error)}")
     started = time.perf_counter()
     try:
         llm = load_model_by_name(model, backend=args.backend, llm_opts=llm_options(args))
+    except ImportError as error:  # the backend's extra is not installed
+        parser.error(f"argument --backend: {first_line(error)}")
     except (OSError, ValueError) as error:
         parser.error(f"argument --model: cannot load {model!r}: {first_line(error)}")
     except RuntimeError as error:  # an engine (vLLM, SGLang) that failed to start
-        raise SystemExit(f"error: the {args.backend} engine failed: {first_line(error)}") from None
+        raise SystemExit(
+            f"{parser.prog}: error: the {args.backend} engine failed: {first_line(error)}"
+        ) from None
     print(f"Loaded {model} with {type(llm).__name__} in {time.perf_counter() - started:.1f} s")
     with llm:  # engines stop here, not at interpreter exit (vLLM's would log errors then)
         run_sis_command(llm, args, parser)
@@ -166,15 +186,46 @@ def llm_options(args: argparse.Namespace) -> dict:
     return {}
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``PROG: error: MESSAGE``, and exit
+    status 2: the usage is for ``--help``, not repeated over every mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def invoked_as(argv0: str) -> str:
+    """The program's name as the user typed it: ``python -m genlm.backend`` when run as a
+    module, else the script's name (``genlm-backend``)."""
+    name = Path(argv0).name
+    return "python -m genlm.backend" if name in ("__main__.py", "-m", "") else name
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("genlm-backend")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
 
 
 def seed_value(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if not 0 <= value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {value}")
     return value
@@ -192,14 +243,19 @@ def utf8_text(text: str) -> str:
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
+    """A finite number > 0: what the library's ``sample`` accepts as a temperature."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m genlm.backend", description=DESCRIPTION)
+def build_parser(prog: str = "python -m genlm.backend") -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog=prog, description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sis = commands.add_parser(
         "sis",
@@ -253,26 +309,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default=None,
         choices=DTYPES,
-        help="weights' dtype for hf (float32 if not given), vllm and sgl",
+        help="the weights' dtype, for hf, vllm and sgl (default: float32 for hf; for vllm "
+        "and sgl, auto: the model's own dtype)",
+    )
+    sis.add_argument(
+        "--upstream-logs",
+        action="store_true",
+        help="show the log lines of vLLM and bitsandbytes too (default: errors only; "
+        "the environment variable GENLM_BACKEND_UPSTREAM_LOGS=1 does the same)",
     )
     sis.set_defaults(handler=sis_command)
     return parser
 
 
+# Exit status of a program ended by Ctrl-C (SIGINT), as shells report it: 128 + 2.
+INTERRUPTED_STATUS = 130
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Parse and check every argument (errors: one line, exit status 2), then run the
-    command; a closed output pipe (``| head``) ends it quietly."""
+    command; a closed output pipe (``| head``) ends it quietly, Ctrl-C in one line."""
+    prog = invoked_as(sys.argv[0])
     try:
-        _main(argv)
+        _main(argv, prog)
     except BrokenPipeError:
         # Nobody reads on: point stdout at devnull so the interpreter's final flush is quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_STATUS)
 
 
-def _main(argv: Sequence[str] | None) -> None:
-    parser = build_parser()
+def _main(argv: Sequence[str] | None, prog: str) -> None:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if not args.upstream_logs:
+        from genlm.backend.logs import quiet_upstream_logs
+
+        quiet_upstream_logs()
     if args.seed > SEED_LIMIT - args.particles:
         parser.error(f"argument --seed: seed + particles must stay below 2**63, got {args.seed}")
     if args.model is not None:

@@ -368,8 +368,10 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             try:
                 import bitsandbytes  # noqa: F401
             except ImportError as error:
+                from genlm.backend._install import install_hint
+
                 raise ImportError(
-                    "bitsandbytes_opts needs bitsandbytes: pip install 'genlm-backend[bnb]'"
+                    f"bitsandbytes_opts needs bitsandbytes: {install_hint('bnb')}"
                 ) from error
             from transformers import BitsAndBytesConfig
 
@@ -403,9 +405,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         try:
             import peft
         except ImportError as error:
-            raise ImportError(
-                "LoRA adapters need peft: pip install 'genlm-backend[lora]'"
-            ) from error
+            from genlm.backend._install import install_hint
+
+            raise ImportError(f"LoRA adapters need peft: {install_hint('lora')}") from error
         from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
 
         path, weights = read_peft_adapter(lora_path)

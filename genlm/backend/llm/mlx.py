@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from genlm.backend._install import install_hint
 from genlm.backend.batching import check_int, first_line
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
@@ -59,7 +60,7 @@ from genlm.backend.llm.prefix import PrefixCachedLM, Row, run_grouped
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
 
-MLX_INSTALL_HINT = "pip install 'genlm-backend[mlx]'"
+MLX_INSTALL_HINT = install_hint("mlx")
 
 
 def _import_mlx() -> Any:

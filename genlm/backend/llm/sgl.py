@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from genlm.backend._install import install_hint
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import SGLEngine
 
-SGL_INSTALL_HINT = "pip install 'genlm-backend[sgl]'"
+SGL_INSTALL_HINT = install_hint("sgl")
 
 
 def import_sglang() -> Any:

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from genlm.backend._install import install_hint
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
@@ -70,7 +71,7 @@ from genlm.backend.llm.vllm_sessions import STALL_TIMEOUT, SessionPool, StepRequ
 
 logger = logging.getLogger(__name__)
 
-VLLM_INSTALL_HINT = "pip install 'genlm-backend[vllm]'"
+VLLM_INSTALL_HINT = install_hint("vllm")
 # The oldest vLLM with every interface the backend uses: StreamingInput sessions (0.17),
 # pause_generation(mode="keep") (0.16), vllm.config.LoggingConfig (0.31). Tested on 0.32.
 VLLM_MIN_VERSION = (0, 31)
