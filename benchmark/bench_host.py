@@ -165,7 +165,9 @@ def floor_steps(model: Any, prompt: list[int], n: int, steps: int) -> dict[str, 
     walls: list[float] = []
     ops: Counter[str] = Counter()
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([prompt]), **{keyword: cache}, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([prompt]), **{keyword: cache}, use_cache=True, logits_to_keep=1
+        )
         for layer in cache.layers:
             layer.keys = layer.keys.repeat_interleave(n, dim=0)
             layer.values = layer.values.repeat_interleave(n, dim=0)
@@ -246,7 +248,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     import torch
-
     from gpu import load_tokenizer
 
     torch.set_num_threads(1)

@@ -281,7 +281,7 @@ def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each row, each with storage of its own, in one op (`torch._foreach_clone`:
     a fused kernel on CUDA): not N clones, and unlike one batched clone cut into views, a
     caller keeping one row does not keep the whole batch alive."""
-    return torch._foreach_clone(rows) if rows else []
+    return list(torch._foreach_clone(rows)) if rows else []
 
 
 def run_grouped(

@@ -295,7 +295,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 step = max(1, self.max_batch_tokens // same[0].new_tokens)
                 if len(same) <= step:
                     return self._run_group(pool, same)
-                parts = [self._run_group(pool, same[i : i + step]) for i in range(0, len(same), step)]
+                parts = [
+                    self._run_group(pool, same[i : i + step]) for i in range(0, len(same), step)
+                ]
                 return torch.cat(parts)
 
             return _grouped_batch(rows, lambda row: (row.new_tokens, grouped and row.lora), run)

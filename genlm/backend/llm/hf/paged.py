@@ -15,7 +15,7 @@ import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.prefix import Row
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
 
@@ -55,7 +58,7 @@ def shared_blocks(rows: Sequence[Row], block_size: int) -> int:
     limit = min(row.start for row in rows) // block_size
     cut = [row.chain[:limit] for row in rows]
     low, high = min(cut), max(cut)
-    return next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), len(low))
+    return next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
 
 
 def step_inputs(
@@ -247,7 +250,7 @@ def sdpa_or_cascade_attention(
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def register_cascade(model: torch.nn.Module, num_layers: int) -> bool:
+def register_cascade(model: PreTrainedModel, num_layers: int) -> bool:
     """Register `sdpa_or_cascade_attention` as ``"sdpa"``; whether ``model`` runs ``sdpa``
     and each of its attention modules (one per KV layer) looks ``sdpa`` up in a registry
     that now answers it (a model with its own ``sdpa`` would ignore ``genlm_cache=``)."""
