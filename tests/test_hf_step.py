@@ -172,3 +172,17 @@ def test_block_copies_copy_each_tokens_slot_and_nothing_else():
             for j in range(copy.tokens):
                 want[:, copy.target * 4 + j] = old[:, copy.source * 4 + j]
         assert torch.equal(layer, want)
+
+
+async def test_a_prompt_longer_than_max_batch_tokens_is_prefilled_in_exact_chunks(
+    tiny_model, smollm2_tokenizer
+):
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=4, max_batch_tokens=16)
+    prompt = [(11 * j) % 600 + 4 for j in range(75)]
+    queries = [prompt, prompt[:40] + [7, 8, 9]]  # 5 chunks; 3 rows of 16 tokens, split
+    rows = await lm.batch_next_token_logprobs(queries)
+    for ids, row in zip(queries, rows, strict=True):
+        assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
+    children = [prompt + [t] for t in range(20, 24)]
+    for ids, row in zip(children, await lm.batch_next_token_logprobs(children), strict=True):
+        assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
