@@ -208,14 +208,12 @@ def cascade_attention(
     kv_heads = key.shape[1]
     groups = q_heads // kv_heads
     scale = dim**-0.5 if scaling is None else scaling
-    q = query.reshape(rows, kv_heads, groups * new, dim)
+    q = query.reshape(rows, kv_heads, groups * new, dim) * scale
     flat = q.transpose(0, 1).reshape(kv_heads, rows * groups * new, dim)
-    shared = torch.matmul(flat, shared_keys.transpose(1, 2)).mul_(scale)
+    shared = torch.matmul(flat, shared_keys.transpose(1, 2))
     shared = shared.view(kv_heads, rows, groups * new, -1).transpose(0, 1)
-    own = torch.matmul(q, key.transpose(2, 3)).mul_(scale)
-    own = own.view(rows, kv_heads, groups, new, -1).masked_fill_(
-        ~attention_mask[:, :, None], float("-inf")
-    )
+    own = torch.matmul(q, key.transpose(2, 3)).view(rows, kv_heads, groups, new, -1)
+    own = torch.where(attention_mask[:, :, None], own, float("-inf"))
     own = own.view(rows, kv_heads, groups * new, -1)
     top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
     shared = shared.sub_(top).exp_()
