@@ -80,7 +80,7 @@ import sys
 import zipfile
 
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-for needed in ("genlm/backend/__init__.py", "genlm/backend/py.typed", "genlm/backend/llm/hf.py"):
+for needed in ("genlm/backend/__init__.py", "genlm/backend/py.typed", "genlm/backend/llm/hf/__init__.py"):
     assert needed in names, f"the wheel lacks {needed}"
 assert "genlm/__init__.py" not in names, "the wheel ships genlm/__init__.py"
 assert not [n for n in names if n.startswith(("tests/", "benchmark/", "docs/"))], "stray files"

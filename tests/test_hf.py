@@ -221,16 +221,16 @@ def long_prompt(smollm2_tokenizer):
 async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     lm, long_prompt, monkeypatch, random_walks
 ):
-    import genlm.backend.llm.hf as hf
+    import genlm.backend.llm.hf.paged as paged
 
     calls = []
-    cascade = hf.cascade_attention
+    cascade = paged.cascade_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return cascade(*args, **kwargs)
 
-    monkeypatch.setattr(hf, "cascade_attention", counted)
+    monkeypatch.setattr(paged, "cascade_attention", counted)
     seen = await random_walks(lm, long_prompt, 5)
     assert calls  # the shared prompt was read once per layer for all rows
     assert lm.model.config._attn_implementation == "sdpa"  # chosen per call, never switched

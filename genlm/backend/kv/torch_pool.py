@@ -6,6 +6,7 @@ import math
 import mmap
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout
@@ -62,18 +63,21 @@ class TorchBlockPool:
         return (blocks[:, None] * self.block_size + offsets).flatten()[:tokens]
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
-        """Apply `BlockCopy`s (no target is another's source): one indexed copy per layer."""
+        """Apply `BlockCopy`s (no target is another's source): the token slots built on the
+        host with numpy, moved to the device in one copy, then one gather and one indexed
+        write per layer, however many blocks are copied."""
         if not copies:
             return
         size = self.block_size
-        pairs = [
-            (copy.source * size + j, copy.target * size + j)
-            for copy in copies
-            for j in range(copy.tokens)
-        ]
-        source, target = torch.tensor(pairs, device=self.layout.device).unbind(1)
+        fields = np.array([(c.source, c.target, c.tokens) for c in copies], np.int64)
+        tokens = fields[:, 2]
+        # token j of copy i: offset j, found as position - the copy's first position
+        offsets = np.arange(tokens.sum()) - np.repeat(np.cumsum(tokens) - tokens, tokens)
+        pairs = np.repeat(fields[:, :2] * size, tokens, axis=0) + offsets[:, None]
+        device = self.layout.device
+        source, target = torch.from_numpy(pairs.T.copy()).to(device, non_blocking=True)
         for layer in self.layers:
-            layer[:, target] = layer[:, source]
+            layer.index_copy_(1, target, layer.index_select(1, source))
 
     def read(self, chain: Chain, tokens: int) -> torch.Tensor:
         """``[layers, 2, heads, tokens, head_dim]``: a copy of a chain's first ``tokens``."""

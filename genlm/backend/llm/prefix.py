@@ -83,8 +83,9 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     # -- backend hooks (worker thread) ---------------------------------------------------------
 
     @abstractmethod
-    def _run_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """Each row's next-token logprobs (a tensor of its own), in order. With KV reuse a
+    def _run_rows(self, rows: Sequence[Row]) -> torch.Tensor | list[torch.Tensor]:
+        """Each row's next-token logprobs, in order: a ``[rows, vocab]`` batch (the base
+        copies its rows out in one op) or a list of tensors of their own. With KV reuse a
         row's chain is allocated and its copies applied: read its first ``row.start``
         tokens' KV from the chain and write ``ids[start:]``'s into it; without, run the
         whole prefix."""
@@ -190,13 +191,13 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                     planned.append(self._plan(slot, ids, lora, node))
             if planned:
                 rows = self._allocate(planned, chains)
-                for row, logprobs in zip(rows, self._run_rows(rows), strict=True):
+                for row, logprobs in zip(rows, _own_rows(self._run_rows(rows)), strict=True):
                     self._store_row(row, logprobs, chains)
                     results[row.slot] = logprobs
         finally:
             self._finish(planned, chains)
         # Callers get copies: a row edited in place must not change what the tree holds.
-        return [results[slot].clone() for slot in range(len(keys))]
+        return _copies([results[slot] for slot in range(len(keys))])
 
     def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
@@ -254,7 +255,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         chains: dict[int, Chain] = {}
         try:
             rows = self._allocate(planned, chains)
-            self._store_row(rows[0], self._run_rows(rows)[0], chains)
+            self._store_row(rows[0], _own_rows(self._run_rows(rows))[0], chains)
             self.store.pin(self.store.node_at(node, ids))
         finally:
             self._finish(planned, chains)
@@ -267,6 +268,20 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         if source is None or source.chain is None or not start:
             return CacheWalk(root, 0, None, 0)
         return CacheWalk(source, start, self._read_past(source.chain, start), source.depth)
+
+
+def _own_rows(computed: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """A forward's rows as tensors of their own: the tree holds each row alone, so that an
+    evicted row frees its memory and the logprobs budget counts what is held (views of
+    the batch would pin all of it while any row is cached)."""
+    return _copies(list(computed.unbind())) if isinstance(computed, torch.Tensor) else computed
+
+
+def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of each row, each with storage of its own, in one op (`torch._foreach_clone`:
+    a fused kernel on CUDA): not N clones, and unlike one batched clone cut into views, a
+    caller keeping one row does not keep the whole batch alive."""
+    return list(torch._foreach_clone(rows)) if rows else []
 
 
 def run_grouped(

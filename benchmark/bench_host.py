@@ -1,0 +1,292 @@
+"""The host work of a decode step: `AsyncTransformer` on a tiny random Llama on the CPU.
+
+The model (2 layers, hidden 64, SmolLM2's 49,152-token vocabulary from ``benchmark/data``,
+random weights; nothing is downloaded) makes the forward nearly free, so what a step
+costs is what the library does around it. For N particles on a P-token prompt, each step
+is one ``batch_next_token_logprobs_sync`` over the N contexts, then one batched
+``multinomial`` draw (outside the timed step). Measured per step, against the
+hand-written floor in the same run (one prefill of the prompt expanded to N rows of a
+``DynamicCache``, then one batched forward and ``log_softmax`` per token):
+
+- ``ops``: aten ops of one step, counted with a ``TorchDispatchMode`` (every op that
+  reaches the dispatcher below autograd, views included; on a GPU each non-view op is a
+  kernel launch). Deterministic. The library's count covers the caller's thread (the
+  rows stacked) and the batcher's worker (``_process_batch``: plan, forward, rows out).
+- ``ms``: wall time per step (median over the timed steps).
+- ``host_ms``: wall time per step outside the model's forward (hooks around
+  ``model.forward``): the index building, the prefix tree, the rows' copies, ...
+
+Targets (issue 28): at N=128 and a 1,024-token prompt, ops <= 2x the floor's and <= 1.25x
+N=8's; ``host_ms`` at 1,024 <= 1.2x at 64; ``ms`` <= the floor's. Timings need a quiet
+machine (one torch thread); op counts do not.
+
+    python benchmark/bench_host.py                  # N = 8, 128 x prompt = 64, 1024
+    python benchmark/bench_host.py --ops-only       # op counts only (fast, deterministic)
+
+Results: a table, and benchmark/results/host.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+BENCHMARK_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCHMARK_DIR / "results"
+sys.path.insert(0, str(BENCHMARK_DIR))
+
+
+def tiny_llama(vocab_size: int, max_positions: int = 4096, seed: int = 0) -> Any:
+    """A 2-layer Llama (hidden 64, 4 query / 2 KV heads of dim 16) with random weights, float32, sdpa."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).float().eval()
+
+
+def op_counter() -> Any:
+    """A ``TorchDispatchMode`` that counts the aten ops run while it is entered (its thread only)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.counts[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    return OpCounter()
+
+
+class ForwardClock:
+    """Seconds spent inside ``model.forward`` (hooks), to tell the host's share of a step."""
+
+    def __init__(self, model: Any):
+        self.seconds = 0.0
+        self._start = 0.0
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._leave)
+
+    def _enter(self, *_: Any) -> None:
+        self._start = time.perf_counter()
+
+    def _leave(self, *_: Any) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+
+def library_steps(
+    model: Any, tokenizer: Any, prompt: list[int], n: int, steps: int, count_ops: bool
+) -> dict[str, Any]:
+    """``steps`` decode steps of N particles through `AsyncTransformer`: per-step wall and
+    host seconds, and the op count of the last step (when ``count_ops``)."""
+    import torch
+
+    from genlm.backend.llm.hf import AsyncTransformer
+
+    lm = AsyncTransformer(model, tokenizer, batch_size=n)
+    clock = ForwardClock(model)
+    worker_counts: list[Counter[str]] = []
+    process = lm._process_batch
+
+    def counted(keys: Any) -> Any:
+        with op_counter() as counter:
+            rows = process(keys)
+        worker_counts.append(counter.counts)
+        return rows
+
+    generator = torch.Generator().manual_seed(0)
+    first = lm.batch_next_token_logprobs_sync([prompt])
+    draws = torch.multinomial(first[0].exp(), n, replacement=True, generator=generator)
+    contexts = [prompt + [token] for token in draws.tolist()]
+    walls, hosts = [], []
+    ops: Counter[str] = Counter()
+    for step in range(steps):
+        last = count_ops and step == steps - 1
+        if last:
+            lm._process_batch = counted  # type: ignore[method-assign]
+        clock.seconds = 0.0
+        start = time.perf_counter()
+        if last:
+            with op_counter() as caller:
+                rows = lm.batch_next_token_logprobs_sync(contexts)
+            ops = caller.counts + worker_counts[-1]
+        else:
+            rows = lm.batch_next_token_logprobs_sync(contexts)
+        wall = time.perf_counter() - start
+        walls.append(wall)
+        hosts.append(wall - clock.seconds)
+        tokens = torch.multinomial(rows.exp(), 1, generator=generator).flatten().tolist()
+        contexts = [context + [token] for context, token in zip(contexts, tokens, strict=True)]
+    return {"walls": walls, "hosts": hosts, "ops": ops}
+
+
+def floor_steps(model: Any, prompt: list[int], n: int, steps: int) -> dict[str, Any]:
+    """The hand-written loop: prefill once, expand the prompt's KV to N rows, then one
+    batched ``DynamicCache`` forward and ``log_softmax`` per token (ops: its last step)."""
+    import torch
+    from transformers import DynamicCache
+
+    from genlm.backend.llm.hf import cache_keyword
+
+    keyword = cache_keyword(model)
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=model.config)
+    walls: list[float] = []
+    ops: Counter[str] = Counter()
+    with torch.inference_mode():
+        out = model(
+            input_ids=torch.tensor([prompt]), **{keyword: cache}, use_cache=True, logits_to_keep=1
+        )
+        for layer in cache.layers:
+            layer.keys = layer.keys.repeat_interleave(n, dim=0)
+            layer.values = layer.values.repeat_interleave(n, dim=0)
+        logps = torch.log_softmax(out.logits[:, -1, :vocab].float(), -1).expand(n, -1)
+        tokens = torch.multinomial(logps.exp(), 1, generator=generator)
+        positions = torch.full((n, 1), len(prompt))
+
+        def step() -> torch.Tensor:
+            out = model(
+                input_ids=tokens,
+                position_ids=positions,
+                **{keyword: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            return torch.log_softmax(out.logits[:, -1, :vocab].float(), -1)
+
+        for index in range(steps):
+            start = time.perf_counter()
+            if index == steps - 1:
+                with op_counter() as counter:
+                    logps = step()
+                ops = counter.counts
+            else:
+                logps = step()
+            walls.append(time.perf_counter() - start)
+            tokens = torch.multinomial(logps.exp(), 1, generator=generator)
+            positions = positions + 1
+    return {"walls": walls, "ops": ops}
+
+
+def measure(
+    model: Any, tokenizer: Any, n: int, prompt_tokens: int, steps: int, warmup: int
+) -> dict[str, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(prompt_tokens)
+    prompt = torch.randint(0, len(tokenizer), (prompt_tokens,), generator=generator).tolist()
+    library = library_steps(model, tokenizer, prompt, n, warmup + steps, True)
+    floor = floor_steps(model, prompt, n, warmup + steps)
+    median: Callable[[list[float]], float] = lambda xs: 1e3 * statistics.median(xs[warmup:])  # noqa: E731
+    return {
+        "particles": n,
+        "prompt_tokens": prompt_tokens,
+        "ops": sum(library["ops"].values()),
+        "floor_ops": sum(floor["ops"].values()),
+        "syncs": library["ops"]["aten._local_scalar_dense.default"],
+        "ms": median(library["walls"]),
+        "host_ms": median(library["hosts"]),
+        "floor_ms": median(floor["walls"]),
+        "op_counts": dict(library["ops"].most_common()),
+        "floor_op_counts": dict(floor["ops"].most_common()),
+    }
+
+
+def check_targets(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 28's CPU targets, from the N=8/128 x prompt 64/1,024 results."""
+    by = {(r["particles"], r["prompt_tokens"]): r for r in results}
+    if not {(8, 1024), (128, 64), (128, 1024)} <= by.keys():
+        return {}
+    big, small, short = by[128, 1024], by[8, 1024], by[128, 64]
+    return {
+        "ops_vs_floor_at_128x1024": big["ops"] / big["floor_ops"],  # <= 2
+        "ops_128_vs_8_at_1024": big["ops"] / small["ops"],  # <= 1.25
+        "host_ms_1024_vs_64_at_128": big["host_ms"] / short["host_ms"],  # <= 1.2
+        "ms_vs_floor_at_128x1024": big["ms"] / big["floor_ms"],  # <= 1
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--particles", type=int, nargs="+", default=[8, 128])
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--ops-only", action="store_true", help="count ops, skip timing")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "host.json")
+    args = parser.parse_args(argv)
+
+    import torch
+    from gpu import load_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer()
+    model = tiny_llama(len(tokenizer))
+    steps, warmup = (1, 1) if args.ops_only else (args.steps, args.warmup)
+    results = []
+    header = f"{'N':>4} {'prompt':>6} {'ops':>6} {'floor':>6} {'syncs':>5} {'ms':>8} {'host ms':>8} {'floor ms':>8}"
+    print(header)
+    for n in args.particles:
+        for prompt_tokens in args.prompt_tokens:
+            r = measure(model, tokenizer, n, prompt_tokens, steps, warmup)
+            results.append(r)
+            print(
+                f"{n:>4} {prompt_tokens:>6} {r['ops']:>6} {r['floor_ops']:>6} {r['syncs']:>5} "
+                f"{r['ms']:>8.2f} {r['host_ms']:>8.2f} {r['floor_ms']:>8.2f}"
+            )
+    targets = check_targets(results)
+    for name, value in targets.items():
+        print(f"{name}: {value:.2f}")
+    if args.ops_only:
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "steps": steps,
+                "warmup": warmup,
+                "targets": targets,
+                "results": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Hugging Face transformers backend: `AsyncTransformer` (the LM, `model`), its paged KV
+cache layer and attention (`paged`), and its loading options (`options`)."""
+
+from genlm.backend.llm.hf.model import (
+    BASE_ADAPTER,
+    DEFAULT_MAX_KV_BYTES,
+    DEFAULT_MAX_LOGPROBS_BYTES,
+    LORA_BATCHING,
+    AsyncTransformer,
+)
+from genlm.backend.llm.hf.options import cache_keyword
+from genlm.backend.llm.hf.paged import (
+    CASCADE_MIN_SHARED,
+    cascade_attention,
+    paged_cache,
+    sdpa_or_cascade_attention,
+)
+
+__all__ = [
+    "BASE_ADAPTER",
+    "CASCADE_MIN_SHARED",
+    "DEFAULT_MAX_KV_BYTES",
+    "DEFAULT_MAX_LOGPROBS_BYTES",
+    "LORA_BATCHING",
+    "AsyncTransformer",
+    "cache_keyword",
+    "cascade_attention",
+    "paged_cache",
+    "sdpa_or_cascade_attention",
+]

@@ -1,0 +1,429 @@
+"""`AsyncTransformer`: a Hugging Face transformers causal LM behind the `AsyncLM` interface.
+
+Many particles await ``next_token_logprobs`` on prefixes that share most of their
+tokens. The request plan, the cache calls and the batcher come from
+`genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
+`TorchBlockPool`: one tensor per layer); this module is the forward over planned rows
+(each a block chain and new tokens), per group of rows with the same number ``t`` of
+new tokens:
+
+1. builds the group's inputs (ids, positions, write and read slots) on the host as ONE
+   tensor that reaches the device in one copy (`genlm.backend.llm.hf.paged`), and runs
+   ONE forward over the ``rows x t`` new tokens with explicit position ids and a 4-D
+   mask (none when nothing is padded); a small `Cache` writes each layer's new KV into
+   the rows' blocks and reads each row's KV through its chain (left-padded to the
+   longest past with an all-zero block; the padding is masked). When the rows share a
+   prefix of at least ``CASCADE_MIN_SHARED`` tokens, `cascade_attention` reads the shared
+   blocks once per layer for all rows and only each row's own tokens through its chain;
+2. applies the LM head at the last position only (``logits_to_keep=1``), keeps the
+   tokenizer's ``len(byte_vocab)`` columns and ``log_softmax``es them (float32), and
+   returns the ``[rows, vocab]`` batch; the base copies each row out (one batched op)
+   and stores the rows and the chains at the requests' nodes.
+
+A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
+context length (tests/test_hf_step.py, benchmark/bench_host.py).
+
+Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
+
+- Blocks, not per-row buffers: particles sharing a prompt share its blocks, so the KV
+  held is the prompt once plus each particle's own tokens (plus at most one partly
+  filled block per fork), and an extension by one token writes one token's KV.
+- Rows are grouped by ``t`` so no query row is padded (the usual step has ``t = 1``
+  for everyone; a fresh prompt or a recomputed prefix forms its own group), hence
+  no fully-masked attention rows and no NaNs from them.
+- Memory: KV stays within ``max_kv_bytes`` between batches (docs/kv-store.md); the
+  pool resizes one layer at a time, so it is never held twice while it copies.
+
+LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
+under the same budgets), and rows of several adapters share one forward: peft's
+mixed-adapter batches (``adapter_names=``) add each row's own low-rank update to the
+shared base matmuls (``lora_batching="grouped"`` runs one forward per adapter instead;
+measured slower, see benchmark/bench_lm.py ``--loras``).
+
+Models whose cache is not a plain stack of same-shaped full-attention layers
+(sliding windows, recurrent states, layers on several devices, ...) or whose
+attention is neither ``sdpa`` nor ``eager`` still work, without KV reuse: each
+request then runs its whole prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from genlm.backend.batching import check_int
+from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
+from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.kv.torch_pool import TorchBlockPool
+from genlm.backend.llm.base import check_vocab_fits
+from genlm.backend.llm.hf.options import (
+    bitsandbytes_config,
+    cache_keyword,
+    normalize_dtype,
+    quiet_bitsandbytes,
+)
+from genlm.backend.llm.hf.paged import (
+    CASCADE_MIN_SHARED,
+    attention_mask,
+    paged_cache,
+    register_cascade,
+    shared_blocks,
+    step_inputs,
+)
+from genlm.backend.llm.prefix import PrefixCachedLM, Row
+
+# peft's name for "no adapter" in a mixed-adapter batch.
+BASE_ADAPTER = "__base__"
+LORA_BATCHING = ("mixed", "grouped")
+
+DEFAULT_MAX_KV_BYTES = 1 << 30
+DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
+
+
+class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
+    """A transformers causal LM with auto-batching and a prefix tree of cached KV and logprobs.
+
+    Each returned log-probability vector is the caller's own copy.
+
+    Args:
+        hf_model: an ``AutoModelForCausalLM`` (put in eval mode).
+        hf_tokenizer: its tokenizer.
+        batch_size: most requests per batch.
+        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
+        max_kv_bytes: budget for cached KV states (least recently used evicted first;
+            prompts pinned with `cache_kv` are outside it).
+        max_logprobs_bytes: budget for cached next-token log-probabilities.
+        max_batch_tokens: most new tokens run in one forward (larger groups are split,
+            a longer prefix is prefilled in chunks).
+        lora_batching: ``"mixed"`` (rows of several LoRA adapters in one forward) or
+            ``"grouped"`` (one forward per adapter).
+    """
+
+    def __init__(
+        self,
+        hf_model: Any,
+        hf_tokenizer: Any,
+        batch_size: int = 20,
+        timeout: float | None = 0.02,
+        *,
+        max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES,
+        max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
+        max_batch_tokens: int = 4096,
+        lora_batching: str = "mixed",
+    ):
+        check_int("max_kv_bytes", max_kv_bytes, optional=True)
+        check_int("max_logprobs_bytes", max_logprobs_bytes, optional=True)
+        check_int("max_batch_tokens", max_batch_tokens, minimum=1)
+        if lora_batching not in LORA_BATCHING:
+            raise ValueError(f"lora_batching must be one of {LORA_BATCHING}, got {lora_batching!r}")
+        super().__init__(hf_tokenizer)
+        self.model = hf_model.eval()
+        quiet_bitsandbytes(self.model)
+        check_vocab_fits(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])
+        self.max_kv_bytes = max_kv_bytes
+        self.max_logprobs_bytes = max_logprobs_bytes
+        self.max_batch_tokens = max_batch_tokens
+        self.lora_batching = lora_batching
+        self._peft: Any = None  # the peft model wrapping self.model, once an adapter is loaded
+        self._peft_names: dict[str, str] = {}  # adapter name -> its name inside peft
+        self._adapter_ids = itertools.count()
+        self._input_device = self.model.get_input_embeddings().weight.device
+        self._cache_keyword = cache_keyword(self.model)
+        layout, reason = self._probe_kv_layout()
+        self._pool = None if layout is None else TorchBlockPool(layout)
+        self._cascade = self._pool is not None and register_cascade(
+            self.model, self._pool.layout.num_layers
+        )
+        store = PrefixKVStore(self._pool or NoKVPool(reason), max_kv_bytes, max_logprobs_bytes)
+        self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-hf")
+
+    @classmethod
+    def from_name(
+        cls,
+        model_id: str,
+        bitsandbytes_opts: dict[str, Any] | None = None,
+        hf_opts: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> AsyncTransformer:
+        """Load a tokenizer and ``AutoModelForCausalLM`` from a hub id, a local directory or a ``.gguf`` file.
+
+        Args:
+            model_id: what to load.
+            bitsandbytes_opts: keyword arguments of ``transformers.BitsAndBytesConfig``
+                (e.g. ``{"load_in_8bit": True}``); needs the ``bnb`` extra.
+            hf_opts: keyword arguments for ``from_pretrained``; defaults ``device_map="auto"``
+                and ``dtype="auto"`` (``torch_dtype`` is accepted too, as a dtype or a name
+                such as ``"float32"`` or ``"bfloat16"``).
+            **kwargs: passed to `AsyncTransformer` (``batch_size``, ``max_kv_bytes``, ...).
+        """
+        from transformers import AutoModelForCausalLM
+
+        from genlm.backend.models import (
+            explained_load_errors,
+            gguf_from_pretrained_args,
+            load_tokenizer,
+        )
+
+        for name, value in (("hf_opts", hf_opts), ("bitsandbytes_opts", bitsandbytes_opts)):
+            if value is not None and not isinstance(value, dict):
+                raise TypeError(
+                    f"{name} must be a dict of keyword arguments or None, got "
+                    f"{type(value).__name__}: {value!r} (e.g. hf_opts={{'dtype': 'float16'}})"
+                )
+        cls.check_constructor_options(kwargs)
+        opts = dict(hf_opts or {})
+        normalize_dtype(opts)
+        opts = {"device_map": "auto", "dtype": "auto", **opts}
+        if bitsandbytes_opts is not None:
+            opts["quantization_config"] = bitsandbytes_config(bitsandbytes_opts)
+        path, gguf = gguf_from_pretrained_args(model_id)
+        tokenizer = load_tokenizer(model_id)
+        with explained_load_errors(model_id):
+            model = AutoModelForCausalLM.from_pretrained(path, **gguf, **opts)
+        return cls(model, tokenizer, **kwargs)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def max_context_length(self) -> int | None:
+        """The model's ``max_position_embeddings`` (None if its config has none)."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    def next_token_logprobs_uncached(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
+        ids, lora = self._query(token_ids, lora_name)
+        return self.batcher.run_sync(self._uncached, ids, lora)
+
+    # -- LoRA ----------------------------------------------------------------------------------
+
+    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
+        """Check the adapter, load it under a fresh peft name, and only then let it replace
+        an adapter registered under ``lora_name``: any failure leaves the model and the
+        registry as they were (no LoRA layers left injected)."""
+        try:
+            import peft
+        except ImportError as error:
+            from genlm.backend._install import install_hint
+
+            raise ImportError(f"LoRA adapters need peft: {install_hint('lora')}") from error
+        from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
+
+        path, weights = read_peft_adapter(lora_path)
+        check_peft_shapes(weights, self.model, path)
+        # peft sees its own names: a user's name may hold "." (not a module name), be
+        # "__base__", or be part of peft's "lora_" prefix, which peft misreads.
+        peft_name = f"genlm{next(self._adapter_ids)}"
+        try:
+            if self._peft is None:
+                self._peft = peft.PeftModel.from_pretrained(
+                    self.model, str(path), adapter_name=peft_name
+                ).eval()
+            else:
+                self._peft.load_adapter(str(path), adapter_name=peft_name)
+                self._peft.eval()
+        except Exception:
+            self._discard_adapter(peft_name)
+            raise
+        replaced = self._peft_names.get(lora_name)
+        self._peft_names[lora_name] = peft_name
+        if replaced is not None:
+            self._delete_peft_adapter(replaced)
+
+    def _discard_adapter(self, peft_name: str) -> None:
+        """Undo a failed load of ``peft_name``: delete what peft added of it, or, if the
+        model had no adapter before, put every layer peft wrapped back to its base layer."""
+        if self._peft is not None:  # it serves other adapters: remove only this one
+            if peft_name in self._peft.peft_config:
+                self._delete_peft_adapter(peft_name)
+            return
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for name, module in list(self.model.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent), child, module.get_base_layer())
+        if hasattr(self.model, "peft_config"):  # peft marks the models it wraps
+            del self.model.peft_config
+
+    def _delete_adapter(self, lora_name: str) -> None:
+        self._delete_peft_adapter(self._peft_names.pop(lora_name))
+
+    def _delete_peft_adapter(self, peft_name: str) -> None:
+        if not set(self._peft_names.values()) - {peft_name}:
+            # peft cannot serve with no adapter left: restore the plain model (in place).
+            self._peft.unload()
+            self._peft = None
+        else:
+            with warnings.catch_warnings():
+                # Which adapter peft calls "active" is moot: every forward names its adapters.
+                warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
+                self._peft.delete_adapter(peft_name)
+
+    def _forward(
+        self, loras: Sequence[str | None], cache: Cache | None = None, **kwargs: Any
+    ) -> Any:
+        """The model's forward for rows served by ``loras`` (one adapter name or None per row),
+        reading and writing KV through ``cache``."""
+        if cache is not None:
+            kwargs[self._cache_keyword] = cache
+        if self._peft is None:
+            return self.model(**kwargs)
+        names = [BASE_ADAPTER if lora is None else self._peft_names[lora] for lora in loras]
+        return self._peft(**kwargs, adapter_names=names)
+
+    # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
+
+    def _run_rows(self, rows: Sequence[Row]) -> torch.Tensor:
+        """The rows' logprobs as one ``[rows, vocab]`` batch, in order. Rows with the same
+        number of new tokens (and adapter, with ``lora_batching="grouped"``) run in one
+        forward each, split to respect ``max_batch_tokens``; without KV reuse, rows of one
+        length together."""
+        pool = self._pool
+        with torch.inference_mode():
+            if pool is None:
+                return _grouped_batch(rows, lambda row: len(row.ids), self._run_without_kv)
+            grouped = self.lora_batching == "grouped"
+
+            def run(same: list[Row]) -> torch.Tensor:
+                step = max(1, self.max_batch_tokens // same[0].new_tokens)
+                if len(same) <= step:
+                    return self._run_group(pool, same)
+                parts = [
+                    self._run_group(pool, same[i : i + step]) for i in range(0, len(same), step)
+                ]
+                return torch.cat(parts)
+
+            return _grouped_batch(rows, lambda row: (row.new_tokens, grouped and row.lora), run)
+
+    def _run_group(self, pool: TorchBlockPool, rows: list[Row]) -> torch.Tensor:
+        """One forward for rows sharing their number of new tokens: their logprobs, and their
+        new tokens' KV written into their chains. Its inputs reach the device as one tensor
+        (`step_inputs`), so its ops do not grow with the rows or their context."""
+        new_tokens = rows[0].new_tokens
+        skip = self._shared_blocks(rows) if new_tokens <= self.max_batch_tokens else 0
+        step = step_inputs(rows, pool.block_size, skip, self._input_device)
+        loras = [row.lora for row in rows]
+        if skip:
+            # Cascade: the shared prefix is read once per layer; each row reads only its own
+            # tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword).
+            cache = paged_cache(pool, step.write.flatten(), step.read, step.past, step.shared)
+            logits = self._forward(
+                loras,
+                input_ids=step.input_ids,
+                attention_mask=attention_mask(step.first, step.past, new_tokens),
+                position_ids=step.position_ids,
+                cache=cache,
+                genlm_cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+            return self._logprobs(logits[:, -1])
+        # A prefix longer than max_batch_tokens (a single row) is prefilled in chunks.
+        for chunk in range(0, new_tokens, self.max_batch_tokens):
+            end = min(new_tokens, chunk + self.max_batch_tokens)
+            past = step.past + chunk
+            mask = None
+            if step.padded or (past and end - chunk > 1):
+                mask = self._additive_or_boolean(attention_mask(step.first, past, end - chunk))
+            cache = paged_cache(
+                pool,
+                step.write[:, chunk:end].flatten(),
+                step.read[:, : step.past + end],
+                past,
+            )
+            logits = self._forward(
+                loras,
+                input_ids=step.input_ids[:, chunk:end],
+                attention_mask=mask,
+                position_ids=step.position_ids[:, chunk:end],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+        return self._logprobs(logits[:, -1])
+
+    def _shared_blocks(self, rows: list[Row]) -> int:
+        """Blocks at the start of every row's chain and inside every row's past: cascade
+        attention reads them once (0: no cascade, too few rows or shared tokens)."""
+        if not self._cascade or len(rows) < 2:
+            return 0
+        assert self._pool is not None  # cascade goes with KV reuse
+        size = self._pool.block_size
+        blocks = shared_blocks(rows, size)
+        return blocks if blocks * size >= CASCADE_MIN_SHARED else 0
+
+    def _run_without_kv(self, rows: list[Row]) -> torch.Tensor:
+        """Fallback for models without reusable KV: one plain forward of whole prefixes of
+        one length."""
+        input_ids = torch.tensor([row.ids for row in rows], device=self._input_device)
+        loras = [row.lora for row in rows]
+        logits = self._forward(loras, input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
+        return self._logprobs(logits[:, -1])
+
+    def _additive_or_boolean(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask`` as the model's attention wants it: boolean for sdpa, additive for eager."""
+        if self.model.config._attn_implementation == "sdpa":
+            return mask
+        assert self._pool is not None  # masks go with KV reuse
+        dtype = self._pool.layout.dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return additive.masked_fill_(~mask, torch.finfo(dtype).min)
+
+    def _logprobs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Normalized float32 log-probabilities over the tokenizer's vocabulary (padding dropped)."""
+        return torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1)
+
+    def _uncached(self, ids: tuple[int, ...], lora: str | None) -> torch.Tensor:
+        with torch.inference_mode():
+            input_ids = torch.tensor([ids], device=self._input_device)
+            logits = self._forward(
+                [lora], input_ids=input_ids, use_cache=False, logits_to_keep=1
+            ).logits
+            return self._logprobs(logits[:, -1])[0]
+
+    def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
+        """Run one token to learn the KV shape, and whether this design can reuse it."""
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        if implementation not in ("sdpa", "eager"):
+            return None, f"attention implementation {implementation!r}"
+        with torch.inference_mode():
+            input_ids = torch.zeros((1, 1), dtype=torch.long, device=self._input_device)
+            output = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+            cache = getattr(output, self._cache_keyword)
+        if not isinstance(cache, DynamicCache) or not cache.layers:
+            return None, f"its cache is a {type(cache).__name__}"
+        layers = [
+            (getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers
+        ]
+        if any(type(layer) is not DynamicLayer for layer in cache.layers) or any(
+            keys is None or values is None for keys, values in layers
+        ):
+            return None, "its cache has layers other than full attention"
+        return uniform_layout(layers)
+
+
+def _grouped_batch(
+    rows: Sequence[Row],
+    key: Callable[[Row], Hashable],
+    run: Callable[[list[Row]], torch.Tensor],
+) -> torch.Tensor:
+    """``run`` (a ``[rows, vocab]`` batch) over the rows grouped by ``key``, as one batch in
+    the order of ``rows`` (one group, the usual step: ``run``'s batch itself)."""
+    groups: dict[Hashable, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(key(row), []).append(index)
+    if len(groups) == 1:
+        return run(list(rows))
+    order = [index for indices in groups.values() for index in indices]
+    batch = torch.cat([run([rows[i] for i in indices]) for indices in groups.values()])
+    inverse = [0] * len(order)
+    for position, index in enumerate(order):
+        inverse[index] = position
+    return batch[torch.tensor(inverse, device=batch.device)]

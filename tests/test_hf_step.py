@@ -1,0 +1,188 @@
+"""A decode step of `AsyncTransformer` on a tiny random Llama (fast, no real model): its
+aten op count and host syncs do not grow with the particles or the context, and its rows
+stay exact (against a plain transformers forward of each whole context)."""
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from genlm.backend.kv.pool import KVLayout
+from genlm.backend.kv.store import BlockCopy
+from genlm.backend.kv.torch_pool import TorchBlockPool
+from genlm.backend.llm.hf import AsyncTransformer
+
+TOL = 1e-4  # float32 rows: batched / KV-reused / cascade vs one plain forward
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops its thread runs while it is entered."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_llama(vocab_size, attn_implementation="sdpa"):
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # wide weights: rows differ clearly between contexts
+        for name, parameter in model.named_parameters():
+            if "norm" not in name:
+                parameter.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(smollm2_tokenizer):
+    return tiny_llama(len(smollm2_tokenizer))
+
+
+def expected(model, vocab_size, ids):
+    """The plain forward of the whole context: no cache, one row."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+        return torch.log_softmax(logits[:vocab_size].float(), -1)
+
+
+def counted_steps(lm, contexts, steps):
+    """Run ``steps`` decode steps (each particle appends a token of its own) and return
+    each step's aten op counts, taken in the batcher's worker (`_process_batch`: plan,
+    forward, rows out)."""
+    counts = []
+    process = lm._process_batch
+
+    def counted(keys):
+        assert threading.current_thread() is not threading.main_thread()
+        with OpCounter() as counter:
+            rows = process(keys)
+        counts.append(counter.counts)
+        return rows
+
+    lm._process_batch = counted
+    for step in range(steps):
+        lm.batch_next_token_logprobs_sync(contexts)
+        contexts = [c + [(7 * i + 11 * step) % 1000 + 1] for i, c in enumerate(contexts)]
+    return counts
+
+
+def particles(n, prompt):
+    return [prompt + [i + 1] for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("attn_implementation", "prompt_tokens"),
+    [("sdpa", 64), ("eager", 20)],  # with cascade attention; without (eager: none)
+)
+def test_a_steps_op_count_does_not_grow_with_particles_or_context(
+    smollm2_tokenizer, attn_implementation, prompt_tokens
+):
+    model = tiny_llama(len(smollm2_tokenizer), attn_implementation)
+
+    def step_ops(n, context):
+        lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=n)
+        prompt = [(5 * j) % 900 + 3 for j in range(context)]
+        lm.next_token_logprobs_sync(prompt)
+        return [sum(c.values()) for c in counted_steps(lm, particles(n, prompt), 3)]
+
+    few = step_ops(8, prompt_tokens)
+    many = step_ops(32, prompt_tokens)
+    longer = step_ops(8, prompt_tokens + 448)
+    assert few == many == longer, (few, many, longer)
+
+
+def test_a_step_makes_no_host_sync_per_particle(tiny_model, smollm2_tokenizer):
+    syncs = {}
+    for n in (8, 32):
+        lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=n)
+        prompt = list(range(3, 80))
+        lm.next_token_logprobs_sync(prompt)
+        counts = counted_steps(lm, particles(n, prompt), 2)
+        syncs[n] = [c["aten._local_scalar_dense.default"] + c["aten.item.default"] for c in counts]
+    assert syncs[8] == syncs[32]
+    assert max(syncs[32]) <= 2
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+async def test_rows_of_forks_and_mixed_lengths_are_the_plain_forwards(
+    smollm2_tokenizer, attn_implementation
+):
+    model = tiny_llama(len(smollm2_tokenizer), attn_implementation)
+    lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=16)
+    vocab = lm.vocab_size
+    prompt = [(13 * j) % 700 + 2 for j in range(70)]  # 4 full blocks shared, then a partial one
+    await lm.next_token_logprobs(prompt)
+    contexts = particles(6, prompt)
+    for step in range(3):
+        # forks: particles 0-2 copy particle 3's path (a partly filled block is copied on
+        # write), plus a fresh prefix and a shorter one in the same batch (other groups)
+        queries = [*contexts, prompt[:30] + [step + 5, 9], prompt[:-7]]
+        rows = await lm.batch_next_token_logprobs(queries)
+        for ids, row in zip(queries, rows, strict=True):
+            assert torch.allclose(row, expected(model, vocab, ids), atol=TOL), ids
+        contexts = [contexts[3] if i < 3 else c for i, c in enumerate(contexts)]
+        contexts = [c + [(17 * i + step) % 500 + 1] for i, c in enumerate(contexts)]
+
+
+async def test_every_row_has_storage_of_its_own(tiny_model, smollm2_tokenizer):
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    prompt = list(range(3, 70))
+    contexts = particles(8, prompt)
+    rows = [await lm.next_token_logprobs(prompt), *lm._run_batch([lm._query(c) for c in contexts])]
+    node = lm.store.walk(lm.cache, tuple(contexts[2]))[0]
+    for row in [*rows, node.logprobs]:
+        assert row.untyped_storage().nbytes() == row.nbytes  # no batch pinned
+    rows[3].fill_(0.0)  # a caller's edit does not reach the tree
+    again = lm.next_token_logprobs_sync(contexts[2])
+    assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
+
+
+def test_block_copies_copy_each_tokens_slot_and_nothing_else():
+    layout = KVLayout(3, 2, 4, torch.float32, 4, torch.device("cpu"))
+    pool = TorchBlockPool(layout, block_size=4)
+    pool.resize(8)
+    torch.manual_seed(0)
+    for layer in pool.layers:
+        layer.copy_(torch.randn(layer.shape))
+    before = [layer.clone() for layer in pool.layers]
+    copies = [BlockCopy(1, 5, 3), BlockCopy(2, 6, 4), BlockCopy(1, 7, 1)]
+    pool.copy(copies)
+    for old, layer in zip(before, pool.layers, strict=True):
+        want = old.clone()
+        for copy in copies:  # independent: token by token
+            for j in range(copy.tokens):
+                want[:, copy.target * 4 + j] = old[:, copy.source * 4 + j]
+        assert torch.equal(layer, want)
+
+
+async def test_a_prompt_longer_than_max_batch_tokens_is_prefilled_in_exact_chunks(
+    tiny_model, smollm2_tokenizer
+):
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=4, max_batch_tokens=16)
+    prompt = [(11 * j) % 600 + 4 for j in range(75)]
+    queries = [prompt, prompt[:40] + [7, 8, 9]]  # 5 chunks; 3 rows of 16 tokens, split
+    rows = await lm.batch_next_token_logprobs(queries)
+    for ids, row in zip(queries, rows, strict=True):
+        assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
+    children = [prompt + [t] for t in range(20, 24)]
+    for ids, row in zip(children, await lm.batch_next_token_logprobs(children), strict=True):
+        assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
