@@ -117,6 +117,7 @@ class PrefixKVStore:
         self._logprobs_lru: OrderedDict[int, KVNode] = OrderedDict()
         self.logprobs_nbytes = 0
         self._emptied: list[KVNode] = []
+        self._recent = RecentNodes()
         self._resize(INITIAL_BLOCKS)
 
     @property
@@ -150,6 +151,7 @@ class PrefixKVStore:
         """Forget the tree of ``key`` and release everything it holds."""
         root = self.roots.pop(key, None)
         if root is not None:
+            self._recent = RecentNodes()
             for node in _subtree(root):
                 self.set_logprobs(node, None)
                 self.set_chain(node, None)
@@ -157,15 +159,30 @@ class PrefixKVStore:
     # -- tree --------------------------------------------------------------------------------
 
     @staticmethod
-    def walk(root: KVNode, ids: Sequence[int]) -> tuple[KVNode, int]:
-        """Follow ``ids`` as far as the tree goes: ``(deepest node, tokens consumed)``."""
-        node = root
-        for i, token in enumerate(ids):
-            child = node.children.get(token)
+    def walk(node: KVNode, ids: Sequence[int]) -> tuple[KVNode, int]:
+        """Follow ``ids`` from ``node`` (a root, or a node on the path of ``ids``) as far as
+        the tree goes: ``(deepest node, tokens of ids it covers)``."""
+        for i in range(node.depth, len(ids)):
+            child = node.children.get(ids[i])
             if child is None:
                 return node, i
             node = child
         return node, len(ids)
+
+    def find(self, key: Hashable, ids: tuple[int, ...]) -> tuple[KVNode, int]:
+        """`walk` in the tree of ``key``, from the node of ``ids`` or of ``ids[:-1]`` when
+        `node_for` made it recently (a decode step extends the previous step's prefixes):
+        O(new tokens) rather than O(len(ids))."""
+        node = self._recent.get(key, ids)
+        if node is None and len(ids) > 1:
+            node = self._recent.get(key, ids[:-1])
+        return self.walk(self.root(key) if node is None else node, ids)
+
+    def node_for(self, key: Hashable, node: KVNode, ids: tuple[int, ...]) -> KVNode:
+        """`node_at` in the tree of ``key``, remembered for `find`."""
+        node = self.node_at(node, ids)
+        self._recent.add(key, ids, node)
+        return node
 
     @staticmethod
     def node_at(node: KVNode, ids: Sequence[int]) -> KVNode:
@@ -196,6 +213,16 @@ class PrefixKVStore:
                 return candidate
             stack.extend(candidate.children.values())
         return ancestor
+
+    def protect(self, node: KVNode) -> None:
+        """Keep ``node``'s chain through evictions (a running batch reads it) until
+        `unprotect`; O(1), unlike holding each of its blocks."""
+        self._kv_lru.pop(id(node), None)
+
+    def unprotect(self, node: KVNode) -> None:
+        """Let evictions take ``node``'s chain again (it counts as just used)."""
+        if node.chain is not None and not node.pinned:
+            self._kv_lru[id(node)] = node
 
     def touch(self, node: KVNode) -> None:
         """Mark ``node``'s values as recently used."""
@@ -409,6 +436,35 @@ class PrefixKVStore:
             self._fill += [0] * (capacity - old)
             self._free.extend(range(old, capacity))
         heapq.heapify(self._free)
+
+
+class RecentNodes:
+    """The nodes `PrefixKVStore.node_for` made lately, by ``(tree key, prefix)``: two
+    generations of about ``budget`` tokens each (a hit in the older one moves to the
+    newer). A node that `PrefixKVStore.prune` detached is never returned (it is no
+    longer its parent's child); the store starts a new one when it drops a tree."""
+
+    def __init__(self, budget: int = 1 << 20):
+        self.budget = budget
+        self._current: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
+        self._previous: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
+        self._tokens = 0
+
+    def get(self, key: Hashable, ids: tuple[int, ...]) -> KVNode | None:
+        node = self._current.get((key, ids))
+        if node is None:
+            node = self._previous.get((key, ids))
+            if node is None:
+                return None
+            self.add(key, ids, node)
+        parent = node.parent
+        return node if parent is not None and parent.children.get(node.token) is node else None
+
+    def add(self, key: Hashable, ids: tuple[int, ...], node: KVNode) -> None:
+        self._tokens += len(ids)
+        if self._tokens > self.budget:
+            self._previous, self._current, self._tokens = self._current, {}, len(ids)
+        self._current[key, ids] = node
 
 
 def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:
