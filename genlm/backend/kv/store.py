@@ -265,8 +265,7 @@ class PrefixKVStore:
             chain, full, partial = (), 0, 0
         blocks = list(chain[:full]) if full else []
         copies = []
-        for block in blocks:
-            self._hold(block, 1, 0)
+        self._hold_blocks(blocks, 1)
         if partial:
             last = chain[full]
             if self._fill[last] == partial:
@@ -284,15 +283,13 @@ class PrefixKVStore:
         return tuple(blocks), copies
 
     def hold(self, chain: Chain) -> Chain:
-        """Hold ``chain``'s blocks (e.g. a row's source while its batch runs); `release` them."""
-        for block in chain:
-            self._hold(block, 1, 0)
+        """Hold ``chain``'s blocks; `release` them."""
+        self._hold_blocks(chain, 1)
         return chain
 
     def release(self, chain: Chain | None) -> None:
         """Let go of a chain from `extend` that no node took, or of one from `hold`."""
-        for block in chain or ():
-            self._hold(block, -1, 0)
+        self._hold_blocks(chain or (), -1)
 
     def pin(self, node: KVNode) -> None:
         """Keep ``node``'s chain until a clear, outside the budget."""
@@ -302,8 +299,11 @@ class PrefixKVStore:
     def set_chain(self, node: KVNode, chain: Chain | None, pinned: bool = False) -> None:
         """Give ``node`` a chain (held by the caller; the node takes that hold), or drop its chain."""
         if node.chain is not None:
-            for block in node.chain:
-                self._hold(block, -1, -1 if node.pinned else 0)
+            if node.pinned:
+                for block in node.chain:
+                    self._hold(block, -1, -1)
+            else:
+                self._hold_blocks(node.chain, -1)
             self._kv_lru.pop(id(node), None)
         node.chain, node.pinned = chain, pinned and chain is not None
         if chain is None:
@@ -390,6 +390,20 @@ class PrefixKVStore:
         if not self._refs[block]:
             self._fill[block] = 0
             heapq.heappush(self._free, block)
+
+    def _hold_blocks(self, blocks: Sequence[int], refs: int) -> None:
+        """`_hold` (no pins) of every block of ``blocks`` in one loop without a call per
+        block: a chain's blocks are all held or let go at once."""
+        counts, pins = self._refs, self._pins
+        for block in blocks:
+            before = counts[block]
+            counts[block] = after = before + refs
+            if (before > 0) is not (after > 0):
+                if not pins[block]:
+                    self._counted += 1 if after else -1
+                if not after:
+                    self._fill[block] = 0
+                    heapq.heappush(self._free, block)
 
     def _allocate(self) -> int:
         self.evict(1)
