@@ -61,30 +61,39 @@ def run(store, pool, ids, key=None):
 
 
 def run_batch(store, pool, requests, key=None):
-    """What `PrefixCachedLM` does for a batch: plan every row (hold the deepest KV),
-    reserve, extend and write every row, store, release, evict, trim, prune.
-    Returns ``[(node, start)]`` and the blocks held while all rows were extended."""
+    """What `PrefixCachedLM` does for a batch: plan every row (find the deepest KV, protect
+    its node from eviction), reserve, extend and write every row, store, unprotect,
+    evict, trim, prune. Returns ``[(node, start)]`` and the blocks held while all rows
+    were extended. `find` (which starts from a recently made node) must agree with a
+    walk from the root."""
     rows = []
     for ids in map(tuple, requests):
-        node, _ = store.walk(store.root(key), ids)
+        node, depth = store.find(key, ids)
+        assert (node, depth) == store.walk(store.root(key), ids)
         source = store.kv_source(node)
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
-        held = store.hold(source.chain[: -(-start // BLOCK)]) if source else ()
-        rows.append((ids, node, start, held))
-    store.reserve([(held, start, len(ids)) for ids, _, start, held in rows])
+        if source is not None:
+            store.protect(source)
+        rows.append((ids, node, start, source))
+    sources = [None if source is None else source.chain for *_, source in rows]
+    store.reserve(
+        [(chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)]
+    )
     chains = []
-    for ids, _, start, held in rows:
-        chain, copies = store.extend(held, start, len(ids))
+    for (ids, _, start, _), source in zip(rows, sources, strict=True):
+        chain, copies = store.extend(source, start, len(ids))
         pool.copy(copies)
         pool.write(chain, start, ids)
         chains.append(chain)
     in_flight = store.held_blocks
     done = []
-    for (ids, node, start, held), chain in zip(rows, chains, strict=True):
-        node = store.node_at(node, ids)
+    for (ids, node, start, _), chain in zip(rows, chains, strict=True):
+        node = store.node_for(key, node, ids)
         store.set_chain(node, chain)
-        store.release(held)
         done.append((node, start))
+    for *_, source in rows:
+        if source is not None:
+            store.unprotect(source)
     store.evict()
     store.trim()
     store.prune()
