@@ -35,12 +35,12 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from genlm.backend.kv.pool import BlockPool
+# BlockCopy is also this module's name (SPEC lists it with the store's).
+from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain
 
-Chain = tuple[int, ...]
+__all__ = ["INITIAL_BLOCKS", "ZERO_BLOCK", "BlockCopy", "Chain", "KVNode", "PrefixKVStore"]
 
 # Block 0 is never handed out: backends keep it zeroed and point padding at it.
 ZERO_BLOCK = 0
@@ -59,15 +59,6 @@ class KVNode:
     logprobs: Any = None
     chain: Chain | None = None
     pinned: bool = False
-
-
-@dataclass(frozen=True)
-class BlockCopy:
-    """Copy the first ``tokens`` token slots of block ``source`` into block ``target``."""
-
-    source: int
-    target: int
-    tokens: int
 
 
 class PrefixKVStore:
@@ -471,8 +462,9 @@ class RecentNodes:
             if node is None:
                 return None
             self.add(key, ids, node)
-        parent = node.parent
-        return node if parent is not None and parent.children.get(node.token) is node else None
+        parent, token = node.parent, node.token
+        attached = parent is not None and token is not None and parent.children.get(token) is node
+        return node if attached else None
 
     def add(self, key: Hashable, ids: tuple[int, ...], node: KVNode) -> None:
         self._tokens += len(ids)

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout
-from genlm.backend.kv.store import BlockCopy, Chain
+from genlm.backend.kv.pool import BLOCK_SIZE, BlockCopy, Chain, KVLayout
 
 
 class TorchBlockPool:

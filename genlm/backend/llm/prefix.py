@@ -19,7 +19,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.kv.store import Chain, KVNode, PrefixKVStore
+from genlm.backend.kv.pool import Chain
+from genlm.backend.kv.store import KVNode, PrefixKVStore
 from genlm.backend.llm.base import BatchedAsyncLM, Query
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
