@@ -8,7 +8,11 @@ decides what they hold.
   a prefix to its *chain*: the ids of the blocks holding its KV, token ``j`` in block
   ``chain[j // block_size]`` at offset ``j % block_size``.
 - Blocks are reference-counted: every chain holding a block (a node's, or a row's while
-  a batch runs) counts once, so particles that share a prompt share its blocks.
+  a batch runs) counts once, so particles that share a prompt share its blocks. The node
+  a row reads its KV from is kept out of eviction while its batch runs (`protect`).
+- A decode step costs O(new tokens) per request, whatever its context: `find` starts
+  from the node that `node_for` made for the request's prefix on an earlier step, and a
+  chain's blocks are held or let go in one loop.
 - Extending a prefix (`extend`) shares its full blocks; its partly filled last block is
   appended to in place when nobody has written past the prefix in it yet, and copied
   otherwise (copy-on-write: only a partly filled last block is ever copied).
@@ -161,12 +165,12 @@ class PrefixKVStore:
         return node, len(ids)
 
     def find(self, key: Hashable, ids: tuple[int, ...]) -> tuple[KVNode, int]:
-        """`walk` in the tree of ``key``, from the node of ``ids`` or of ``ids[:-1]`` when
+        """`walk` in the tree of ``key``, from the node of ``ids[:-1]`` or of ``ids`` when
         `node_for` made it recently (a decode step extends the previous step's prefixes):
         O(new tokens) rather than O(len(ids))."""
-        node = self._recent.get(key, ids)
-        if node is None and len(ids) > 1:
-            node = self._recent.get(key, ids[:-1])
+        node = self._recent.get(key, ids[:-1]) if len(ids) > 1 else None
+        if node is None:
+            node = self._recent.get(key, ids)
         return self.walk(self.root(key) if node is None else node, ids)
 
     def node_for(self, key: Hashable, node: KVNode, ids: tuple[int, ...]) -> KVNode:
