@@ -361,3 +361,16 @@ def test_random_forks_evictions_and_pins_keep_every_chain_exact(steps, budget_bl
             pinned = store.held_blocks - store.kv_nbytes // BLOCK_BYTES
             bound = max(bound, 1 + budget_blocks + pinned, 1 + in_flight)
             assert store.capacity <= bound
+
+
+def test_find_never_starts_from_a_node_no_longer_in_the_tree():
+    store, pool = make_store(max_kv_bytes=2 * BLOCK_BYTES, max_logprobs_bytes=0)
+    ids = (1, 2, 3, 4, 5)
+    old, _ = run(store, pool, ids[:-1])  # remembered by node_for
+    assert store.find(None, ids) == (old, 4)
+    run(store, pool, [9] * 8)  # evicts the chain of ``old``; prune then detaches it
+    assert old.parent is not None and old not in old.parent.children.values()
+    assert store.find(None, ids) == (store.root(None), 0)
+    run(store, pool, ids[:-1], key="a")
+    store.drop_root("a")  # a new tree for "a": nothing remembered from the old one
+    assert store.find("a", ids) == (store.root("a"), 0)
