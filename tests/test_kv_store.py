@@ -61,8 +61,8 @@ def run(store, pool, ids, key=None):
 
 
 def run_batch(store, pool, requests, key=None):
-    """What `PrefixCachedLM` does for a batch: plan every row (find the deepest KV, protect
-    its node from eviction), reserve, extend and write every row, store, unprotect,
+    """What `PrefixCachedLM` does for a batch: plan every row (find the deepest KV, touch and
+    protect its node from eviction), reserve, extend and write every row, store, unprotect,
     evict, trim, prune. Returns ``[(node, start)]`` and the blocks held while all rows
     were extended. `find` (which starts from a recently made node) must agree with a
     walk from the root."""
@@ -73,6 +73,7 @@ def run_batch(store, pool, requests, key=None):
         source = store.kv_source(node)
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
         if source is not None:
+            store.touch(source)
             store.protect(source)
         rows.append((ids, node, start, source))
     sources = [None if source is None else source.chain for *_, source in rows]

@@ -113,6 +113,7 @@ class PrefixKVStore:
         self.logprobs_nbytes = 0
         self._emptied: list[KVNode] = []
         self._recent = RecentNodes()
+        self._protected: set[int] = set()  # ids of nodes `protect` keeps from eviction
         self._resize(INITIAL_BLOCKS)
 
     @property
@@ -211,13 +212,14 @@ class PrefixKVStore:
 
     def protect(self, node: KVNode) -> None:
         """Keep ``node``'s chain through evictions (a running batch reads it) until
-        `unprotect`; O(1), unlike holding each of its blocks."""
-        self._kv_lru.pop(id(node), None)
+        `unprotect`: O(1), unlike holding each of its blocks. `touch` it first: eviction
+        stops at the least recently used protected node (it keeps its place in the LRU
+        order)."""
+        self._protected.add(id(node))
 
     def unprotect(self, node: KVNode) -> None:
-        """Let evictions take ``node``'s chain again (it counts as just used)."""
-        if node.chain is not None and not node.pinned:
-            self._kv_lru[id(node)] = node
+        """Let evictions take ``node``'s chain again."""
+        self._protected.discard(id(node))
 
     def touch(self, node: KVNode) -> None:
         """Mark ``node``'s values as recently used."""
@@ -318,6 +320,8 @@ class PrefixKVStore:
         lru = self._kv_lru
         while lru and _over(self._counted, limit, len(lru), self.max_kv_entries):
             node = next(iter(lru.values()))
+            if id(node) in self._protected:
+                break
             self.set_chain(node, None)
             self._emptied.append(node)
 
