@@ -61,30 +61,40 @@ def run(store, pool, ids, key=None):
 
 
 def run_batch(store, pool, requests, key=None):
-    """What `PrefixCachedLM` does for a batch: plan every row (hold the deepest KV),
-    reserve, extend and write every row, store, release, evict, trim, prune.
-    Returns ``[(node, start)]`` and the blocks held while all rows were extended."""
+    """What `PrefixCachedLM` does for a batch: plan every row (find the deepest KV, touch and
+    protect its node from eviction), reserve, extend and write every row, store, unprotect,
+    evict, trim, prune. Returns ``[(node, start)]`` and the blocks held while all rows
+    were extended. `find` (which starts from a recently made node) must agree with a
+    walk from the root."""
     rows = []
     for ids in map(tuple, requests):
-        node, _ = store.walk(store.root(key), ids)
+        node, depth = store.find(key, ids)
+        assert (node, depth) == store.walk(store.root(key), ids)
         source = store.kv_source(node)
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
-        held = store.hold(source.chain[: -(-start // BLOCK)]) if source else ()
-        rows.append((ids, node, start, held))
-    store.reserve([(held, start, len(ids)) for ids, _, start, held in rows])
+        if source is not None:
+            store.touch(source)
+            store.protect(source)
+        rows.append((ids, node, start, source))
+    sources = [None if source is None else source.chain for *_, source in rows]
+    store.reserve(
+        [(chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)]
+    )
     chains = []
-    for ids, _, start, held in rows:
-        chain, copies = store.extend(held, start, len(ids))
+    for (ids, _, start, _), source in zip(rows, sources, strict=True):
+        chain, copies = store.extend(source, start, len(ids))
         pool.copy(copies)
         pool.write(chain, start, ids)
         chains.append(chain)
     in_flight = store.held_blocks
     done = []
-    for (ids, node, start, held), chain in zip(rows, chains, strict=True):
-        node = store.node_at(node, ids)
+    for (ids, node, start, _), chain in zip(rows, chains, strict=True):
+        node = store.node_for(key, node, ids)
         store.set_chain(node, chain)
-        store.release(held)
         done.append((node, start))
+    for *_, source in rows:
+        if source is not None:
+            store.unprotect(source)
     store.evict()
     store.trim()
     store.prune()
@@ -352,3 +362,16 @@ def test_random_forks_evictions_and_pins_keep_every_chain_exact(steps, budget_bl
             pinned = store.held_blocks - store.kv_nbytes // BLOCK_BYTES
             bound = max(bound, 1 + budget_blocks + pinned, 1 + in_flight)
             assert store.capacity <= bound
+
+
+def test_find_never_starts_from_a_node_no_longer_in_the_tree():
+    store, pool = make_store(max_kv_bytes=2 * BLOCK_BYTES, max_logprobs_bytes=0)
+    ids = (1, 2, 3, 4, 5)
+    old, _ = run(store, pool, ids[:-1])  # remembered by node_for
+    assert store.find(None, ids) == (old, 4)
+    run(store, pool, [9] * 8)  # evicts the chain of ``old``; prune then detaches it
+    assert old.parent is not None and old not in old.parent.children.values()
+    assert store.find(None, ids) == (store.root(None), 0)
+    run(store, pool, ids[:-1], key="a")
+    store.drop_root("a")  # a new tree for "a": nothing remembered from the old one
+    assert store.find("a", ids) == (store.root("a"), 0)

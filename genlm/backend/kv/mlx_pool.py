@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout
-from genlm.backend.kv.store import BlockCopy, Chain
+from genlm.backend.kv.pool import BLOCK_SIZE, BlockCopy, Chain, KVLayout
 
 
 class MlxBlockPool:

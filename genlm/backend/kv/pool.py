@@ -12,13 +12,22 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from genlm.backend.kv.store import BlockCopy, Chain
+from typing import Any, Protocol
 
 # Tokens per block, for every backend.
 BLOCK_SIZE = 16
+
+# The ids of the blocks holding a prefix's KV: token ``j`` in block ``chain[j // block_size]``.
+Chain = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy the first ``tokens`` token slots of block ``source`` into block ``target``."""
+
+    source: int
+    target: int
+    tokens: int
 
 
 class BlockPool(Protocol):

@@ -8,7 +8,11 @@ decides what they hold.
   a prefix to its *chain*: the ids of the blocks holding its KV, token ``j`` in block
   ``chain[j // block_size]`` at offset ``j % block_size``.
 - Blocks are reference-counted: every chain holding a block (a node's, or a row's while
-  a batch runs) counts once, so particles that share a prompt share its blocks.
+  a batch runs) counts once, so particles that share a prompt share its blocks. The node
+  a row reads its KV from is kept out of eviction while its batch runs (`protect`).
+- A decode step costs O(new tokens) per request, whatever its context: `find` starts
+  from the node that `node_for` made for the request's prefix on an earlier step, and a
+  chain's blocks are held or let go in one loop.
 - Extending a prefix (`extend`) shares its full blocks; its partly filled last block is
   appended to in place when nobody has written past the prefix in it yet, and copied
   otherwise (copy-on-write: only a partly filled last block is ever copied).
@@ -35,12 +39,12 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from genlm.backend.kv.pool import BlockPool
+# BlockCopy is also this module's name (SPEC lists it with the store's).
+from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain
 
-Chain = tuple[int, ...]
+__all__ = ["INITIAL_BLOCKS", "ZERO_BLOCK", "BlockCopy", "Chain", "KVNode", "PrefixKVStore"]
 
 # Block 0 is never handed out: backends keep it zeroed and point padding at it.
 ZERO_BLOCK = 0
@@ -59,15 +63,6 @@ class KVNode:
     logprobs: Any = None
     chain: Chain | None = None
     pinned: bool = False
-
-
-@dataclass(frozen=True)
-class BlockCopy:
-    """Copy the first ``tokens`` token slots of block ``source`` into block ``target``."""
-
-    source: int
-    target: int
-    tokens: int
 
 
 class PrefixKVStore:
@@ -117,6 +112,8 @@ class PrefixKVStore:
         self._logprobs_lru: OrderedDict[int, KVNode] = OrderedDict()
         self.logprobs_nbytes = 0
         self._emptied: list[KVNode] = []
+        self._recent = RecentNodes()
+        self._protected: set[int] = set()  # ids of nodes `protect` keeps from eviction
         self._resize(INITIAL_BLOCKS)
 
     @property
@@ -150,6 +147,7 @@ class PrefixKVStore:
         """Forget the tree of ``key`` and release everything it holds."""
         root = self.roots.pop(key, None)
         if root is not None:
+            self._recent = RecentNodes()
             for node in _subtree(root):
                 self.set_logprobs(node, None)
                 self.set_chain(node, None)
@@ -157,15 +155,30 @@ class PrefixKVStore:
     # -- tree --------------------------------------------------------------------------------
 
     @staticmethod
-    def walk(root: KVNode, ids: Sequence[int]) -> tuple[KVNode, int]:
-        """Follow ``ids`` as far as the tree goes: ``(deepest node, tokens consumed)``."""
-        node = root
-        for i, token in enumerate(ids):
-            child = node.children.get(token)
+    def walk(node: KVNode, ids: Sequence[int]) -> tuple[KVNode, int]:
+        """Follow ``ids`` from ``node`` (a root, or a node on the path of ``ids``) as far as
+        the tree goes: ``(deepest node, tokens of ids it covers)``."""
+        for i in range(node.depth, len(ids)):
+            child = node.children.get(ids[i])
             if child is None:
                 return node, i
             node = child
         return node, len(ids)
+
+    def find(self, key: Hashable, ids: tuple[int, ...]) -> tuple[KVNode, int]:
+        """`walk` in the tree of ``key``, from the node of ``ids[:-1]`` or of ``ids`` when
+        `node_for` made it recently (a decode step extends the previous step's prefixes):
+        O(new tokens) rather than O(len(ids))."""
+        node = self._recent.get(key, ids[:-1]) if len(ids) > 1 else None
+        if node is None:
+            node = self._recent.get(key, ids)
+        return self.walk(self.root(key) if node is None else node, ids)
+
+    def node_for(self, key: Hashable, node: KVNode, ids: tuple[int, ...]) -> KVNode:
+        """`node_at` in the tree of ``key``, remembered for `find`."""
+        node = self.node_at(node, ids)
+        self._recent.add(key, ids, node)
+        return node
 
     @staticmethod
     def node_at(node: KVNode, ids: Sequence[int]) -> KVNode:
@@ -196,6 +209,17 @@ class PrefixKVStore:
                 return candidate
             stack.extend(candidate.children.values())
         return ancestor
+
+    def protect(self, node: KVNode) -> None:
+        """Keep ``node``'s chain through evictions (a running batch reads it) until
+        `unprotect`: O(1), unlike holding each of its blocks. `touch` it first: eviction
+        stops at the least recently used protected node (it keeps its place in the LRU
+        order)."""
+        self._protected.add(id(node))
+
+    def unprotect(self, node: KVNode) -> None:
+        """Let evictions take ``node``'s chain again."""
+        self._protected.discard(id(node))
 
     def touch(self, node: KVNode) -> None:
         """Mark ``node``'s values as recently used."""
@@ -238,8 +262,7 @@ class PrefixKVStore:
             chain, full, partial = (), 0, 0
         blocks = list(chain[:full]) if full else []
         copies = []
-        for block in blocks:
-            self._hold(block, 1, 0)
+        self._hold_blocks(blocks, 1)
         if partial:
             last = chain[full]
             if self._fill[last] == partial:
@@ -257,15 +280,13 @@ class PrefixKVStore:
         return tuple(blocks), copies
 
     def hold(self, chain: Chain) -> Chain:
-        """Hold ``chain``'s blocks (e.g. a row's source while its batch runs); `release` them."""
-        for block in chain:
-            self._hold(block, 1, 0)
+        """Hold ``chain``'s blocks; `release` them."""
+        self._hold_blocks(chain, 1)
         return chain
 
     def release(self, chain: Chain | None) -> None:
         """Let go of a chain from `extend` that no node took, or of one from `hold`."""
-        for block in chain or ():
-            self._hold(block, -1, 0)
+        self._hold_blocks(chain or (), -1)
 
     def pin(self, node: KVNode) -> None:
         """Keep ``node``'s chain until a clear, outside the budget."""
@@ -275,8 +296,11 @@ class PrefixKVStore:
     def set_chain(self, node: KVNode, chain: Chain | None, pinned: bool = False) -> None:
         """Give ``node`` a chain (held by the caller; the node takes that hold), or drop its chain."""
         if node.chain is not None:
-            for block in node.chain:
-                self._hold(block, -1, -1 if node.pinned else 0)
+            if node.pinned:
+                for block in node.chain:
+                    self._hold(block, -1, -1)
+            else:
+                self._hold_blocks(node.chain, -1)
             self._kv_lru.pop(id(node), None)
         node.chain, node.pinned = chain, pinned and chain is not None
         if chain is None:
@@ -296,6 +320,8 @@ class PrefixKVStore:
         lru = self._kv_lru
         while lru and _over(self._counted, limit, len(lru), self.max_kv_entries):
             node = next(iter(lru.values()))
+            if id(node) in self._protected:
+                break
             self.set_chain(node, None)
             self._emptied.append(node)
 
@@ -364,6 +390,20 @@ class PrefixKVStore:
             self._fill[block] = 0
             heapq.heappush(self._free, block)
 
+    def _hold_blocks(self, blocks: Sequence[int], refs: int) -> None:
+        """`_hold` (no pins) of every block of ``blocks`` in one loop without a call per
+        block: a chain's blocks are all held or let go at once."""
+        counts, pins = self._refs, self._pins
+        for block in blocks:
+            before = counts[block]
+            counts[block] = after = before + refs
+            if (before > 0) is not (after > 0):
+                if not pins[block]:
+                    self._counted += 1 if after else -1
+                if not after:
+                    self._fill[block] = 0
+                    heapq.heappush(self._free, block)
+
     def _allocate(self) -> int:
         self.evict(1)
         self._grow_for(1)
@@ -409,6 +449,36 @@ class PrefixKVStore:
             self._fill += [0] * (capacity - old)
             self._free.extend(range(old, capacity))
         heapq.heapify(self._free)
+
+
+class RecentNodes:
+    """The nodes `PrefixKVStore.node_for` made lately, by ``(tree key, prefix)``: two
+    generations of about ``budget`` tokens each (a hit in the older one moves to the
+    newer). A node that `PrefixKVStore.prune` detached is never returned (it is no
+    longer its parent's child); the store starts a new one when it drops a tree."""
+
+    def __init__(self, budget: int = 1 << 20):
+        self.budget = budget
+        self._current: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
+        self._previous: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
+        self._tokens = 0
+
+    def get(self, key: Hashable, ids: tuple[int, ...]) -> KVNode | None:
+        node = self._current.get((key, ids))
+        if node is None:
+            node = self._previous.get((key, ids))
+            if node is None:
+                return None
+            self.add(key, ids, node)
+        parent, token = node.parent, node.token
+        attached = parent is not None and token is not None and parent.children.get(token) is node
+        return node if attached else None
+
+    def add(self, key: Hashable, ids: tuple[int, ...], node: KVNode) -> None:
+        self._tokens += len(ids)
+        if self._tokens > self.budget:
+            self._previous, self._current, self._tokens = self._current, {}, len(ids)
+        self._current[key, ids] = node
 
 
 def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:

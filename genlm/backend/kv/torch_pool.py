@@ -9,8 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout
-from genlm.backend.kv.store import BlockCopy, Chain
+from genlm.backend.kv.pool import BLOCK_SIZE, BlockCopy, Chain, KVLayout
 
 
 class TorchBlockPool:

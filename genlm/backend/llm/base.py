@@ -17,10 +17,11 @@ import asyncio
 import hashlib
 import inspect
 import math
+import operator
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence, Set
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -45,6 +46,38 @@ def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
             f"The tokenizer has {tokenizer_vocab} tokens but the model's output layer "
             f"{model_vocab}: they do not belong together (pass the model's own tokenizer)"
         )
+
+
+class ValidatedPrefixes:
+    """Token-id prefixes already validated, so that a request extending one by a token has
+    only that token checked (a decode step's requests extend the previous step's).
+
+    Validity is a pure function of the ids and the vocabulary size fixed at construction,
+    so an entry never goes stale. Two generations of about ``budget`` tokens each are kept
+    (a hit in the older one moves to the newer). Callers on several threads may race: the
+    worst outcome is a lost entry, which only means a prefix is checked again.
+    """
+
+    def __init__(self, budget: int = 1 << 20):
+        self.budget = budget
+        self._current: set[tuple[int, ...]] = set()
+        self._previous: set[tuple[int, ...]] = set()
+        self._tokens = 0
+
+    def __contains__(self, ids: tuple[int, ...]) -> bool:
+        if ids in self._current:
+            return True
+        if ids in self._previous:
+            self.add(ids)
+            return True
+        return False
+
+    def add(self, ids: tuple[int, ...]) -> None:
+        """Remember ``ids``, a validated prefix of exact ints."""
+        self._tokens += len(ids)
+        if self._tokens > self.budget:
+            self._previous, self._current, self._tokens = self._current, set(), len(ids)
+        self._current.add(ids)
 
 
 class Query(NamedTuple):
@@ -77,6 +110,7 @@ class AsyncLM(ABC):
         # Fixed here: callers append to byte_vocab (an end-of-sequence symbol for a trie),
         # which must not let an id past the model's rows through validation.
         self._vocab_size = len(self.byte_vocab)
+        self._validated = ValidatedPrefixes()
         self.lora_paths: dict[str, str] = {}
         self.default_lora: str | None = None
         self._closed = False
@@ -124,10 +158,33 @@ class AsyncLM(ABC):
                 f"token_ids has {len(ids)} tokens, more than the model's context length of "
                 f"{limit} tokens: shorten the prefix"
             )
-        return tuple(
+        return self._checked_ids(ids)
+
+    def _checked_ids(self, ids: tuple[Any, ...]) -> tuple[int, ...]:
+        """``ids`` as exact ints, each in ``[0, vocab_size)``, checked by C loops (type
+        count, min, max), and for a prefix that extends a validated one by a token, only
+        that token; a bad id is then found and named by `_checked_id`."""
+        if operator.countOf(map(type, ids), int) != len(ids):
+            if not all(
+                issubclass(kind, int | np.integer) and kind is not bool
+                for kind in set(map(type, ids))
+            ):
+                self._raise_for_bad_id(ids)
+            ids = tuple(map(int, ids))
+        if len(ids) > 1 and ids[:-1] in self._validated:
+            valid = 0 <= ids[-1] < self.vocab_size
+        else:
+            valid = 0 <= min(ids) and max(ids) < self.vocab_size
+        if not valid:
+            self._raise_for_bad_id(ids)
+        self._validated.add(ids)
+        return ids
+
+    def _raise_for_bad_id(self, ids: tuple[Any, ...]) -> NoReturn:
+        """Raise `_checked_id`'s error for the first bad id of ``ids`` (which has one)."""
+        for position, token_id in enumerate(ids):
             self._checked_id(token_id, "token id", f" at position {position}")
-            for position, token_id in enumerate(ids)
-        )
+        raise AssertionError(f"no bad token id in {ids!r}")
 
     def _checked_id(self, token_id: Any, what: str, where: str = "") -> int:
         """``token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` naming it."""

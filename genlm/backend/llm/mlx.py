@@ -52,8 +52,8 @@ import torch
 from genlm.backend._install import install_hint
 from genlm.backend.batching import check_int, first_line
 from genlm.backend.kv.mlx_pool import MlxBlockPool
-from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
-from genlm.backend.kv.store import Chain, PrefixKVStore
+from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
+from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, Row, run_grouped
 

@@ -19,7 +19,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import torch
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.kv.store import Chain, KVNode, PrefixKVStore
+from genlm.backend.kv.pool import Chain
+from genlm.backend.kv.store import KVNode, PrefixKVStore
 from genlm.backend.llm.base import BatchedAsyncLM, Query
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
@@ -29,15 +30,16 @@ R = TypeVar("R")
 @dataclass(frozen=True, slots=True)
 class Row:
     """One planned request: run ``ids[start:]`` on top of the KV of ``ids[:start]``, held
-    in ``source`` while the batch runs; ``chain``, the row's own chain for ``ids`` whole
-    (with KV reuse, once allocated), holds that KV and gets the new tokens'."""
+    in the chain of node ``source``, which evictions leave alone while the batch runs;
+    ``chain``, the row's own chain for ``ids`` whole (with KV reuse, once allocated),
+    holds that KV and gets the new tokens'."""
 
     slot: int  # the position of its query in the batch
     ids: tuple[int, ...]
     lora: str | None
     node: KVNode
     start: int
-    source: Chain = ()
+    source: KVNode | None = None
     chain: Chain = ()
 
     @property
@@ -183,7 +185,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         chains: dict[int, Chain] = {}  # by slot: each row's own chain until a node takes it
         try:
             for slot, (ids, lora) in enumerate(keys):
-                node, depth = self.store.walk(self.store.root(lora), ids)
+                node, depth = self.store.find(lora, ids)
                 if depth == len(ids) and node.logprobs is not None:
                     self.store.touch(node)
                     results[slot] = node.logprobs
@@ -207,18 +209,18 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
             return Row(slot, ids, lora, node, 0)
         start = min(source.depth, node.depth, len(ids) - 1)
         self.store.touch(source)
-        held = self.store.hold(source.chain[: -(-start // self.store.block_size)])
-        return Row(slot, ids, lora, node, start, held)
+        self.store.protect(source)
+        return Row(slot, ids, lora, node, start, source)
 
     def _allocate(self, rows: Sequence[Row], chains: dict[int, Chain]) -> list[Row]:
         """With KV reuse, the rows with their own chains (room made in the pool first; each
         chain recorded in ``chains`` as it is made), the copy-on-write copies applied."""
         if not self.kv_reuse:
             return list(rows)
-        self.store.reserve([(row.source, row.start, len(row.ids)) for row in rows])
+        self.store.reserve([(_chain_of(row.source), row.start, len(row.ids)) for row in rows])
         allocated, copies = [], []
         for row in rows:
-            chain, row_copies = self.store.extend(row.source, row.start, len(row.ids))
+            chain, row_copies = self.store.extend(_chain_of(row.source), row.start, len(row.ids))
             chains[row.slot] = chain
             copies += row_copies
             allocated.append(replace(row, chain=chain))
@@ -228,15 +230,18 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def _store_row(self, row: Row, logprobs: torch.Tensor, chains: dict[int, Chain]) -> None:
         """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
         chain to its node (unless the node holds a pinned chain), out of ``chains``."""
-        node = self.store.node_at(row.node, row.ids)
+        node = self.store.node_for(row.lora, row.node, row.ids)
         self.store.set_logprobs(node, logprobs)
         if row.chain and not node.pinned:
             self.store.set_chain(node, chains.pop(row.slot))
 
     def _finish(self, planned: Sequence[Row], chains: dict[int, Chain]) -> None:
-        """Let go of the rows' sources and of the chains no node took, bring KV back within
-        budget, shrink a mostly free pool, prune the trees."""
-        for chain in [*(row.source for row in planned), *chains.values()]:
+        """Let evictions take the rows' sources again, let go of the chains no node took,
+        bring KV back within budget, shrink a mostly free pool, prune the trees."""
+        for row in planned:
+            if row.source is not None:
+                self.store.unprotect(row.source)
+        for chain in chains.values():
             self.store.release(chain)
         self.store.evict()
         self.store.trim()
@@ -247,7 +252,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
             raise NotImplementedError(
                 f"cache_kv needs KV reuse, which is off for this {type(self).__name__}'s model"
             )
-        node, depth = self.store.walk(self.store.root(lora), ids)
+        node, depth = self.store.find(lora, ids)
         if depth == len(ids) and node.chain is not None:
             self.store.pin(node)
             return
@@ -256,13 +261,13 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         try:
             rows = self._allocate(planned, chains)
             self._store_row(rows[0], _own_rows(self._run_rows(rows))[0], chains)
-            self.store.pin(self.store.node_at(node, ids))
+            self.store.pin(self.store.node_for(lora, node, ids))
         finally:
             self._finish(planned, chains)
 
     def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
         root = self.store.root(lora)
-        node = self.store.walk(root, ids)[0]
+        node = self.store.find(lora, ids)[0]
         source = self.store.kv_source(node) if self.kv_reuse else None
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
         if source is None or source.chain is None or not start:
@@ -282,6 +287,10 @@ def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     a fused kernel on CUDA): not N clones, and unlike one batched clone cut into views, a
     caller keeping one row does not keep the whole batch alive."""
     return list(torch._foreach_clone(rows)) if rows else []
+
+
+def _chain_of(source: KVNode | None) -> Chain | None:
+    return None if source is None else source.chain
 
 
 def run_grouped(

@@ -1,0 +1,163 @@
+"""A decode step's host work is O(particles + new tokens), never O(context).
+
+Python calls are counted (``sys.setprofile``: every Python and C function call) in one
+steady decode step of many particles over a `PrefixCachedLM` whose forward and pool cost
+nothing: the caller-side check of every request (`_query_list`) and the batch's walk,
+plan, allocation and bookkeeping (`_process_batch`). The counts must be the same for a
+64-token and a 1,024-token prompt; the ids a previous step validated are not checked
+again one by one.
+"""
+
+import collections
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.llm.base import MockAsyncLM
+from genlm.backend.llm.prefix import PrefixCachedLM
+
+PARTICLES = 128
+
+
+class NullPool:
+    """A `BlockPool` with no memory: the forward below neither reads nor writes KV."""
+
+    block_size = 16
+    block_bytes = 100
+
+    def resize(self, blocks):
+        pass
+
+    def copy(self, copies):
+        pass
+
+    def slots(self, chain, tokens):
+        raise AssertionError("the null forward reads no slots")
+
+    def read(self, chain, tokens):
+        raise AssertionError("the null forward reads no KV")
+
+
+class NullLM(PrefixCachedLM):
+    """A `PrefixCachedLM` whose forward costs one call per row, whatever the context."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        store = PrefixKVStore(NullPool())
+        self._init_prefix_cache(store, True, 4 * PARTICLES, 0.02, "genlm-null")
+
+    def _load_adapter(self, lora_path, lora_name):
+        pass
+
+    def _delete_adapter(self, lora_name):
+        pass
+
+    def _run_rows(self, rows):
+        return [torch.zeros(2) for _ in rows]
+
+
+def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=3):
+    """Calls by function name in the last of ``steps`` steps after the prompt's prefill,
+    every particle appending its own token each step (so they fork off the prompt)."""
+    rng = random.Random(0)
+    counts: collections.Counter = collections.Counter()
+
+    def count(frame, event, arg):
+        if event == "call":
+            counts[frame.f_code.co_name] += 1
+        elif event == "c_call":
+            counts["C " + getattr(arg, "__name__", "?")] += 1
+
+    with NullLM(tokenizer) as lm:
+        prompt = [rng.randrange(lm.vocab_size) for _ in range(prompt_length)]
+        lm._process_batch(lm._query_list([prompt]))
+        contexts = [list(prompt) for _ in range(particles)]
+        for step in range(steps):
+            for context in contexts:
+                context.append(rng.randrange(lm.vocab_size))
+            if step == steps - 1:
+                sys.setprofile(count)
+            try:
+                rows = lm._process_batch(lm._query_list(contexts))
+            finally:
+                sys.setprofile(None)
+            assert len(rows) == particles
+    return counts
+
+
+def test_a_decode_step_makes_as_many_calls_at_1024_tokens_of_context_as_at_64(
+    smollm2_tokenizer,
+):
+    short = calls_in_a_decode_step(smollm2_tokenizer, 64)
+    long = calls_in_a_decode_step(smollm2_tokenizer, 1024)
+    grown = {name: (short[name], long[name]) for name in long if long[name] > short[name]}
+    # A few calls may differ (the pool grows at another step); per-id or per-block work
+    # would add thousands.
+    excess = sum(after - before for before, after in grown.values())
+    assert excess <= 20, f"calls that grow with the context (64 -> 1024 tokens): {grown}"
+    # Each request is validated once, none of its ids by a per-id call.
+    assert long["validate_token_ids"] == PARTICLES
+    assert long["_checked_id"] == 0
+
+
+def test_a_decode_step_makes_a_constant_number_of_calls_per_particle(smollm2_tokenizer):
+    small, medium, large = (
+        sum(calls_in_a_decode_step(smollm2_tokenizer, 64, n).values()) for n in (32, 64, 128)
+    )
+    assert abs((large - medium) - 2 * (medium - small)) <= 20, (small, medium, large)
+
+
+@pytest.fixture(scope="module")
+def mock(smollm2_tokenizer):
+    with MockAsyncLM(smollm2_tokenizer) as lm:
+        yield lm
+
+
+@pytest.mark.parametrize(
+    "extension, error, message",
+    [
+        ([True], TypeError, r"token id True at position 3 is not an integer \(bool\)"),
+        ([2.0], TypeError, r"token id 2.0 at position 3 is not an integer \(float\)"),
+        ([-1], ValueError, r"token id -1 at position 3 is outside the vocabulary"),
+        ([49152], ValueError, r"token id 49152 at position 3 is outside the vocabulary"),
+        ([2**70], ValueError, r"at position 3 is outside the vocabulary"),
+    ],
+)
+def test_a_bad_id_after_a_validated_prefix_is_named(mock, extension, error, message):
+    prefix = [5, 6, 7]
+    mock.next_token_logprobs_sync(prefix)  # validated: only the new id is checked next
+    with pytest.raises(error, match=message):
+        mock.next_token_logprobs_sync(prefix + extension)
+
+
+@pytest.mark.parametrize(
+    "equal_but_not_ints, error, message",
+    [
+        ([5.0, 6, 7, 8], TypeError, r"token id 5.0 at position 0 is not an integer"),
+        ([5, True, 7, 8], TypeError, r"token id True at position 1 is not an integer"),
+        (
+            [5, 6, np.float64(7), 8],
+            TypeError,
+            r"7\.0\)? at position 2 is not an integer \(float64\)",
+        ),
+    ],
+)
+def test_ids_equal_to_a_validated_prefix_are_still_checked_for_type(
+    mock, equal_but_not_ints, error, message
+):
+    mock.next_token_logprobs_sync([5, 6, 7])
+    mock.next_token_logprobs_sync([5, 6, 7, 8])
+    with pytest.raises(error, match=message):
+        mock.next_token_logprobs_sync(equal_but_not_ints)
+
+
+def test_numpy_integers_in_a_list_are_accepted_as_ints(mock):
+    ids = mock.validate_token_ids([np.int64(4), np.uint16(5), 6])
+    assert ids == (4, 5, 6) and all(type(i) is int for i in ids)
+    expected = mock.next_token_logprobs_sync([4, 5, 6])
+    assert torch.equal(mock.next_token_logprobs_sync(list(np.array([4, 5, 6]))), expected)
+    assert torch.equal(mock.next_token_logprobs_sync(torch.tensor([4, 5, 6])), expected)
