@@ -14,7 +14,7 @@ shapes, batching, KV caching and memory traffic are the same as a trained model'
    documented errors (never a device-side assert); the parallel trie's sparse kernels
    on the device equal the sequential trie; then ``pytest -m gpu`` on the test files
    that have ``gpu`` tests. A failed check makes the command exit with status 1.
-2. **lm** (``gpu_lm.json``): the README's SIS loop (`bench_lm.time_sis`) with N
+2. **lm** (``gpu_lm.json``): the README's SIS loop (`bench_lm.time_readme_sis`) with N
    particles on Llama-3.2-1B- and Llama-3.1-8B-shaped bfloat16 models, short and long
    prompts, against the hand-written batched ``DynamicCache`` and ``StaticCache`` loops
    (`bench_lm.hf_floor`, `bench_lm.hf_static_floor`) in the same run: tokens/s, ratios
@@ -554,7 +554,7 @@ def _speed_rows(
 
     with AsyncTransformer(model, tokenizer, batch_size=n, max_kv_bytes=budget) as lm:
         runs: dict[str, Callable[[int, int], tuple[float, float]]] = {
-            "genlm AsyncTransformer": lambda tokens, seed: bench_lm.time_sis(
+            "genlm AsyncTransformer": lambda tokens, seed: bench_lm.time_readme_sis(
                 lm, prompt, n, tokens, seed
             ),
             "floor: DynamicCache loop": lambda tokens, seed: bench_lm.hf_floor(

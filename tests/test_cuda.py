@@ -170,6 +170,28 @@ def test_parallel_trie_results_in_pinned_blocks_or_a_device_tensor():
     np.testing.assert_allclose(row.cpu().numpy(), brute_force(trie, batch[0].tolist(), max))
 
 
+def test_sampling_a_batch_of_cuda_rows_syncs_once():
+    """`TokenSampler`'s kernel: one device-to-host copy for the whole batch."""
+    import warnings
+
+    from genlm.backend.sampling import sample_rows
+
+    rows = list(torch.randn(128, 49_152, device="cuda").log_softmax(1))
+    generator = torch.Generator("cuda").manual_seed(0)
+    sample_rows(rows, 1.0, generator)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tokens = sample_rows(rows, 1.0, generator)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(tokens) == 128 and all(0 <= t < 49_152 for t in tokens)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
 def test_async_trie_batches_cuda_weights():
     async_trie = AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="parallel")
     assert async_trie.trie.device == "cuda"

@@ -52,11 +52,13 @@ async def run_sis(
     """Sequential importance sampling with proposal ``p^(1/temperature)`` and target ``p``."""
     import torch
 
+    from genlm.backend.sampling import TokenSampler
+
     eos = {llm.tokenizer.eos_token_id} - {None}
     limit = llm.max_context_length
+    sampler = TokenSampler(seed, temperature)  # the particles' draws: one kernel a step
 
     async def particle(index: int) -> Particle:
-        generator = torch.Generator().manual_seed(seed + index)
         state = Particle()
         for _ in range(max_tokens):
             prefix = list(prompt_ids) + state.token_ids
@@ -64,7 +66,7 @@ async def run_sis(
                 break  # the model's context is full: keep what was sampled
             logps = await llm.next_token_logprobs(prefix)
             proposal = torch.log_softmax(logps / temperature, dim=-1)
-            token = int(torch.multinomial(proposal.exp(), 1, generator=generator).item())
+            token = await sampler.sample(logps)
             state.log_weight += float(logps[token] - proposal[token])
             if on_token is not None:
                 on_token()
@@ -74,7 +76,8 @@ async def run_sis(
             state.token_ids.append(token)
         return state
 
-    return list(await asyncio.gather(*(particle(i) for i in range(n_particles))))
+    with sampler:
+        return list(await asyncio.gather(*(particle(i) for i in range(n_particles))))
 
 
 def _normalized_weights(particles: Sequence[Particle]) -> list[float]:
