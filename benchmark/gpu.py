@@ -999,7 +999,7 @@ def recorded_source(baseline_out: Path) -> str:
     return "?"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
     parser.add_argument("--tiny", action="store_true", help="tiny models and sizes: a dry run")
@@ -1029,6 +1029,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write-tokenizer", action="store_true", help=f"rebuild {TOKENIZER_FILE.name} and exit"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.write_tokenizer:
         print(f"wrote {write_tokenizer()}")
