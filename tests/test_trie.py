@@ -255,8 +255,11 @@ def test_batched_results_into_a_given_array(trie_class):
 @pytest.mark.parametrize("trie_class", TRIES)
 def test_a_result_is_the_callers_later_calls_do_not_change_it(trie_class):
     """Result blocks are reused, but never while any view of an earlier result lives."""
+    from genlm.backend.trie._results import ResultBlocks
+
     vocab = random_vocab(4)
     trie = trie_class(vocab)
+    trie._results = ResultBlocks(min_bytes=0)  # lease these small results too
     rng = np.random.default_rng(1)
     first_ws, later_ws = rng.random((2, 6, len(vocab)))
     expected = np.stack([brute_force(trie, vocab, w, sum) for w in first_ws])
@@ -275,6 +278,7 @@ def test_a_result_is_the_callers_later_calls_do_not_change_it(trie_class):
     np.testing.assert_array_equal(
         maxs, np.stack([brute_force(trie, vocab, w, max) for w in first_ws]).astype(np.float32)
     )
+    assert trie._results.allocated >= 3  # results were leased blocks, some reused
 
 
 @pytest.mark.parametrize("trie_class", TRIES)
@@ -326,7 +330,7 @@ def test_a_bad_out_is_refused(trie_class):
 def test_result_blocks_are_leased_until_every_view_is_gone():
     from genlm.backend.trie._results import ResultBlocks
 
-    blocks = ResultBlocks()
+    blocks = ResultBlocks(min_bytes=0)
     held = blocks.take(3, 5)
     held[...] = 1.0
     slice_of_it = held[1:, 2:].T
@@ -344,10 +348,18 @@ def test_result_blocks_are_leased_until_every_view_is_gone():
     assert blocks.allocated == 3  # no free block is large enough
 
 
+def test_small_pageable_results_are_plain_arrays():
+    from genlm.backend.trie._results import ResultBlocks
+
+    blocks = ResultBlocks(min_bytes=1000)
+    assert blocks.take(2, 100).flags.owndata and blocks.allocated == 0
+    assert not blocks.take(3, 100).flags.owndata and blocks.allocated == 1
+
+
 def test_result_blocks_keep_at_most_max_bytes_free():
     from genlm.backend.trie._results import ResultBlocks
 
-    blocks = ResultBlocks(max_bytes=2 * 10 * 4)
+    blocks = ResultBlocks(max_bytes=2 * 10 * 4, min_bytes=0)
     taken = [blocks.take(1, 10) for _ in range(4)]
     del taken
     assert len(blocks.free) == 2

@@ -37,11 +37,14 @@ class ResultBlocks:
         pinned: allocate page-locked host memory (for copies from a CUDA device).
         max_bytes: most bytes of free blocks kept for reuse; a block released beyond
             that is dropped (leased blocks are the callers' and never count against it).
+        min_bytes: smaller pageable results are plain new arrays: malloc serves them from
+            memory it holds (no fresh pages), in less time than a lease takes (~8 us).
     """
 
-    def __init__(self, pinned: bool = False, max_bytes: int = 256 << 20):
+    def __init__(self, pinned: bool = False, max_bytes: int = 256 << 20, min_bytes: int = 1 << 17):
         self.pinned = pinned
         self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
         self.free: list[np.ndarray] = []
         self.allocated = 0  # blocks ever allocated, for tests and monitoring
         self._lock = threading.Lock()
@@ -49,6 +52,8 @@ class ResultBlocks:
     def take(self, rows: int, cols: int) -> np.ndarray:
         """A writable ``[rows, cols]`` float32 array leased to the caller: its memory is
         not handed out again while it (or any view of it) is alive."""
+        if not self.pinned and rows * cols * 4 < self.min_bytes:
+            return np.empty((rows, cols), np.float32)
         with self._lock:
             fits = [i for i, b in enumerate(self.free) if b.shape[0] >= rows and b.shape[1] == cols]
             block = self.free.pop(fits[0]) if fits else self._allocate(rows, cols)
@@ -73,4 +78,4 @@ class ResultBlocks:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled empty (so a trie still pickles): blocks and the lock are this process's."""
-        return ResultBlocks, (self.pinned, self.max_bytes)
+        return ResultBlocks, (self.pinned, self.max_bytes, self.min_bytes)
