@@ -743,9 +743,11 @@ def write_result(out: Path, name: str, result: dict) -> Path:
     return path
 
 
-def publish(out: Path, name: str, images: Path | None) -> None:
-    """Print the result's table and draw its plots (if matplotlib is installed)."""
+def publish(out: Path, name: str, images: Path | None, plotting: bool = True) -> None:
+    """Print the result's table and draw its plots (if asked and matplotlib is installed)."""
     print(f"\n### {name}.json\n\n{plots.markdown_table(name, out)}\n", flush=True)
+    if not plotting:
+        return
     if importlib.util.find_spec("matplotlib") is None:
         print("plots skipped: matplotlib is not installed", flush=True)
         return
@@ -884,7 +886,8 @@ def baseline_argv(args: argparse.Namespace, plan: Plan, out: Path) -> list[str]:
         "--batches": plan.batches,
     }
     argv = ["--device", args.device, "--threads", str(args.threads), "--out", str(out)]
-    argv += ["--tokens", str(plan.tokens), "--repeats", str(plan.repeats), "--library-only"]
+    argv += ["--tokens", str(plan.tokens), "--repeats", str(plan.repeats)]
+    argv += ["--library-only", "--no-plots"]
     argv += ["--parts", *[part for part in ("lm", "trie") if part in plan.parts]]
     argv += ["--tiny"] * args.tiny + ["--quick"] * args.quick
     for option, values in sizes.items():
@@ -1016,6 +1019,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--library-only", action="store_true", help="lm: the library's loop alone, no floors"
     )
+    parser.add_argument("--no-plots", action="store_true", help="tables and JSON only")
     parser.add_argument("--out", type=Path, help="results dir (default: benchmark/results)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, help="default: all")
     parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), help="speed models")
@@ -1047,6 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_from(args)
     out = args.out or plots.RESULTS_DIR
     images = None if args.out is None else args.out / "images"
+    plotting = not args.no_plots
     device = args.device
     setup = {**machine(device), "tiny": args.tiny}
     tokenizer = load_tokenizer()
@@ -1085,7 +1090,10 @@ def main(argv: list[str] | None = None) -> int:
         ok, _ = _part(
             part,
             device,
-            lambda part=part: (measurements[part](), publish(out, f"gpu_{part}", images)),
+            lambda part=part: (
+                measurements[part](),
+                publish(out, f"gpu_{part}", images, plotting),
+            ),
         )
         if not ok:
             failed.append(f"{part}: raised")

@@ -61,6 +61,7 @@ def test_quick_compare_dry_run_measures_both_trees_side_by_side(tmp_path):
     baseline = json.loads((out / "baseline" / "gpu_lm.json").read_text())
     assert baseline["setup"]["genlm_source"] == str(base.resolve())
     assert {row["implementation"] for row in baseline["rows"]} == {gpu.LIBRARY}
+    assert not (out / "baseline" / "images").exists()  # the baseline's run draws no plots
     compared = json.loads((out / "gpu_compare.json").read_text())
     assert compared["setup"]["baseline"] == str(base.resolve())
     assert compared["setup"]["this_tree"] == str(ROOT)
