@@ -632,9 +632,21 @@ def _speed_rows(
     return rows
 
 
+def _takes_tensor_out(trie: Any, ws: Any) -> bool:
+    """Whether ``trie`` writes into an ``out=`` tensor (trees from before that refuse it)."""
+    import torch
+
+    try:
+        trie.weight_sum(ws, out=torch.empty(trie.num_nodes, device=ws.device))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def trie_speed(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
     """The parallel trie on ``device`` against the sequential trie on the CPU, each fed
-    distributions where it computes (torch float32 tensors)."""
+    distributions where it computes (torch float32 tensors); where the trie takes them,
+    also with ``out=`` tensors on the device (no host copy: the kernels' own speed)."""
     import torch
 
     from genlm.backend.tokenization import decode_vocab
@@ -676,6 +688,19 @@ def trie_speed(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
                         lambda t=trie, w=ws[:b]: t.batch_weight_max(w),
                     ),
                 ]
+        if _takes_tensor_out(trie, ws[0]):  # the parallel trie, results left on the device
+            for b in plan.batches:
+                for op in ("sum", "max"):
+                    out = torch.empty(b, trie.num_nodes, device=device)
+                    method = getattr(trie, f"batch_weight_{op}")
+                    calls.append(
+                        (
+                            f"parallel ({device}), out= on {device}",
+                            f"batch_weight_{op}",
+                            b,
+                            lambda m=method, w=ws[:b], o=out: (m(w, out=o), _synchronize(device)),
+                        )
+                    )
         times = bench_trie.time_rounds([call for *_, call in calls], plan.trie_repeats)
         sequential_ms = {}
         for (trie_name, figure, batch, _), call_times in zip(calls, times, strict=True):

@@ -71,7 +71,11 @@ def test_quick_compare_dry_run_measures_both_trees_side_by_side(tmp_path):
         assert row["ratio"] == pytest.approx(row["this_tree"] / row["baseline"])
         assert row["dynamic_floor"] > 0
     trie = [row for row in compared["rows"] if row["part"].startswith("trie")]
-    assert {row["case"].split(":")[0] for row in trie} == {"sequential (cpu)", "parallel (cpu)"}
+    assert {row["case"].split(":")[0] for row in trie} == {
+        "sequential (cpu)",
+        "parallel (cpu)",
+        "parallel (cpu), out= on cpu",  # the copy takes out= tensors: main's trie does not
+    }
     assert all(row["ratio"] > 0 for row in trie)
 
 
@@ -130,7 +134,11 @@ def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
             assert row["kv_budget_mb"] >= row["kv_needed_mb"]
 
     trie = json.loads((tmp_path / "gpu_trie.json").read_text())["rows"]
-    assert {row["trie"] for row in trie} == {"sequential (cpu)", "parallel (cpu)"}
+    assert {row["trie"] for row in trie} == {
+        "sequential (cpu)",
+        "parallel (cpu)",
+        "parallel (cpu), out= on cpu",
+    }
     assert {row["vocab_size"] for row in trie} == {49_152, 2_000}
     batched = {(r["figure"], r["batch"]) for r in trie if r["figure"].startswith("batch")}
     assert batched == {(f"batch_weight_{op}", b) for op in ("sum", "max") for b in (1, 4)}
