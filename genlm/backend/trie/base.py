@@ -208,7 +208,7 @@ class TokenCharacterTrie:
         """
         result = np.empty(self.num_nodes)
         self._sum(self._vector(ws), result, result)
-        return result if out is None else _write(result, _checked_out(out, result.shape))
+        return result if out is None else write_into(result, checked_out(out, result.shape))
 
     def weight_max(self, ws: Any, out: Out | None = None) -> Out:
         """Per node, the max of ``ws[i]`` over the positions below it.
@@ -219,7 +219,7 @@ class TokenCharacterTrie:
         """
         result = np.empty(self.num_nodes)
         self._max(self._vector(ws), result)
-        return result if out is None else _write(result, _checked_out(out, result.shape))
+        return result if out is None else write_into(result, checked_out(out, result.shape))
 
     def batch_weight_sum(self, ws: Any, out: Out | None = None) -> Out:
         """`weight_sum` of B distributions (list of vectors or ``[B, V]``) -> ``[B, num_nodes]``.
@@ -233,7 +233,7 @@ class TokenCharacterTrie:
         from genlm.backend.trie._kernels import batch_sum_into
 
         rows = self._rows(ws)
-        out = self._checked_out(len(rows), out)
+        out = self._output(len(rows), out)
         host = self._results.take(len(rows), self.num_nodes) if _is_tensor(out) else out
         assert isinstance(host, np.ndarray)
         for start in range(0, len(rows), SUM_LANES):
@@ -247,24 +247,24 @@ class TokenCharacterTrie:
             batch_sum_into(
                 self._depth, self._is_leaf, self._leaf_rank, chunk, host[start:], leaf_ws, stack
             )
-        return _write(host, out)
+        return write_into(host, out)
 
     def batch_weight_max(self, ws: Any, out: Out | None = None) -> Out:
         """`weight_max` of B distributions -> float32 ``[B, num_nodes]`` (``out``: as in
         `batch_weight_sum`)."""
         rows = self._rows(ws)
-        out = self._checked_out(len(rows), out)
+        out = self._output(len(rows), out)
         host = self._results.take(len(rows), self.num_nodes) if _is_tensor(out) else out
         assert isinstance(host, np.ndarray)
         for row, row_out in zip(rows, host, strict=True):
             self._max(row, row_out)
-        return _write(host, out)
+        return write_into(host, out)
 
-    def _checked_out(self, num_rows: int, out: Out | None) -> Out:
+    def _output(self, num_rows: int, out: Out | None) -> Out:
         """``out`` checked to be float32 ``[num_rows, num_nodes]``, or a leased block."""
         if out is None:
             return self._results.take(num_rows, self.num_nodes)
-        return _checked_out(out, (num_rows, self.num_nodes))
+        return checked_out(out, (num_rows, self.num_nodes))
 
     def _scratch(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float64 work array of ``shape``, kept per thread between calls: a fresh
@@ -313,7 +313,7 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _checked_out(out: Any, shape: tuple[int, ...]) -> Any:
+def checked_out(out: Any, shape: tuple[int, ...]) -> Any:
     """``out`` if it is a float32 numpy array or torch tensor of ``shape``, else `ValueError`."""
     if _is_tensor(out):
         dtype_ok = out.dtype == sys.modules["torch"].float32
@@ -329,7 +329,7 @@ def _checked_out(out: Any, shape: tuple[int, ...]) -> Any:
     return out
 
 
-def _write(result: Any, out: Any) -> Any:
+def write_into(result: Any, out: Any) -> Any:
     """``out`` holding ``result`` (the same object when ``out`` is ``result``)."""
     if out is result:
         return out

@@ -31,9 +31,9 @@ import numpy as np
 from genlm.backend.trie._results import ResultBlocks
 from genlm.backend.trie.base import (
     TokenCharacterTrie,
-    _checked_out,
     as_weights,
     check_weights_shape,
+    checked_out,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         if not self.sparse_kernels:
             return super().batch_weight_sum(ws, out)
         ws = self._tensor(ws, batched=True)
-        out = None if out is None else _checked_out(out, (ws.shape[0], self.num_nodes))
+        out = None if out is None else checked_out(out, (ws.shape[0], self.num_nodes))
         return self._deliver(self._sparse_sum(ws), out)
 
     def batch_weight_max(self, ws: Any, out: Out | None = None) -> Out:
@@ -171,20 +171,20 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         if not self.sparse_kernels:
             return super().batch_weight_max(ws, out)
         ws = self._tensor(ws, batched=True)
-        out = None if out is None else _checked_out(out, (ws.shape[0], self.num_nodes))
+        out = None if out is None else checked_out(out, (ws.shape[0], self.num_nodes))
         return self._deliver(self._sparse_max(ws), out)
 
     def _deliver_row(self, result: torch.Tensor, out: Out | None) -> Out:
         if out is None:
             return self._deliver(result, None)[0]
-        self._deliver(result, _checked_out(out, (self.num_nodes,))[None])
+        self._deliver(result, checked_out(out, (self.num_nodes,))[None])
         return out
 
     def _single(self, batched: Any, ws: Any, out: Out | None) -> Out:
         """One distribution through a batched method (``out`` checked as a single's)."""
         if out is None:
             return batched([ws])[0]
-        batched([ws], _checked_out(out, (self.num_nodes,))[None])
+        batched([ws], checked_out(out, (self.num_nodes,))[None])
         return out
 
 
