@@ -33,6 +33,17 @@ CUDA = pytest.param(
 )
 
 
+def gpu_sh(*args: str) -> subprocess.CompletedProcess:
+    """``bash benchmark/gpu.sh ARGS`` with this interpreter, its output captured."""
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmark" / "gpu.sh"), *args],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_the_quick_plan_is_both_shapes_three_particle_counts_two_prompts():
     plan = gpu.plan_from(gpu.build_parser().parse_args(["--quick"]))
     assert plan.speed_models == ["llama-3.2-1b", "llama-3.1-8b"]
@@ -47,15 +58,10 @@ def test_quick_compare_dry_run_measures_both_trees_side_by_side(tmp_path):
     base = tmp_path / "base"
     shutil.copytree(ROOT / "genlm", base / "genlm", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "out"
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmark" / "gpu.sh"), "--device", "cpu", "--tiny", "--quick"]
-        + ["--parts", "lm", "trie", "--vocab-sizes", "2000", "--compare", str(base)]
-        + ["--out", str(out)],
-        env={**os.environ, "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = gpu_sh(
+        "--device", "cpu", "--tiny", "--quick", "--parts", "lm", "trie", "--vocab-sizes", "2000",
+        "--compare", str(base), "--out", str(out),
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "### gpu_compare.json" in done.stdout
     baseline = json.loads((out / "baseline" / "gpu_lm.json").read_text())
@@ -80,29 +86,17 @@ def test_quick_compare_dry_run_measures_both_trees_side_by_side(tmp_path):
 
 
 def test_compare_refuses_a_directory_without_genlm(tmp_path):
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmark" / "gpu.sh"), "--device", "cpu", "--tiny"]
-        + ["--parts", "trie", "--vocab-sizes", "2000", "--compare", str(tmp_path)]
-        + ["--out", str(tmp_path / "out")],
-        env={**os.environ, "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = gpu_sh(
+        "--device", "cpu", "--tiny", "--parts", "trie", "--vocab-sizes", "2000",
+        "--compare", str(tmp_path), "--out", str(tmp_path / "out"),
+    )  # fmt: skip
     assert done.returncode == 1
     assert "no genlm/backend/__init__.py there" in done.stderr
     assert "FAILED: compare: raised" in done.stderr
 
 
 def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmark" / "gpu.sh"), "--device", "cpu", "--tiny"]
-        + ["--out", str(tmp_path)],
-        env={**os.environ, "PYTHON": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = gpu_sh("--device", "cpu", "--tiny", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "### gpu_lm.json" in done.stdout and "| model | prompt_tokens |" in done.stdout
 
