@@ -58,7 +58,7 @@ async def run_sis(
     limit = llm.max_context_length
     sampler = TokenSampler(seed, temperature)  # the particles' draws: one kernel a step
 
-    async def particle(index: int) -> Particle:
+    async def particle() -> Particle:
         state = Particle()
         for _ in range(max_tokens):
             prefix = list(prompt_ids) + state.token_ids
@@ -77,7 +77,7 @@ async def run_sis(
         return state
 
     with sampler:
-        return list(await asyncio.gather(*(particle(i) for i in range(n_particles))))
+        return list(await asyncio.gather(*(particle() for _ in range(n_particles))))
 
 
 def _normalized_weights(particles: Sequence[Particle]) -> list[float]:
