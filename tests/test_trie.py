@@ -363,6 +363,9 @@ def test_result_blocks_keep_at_most_max_bytes_free():
     taken = [blocks.take(1, 10) for _ in range(4)]
     del taken
     assert len(blocks.free) == 2
+    for _ in range(3):  # larger than max_bytes: the latest is kept, and reused
+        blocks.take(5, 10)
+    assert blocks.allocated == 5 and [b.shape for b in blocks.free] == [(5, 10)]
 
 
 def test_duplicate_entries_are_rejected():

@@ -35,8 +35,9 @@ class ResultBlocks:
 
     Args:
         pinned: allocate page-locked host memory (for copies from a CUDA device).
-        max_bytes: most bytes of free blocks kept for reuse; a block released beyond
-            that is dropped (leased blocks are the callers' and never count against it).
+        max_bytes: most bytes of free blocks kept for reuse, the oldest dropped first; the
+            latest released block is kept whatever its size, so a loop of calls larger than
+            this still reuses one (leased blocks are the callers' and never count).
         min_bytes: smaller pageable results are plain new arrays: malloc serves them from
             memory it holds (no fresh pages), in less time than a lease takes (~8 us).
     """
@@ -73,7 +74,7 @@ class ResultBlocks:
     def _release(self, block: np.ndarray) -> None:
         with self._lock:
             self.free.append(block)
-            while self.free and sum(b.nbytes for b in self.free) > self.max_bytes:
+            while len(self.free) > 1 and sum(b.nbytes for b in self.free) > self.max_bytes:
                 self.free.pop(0)
 
     def __reduce__(self) -> tuple[Any, ...]:
