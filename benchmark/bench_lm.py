@@ -41,11 +41,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Awaitable, Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -242,15 +243,18 @@ def draw_inverse_cdf(logps: Any, generator: Any) -> int:
 SAMPLERS = {"multinomial": draw_multinomial, "inverse-cdf": draw_inverse_cdf}
 
 
+Draw = Callable[[Any, Any], int | Awaitable[int]]  # (logprobs, generator) -> token, or awaited
+
+
 async def sis(
     lm: Any,
     prompt: list[int],
     n_particles: int,
     n_tokens: int,
     seed: int,
-    draw: Callable[[Any, Any], int] = draw_multinomial,
+    draw: Draw = draw_multinomial,
 ) -> int:
-    """The README loop; returns the number of sampled tokens."""
+    """The README loop; returns the number of sampled tokens (``draw`` may be async)."""
     import torch
 
     async def particle(index: int) -> int:
@@ -260,7 +264,8 @@ async def sis(
             logps = await lm.next_token_logprobs(ctx)
             if generator is None:  # sample where the LM answers (on CUDA for a CUDA model)
                 generator = torch.Generator(logps.device).manual_seed(seed + index)
-            ctx = ctx + [draw(logps, generator)]
+            token = draw(logps, generator)
+            ctx = ctx + [await token if inspect.isawaitable(token) else token]
         return len(ctx) - len(prompt)
 
     return sum(await asyncio.gather(*(particle(i) for i in range(n_particles))))
@@ -272,7 +277,7 @@ def time_sis(
     n_particles: int,
     n_tokens: int,
     seed: int,
-    draw: Callable[[Any, Any], int] = draw_multinomial,
+    draw: Draw = draw_multinomial,
 ) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one SIS run from an empty cache."""
     lm.clear_cache()
@@ -282,6 +287,20 @@ def time_sis(
     elapsed = time.perf_counter() - start, time.process_time() - cpu
     assert sampled == n_particles * n_tokens
     return elapsed
+
+
+def time_readme_sis(
+    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+) -> tuple[float, float]:
+    """`time_sis` with the README's draw as the imported source tree has it: a
+    `genlm.backend.sampling.TokenSampler` (one kernel and one host copy a step) where the
+    tree has one, ``torch.multinomial`` per particle in trees from before it."""
+    try:
+        from genlm.backend.sampling import TokenSampler
+    except ImportError:
+        return time_sis(lm, prompt, n_particles, n_tokens, seed)
+    with TokenSampler(seed) as sampler:
+        return time_sis(lm, prompt, n_particles, n_tokens, seed, lambda row, _: sampler.sample(row))
 
 
 def prompt_ids(lm: Any, n: int) -> list[int]:

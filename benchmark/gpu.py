@@ -14,7 +14,7 @@ shapes, batching, KV caching and memory traffic are the same as a trained model'
    documented errors (never a device-side assert); the parallel trie's sparse kernels
    on the device equal the sequential trie; then ``pytest -m gpu`` on the test files
    that have ``gpu`` tests. A failed check makes the command exit with status 1.
-2. **lm** (``gpu_lm.json``): the README's SIS loop (`bench_lm.time_sis`) with N
+2. **lm** (``gpu_lm.json``): the README's SIS loop (`bench_lm.time_readme_sis`) with N
    particles on Llama-3.2-1B- and Llama-3.1-8B-shaped bfloat16 models, short and long
    prompts, against the hand-written batched ``DynamicCache`` and ``StaticCache`` loops
    (`bench_lm.hf_floor`, `bench_lm.hf_static_floor`) in the same run: tokens/s, ratios
@@ -24,8 +24,16 @@ shapes, batching, KV caching and memory traffic are the same as a trained model'
    SmolLM2's vocabulary and synthetic 128k and 256k ones (`bench_trie.synthetic_vocab`).
 
     bash benchmark/gpu.sh                                  # all of it, on CUDA
+    bash benchmark/gpu.sh --quick --compare ../main-src --out /tmp/gpu   # < 10 min on H100/H200
     bash benchmark/gpu.sh --parts lm --models llama-3.1-8b --out /tmp/gpu
     bash benchmark/gpu.sh --device cpu --tiny --out /tmp/gpu-dry   # CPU dry run (< 1 min)
+
+``--quick`` is the plan that one device lease affords: both model shapes, N = 1 / 32 / 128,
+prompts of 28 and 1,024 tokens, 32 tokens, one repeat; the trie at B = 1 and 256.
+``--compare DIR`` then measures the library of another source tree (DIR holds its
+``genlm/``: e.g. ``git archive <commit> | tar -x -C DIR``) with this same harness, in a
+second process (``GENLM_GPU_SOURCE=DIR``; its lm loop alone, without the floors), and
+writes both side by side with their ratio into ``gpu_compare.json``.
 
 Results go to ``benchmark/results/gpu_*.json`` and plots to ``docs/images/bench-gpu-*.png``
 (with ``--out DIR``: ``DIR/gpu_*.json`` and ``DIR/images/``); tables are printed.
@@ -53,7 +61,9 @@ from typing import Any
 
 BENCHMARK_DIR = Path(__file__).resolve().parent
 ROOT = BENCHMARK_DIR.parent
-sys.path[:0] = [str(ROOT), str(BENCHMARK_DIR)]
+# The source tree whose `genlm` is measured: this one, or the baseline of `--compare`.
+SOURCE = Path(os.environ.get("GENLM_GPU_SOURCE") or ROOT).resolve()
+sys.path[:0] = [str(SOURCE), str(BENCHMARK_DIR)]
 
 import bench_lm  # noqa: E402
 import bench_trie  # noqa: E402
@@ -70,6 +80,10 @@ VOCAB_SIZE = 49_152
 TOLERANCE = 1e-4  # float32 logprobs: batched / cached / uncached / CPU rows
 TRIE_TOLERANCE = 1e-4  # relative: float32 sums of many positive weights, in other orders
 PARTS = ("checks", "pytest", "lm", "trie")
+MIN_KV_BUDGET = 1 << 30  # the library's default KV budget: what a user gets unasked
+LIBRARY = "genlm AsyncTransformer"
+DYNAMIC = "floor: DynamicCache loop"
+STATIC = "floor: StaticCache loop"
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,7 @@ class Plan:
     sis_particles: int = 6  # the agreement check's SIS loop
     sis_tokens: int = 8
     parts: list[str] = field(default_factory=lambda: list(PARTS))
+    floors: bool = True  # the hand-written loops beside the library's (not for a baseline)
 
 
 FULL = Plan(
@@ -132,6 +147,20 @@ FULL = Plan(
     vocab_sizes=[VOCAB_SIZE, 128_000, 256_000],
     batches=[1, 32, 256],
     trie_repeats=5,
+)
+# About 4 minutes on an H200 (from the first run's part times: checks 29 s, pytest 21 s, the
+# trie ~25 s at these batches, lm ~140 s at one repeat); `--compare` adds the baseline's
+# library loop and trie, about 2 minutes more.
+QUICK = Plan(
+    agreement_model="smollm2-135m",
+    speed_models=["llama-3.2-1b", "llama-3.1-8b"],
+    particles=[1, 32, 128],
+    prompt_tokens=[28, 1024],
+    tokens=32,
+    repeats=1,
+    vocab_sizes=[VOCAB_SIZE, 128_000, 256_000],
+    batches=[1, 256],
+    trie_repeats=3,
 )
 TINY = Plan(
     agreement_model="tiny",
@@ -275,7 +304,7 @@ def agreement_checks(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
     """Batched, KV-reused and uncached rows agree; device rows equal CPU rows; bfloat16."""
     import torch
 
-    from genlm.backend.llm.hf import AsyncTransformer
+    from genlm.backend.llm import AsyncTransformer
 
     name = plan.agreement_model
     cpu_model = build_model(name, "cpu")
@@ -505,8 +534,6 @@ def lm_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]
     after each (model, prompt) so an interrupted run keeps what it measured."""
     import torch
 
-    from genlm.backend.llm.hf import DEFAULT_MAX_KV_BYTES
-
     rows: list[dict] = []
     print(
         f"{'model':14} {'prompt':>6} {'N':>4} {'lib tok/s':>10} {'dyn tok/s':>10} "
@@ -520,7 +547,7 @@ def lm_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]
             prompt = prompt_of(tokenizer, prompt_tokens)
             for n in plan.particles:
                 needed = n * (prompt_tokens + plan.tokens) * per_token
-                budget = max(DEFAULT_MAX_KV_BYTES, 3 * needed)
+                budget = max(MIN_KV_BUDGET, 3 * needed)
                 common = {
                     "model": name,
                     "dtype": SHAPES[name].dtype,
@@ -550,20 +577,17 @@ def _speed_rows(
     budget: int,
     common: dict,
 ) -> list[dict]:
-    from genlm.backend.llm.hf import AsyncTransformer
+    from genlm.backend.llm import AsyncTransformer
 
     with AsyncTransformer(model, tokenizer, batch_size=n, max_kv_bytes=budget) as lm:
         runs: dict[str, Callable[[int, int], tuple[float, float]]] = {
-            "genlm AsyncTransformer": lambda tokens, seed: bench_lm.time_sis(
-                lm, prompt, n, tokens, seed
-            ),
-            "floor: DynamicCache loop": lambda tokens, seed: bench_lm.hf_floor(
-                lm, prompt, n, tokens, seed
-            ),
-            "floor: StaticCache loop": lambda tokens, seed: bench_lm.hf_static_floor(
-                lm, prompt, n, tokens, seed
-            ),
+            LIBRARY: lambda tokens, seed: bench_lm.time_readme_sis(lm, prompt, n, tokens, seed)
         }
+        if plan.floors:
+            runs[DYNAMIC] = lambda tokens, seed: bench_lm.hf_floor(lm, prompt, n, tokens, seed)
+            runs[STATIC] = lambda tokens, seed: bench_lm.hf_static_floor(
+                lm, prompt, n, tokens, seed
+            )
         results: dict[str, list[tuple[float, float, Any]]] = {name: [] for name in runs}
         for run in runs.values():
             run(2, 0)  # warm-up: kernels, allocator, the prompt's shapes
@@ -573,7 +597,7 @@ def _speed_rows(
                 _free(device)
                 results[name].append(_measured(device, run, plan.tokens, repeat + 1))
     best = {name: min(r[0] for r in measured) for name, measured in results.items()}
-    library, dynamic, static = best.values()
+    library = best[LIBRARY]
     rows = []
     for name, measured in results.items():
         peaks = [r[2] for r in measured if r[2] is not None]
@@ -585,27 +609,44 @@ def _speed_rows(
             "tokens_per_s": common["tokens"] / best[name],
             "peak_mb": max(peaks) if peaks else None,
         }
-        if name == "genlm AsyncTransformer":
-            row.update(
-                ratio_dynamic=library / dynamic,
-                ratio_static=library / static,
-                kv_budget_mb=budget / 2**20,
-            )
+        if name == LIBRARY:
+            row["kv_budget_mb"] = budget / 2**20
+            if plan.floors:
+                row.update(
+                    ratio_dynamic=library / best[DYNAMIC], ratio_static=library / best[STATIC]
+                )
         rows.append(row)
     peak = rows[0]["peak_mb"]
+    speeds = [f"{row['tokens_per_s']:>10.1f}" for row in rows] + [""] * (3 - len(rows))
+    ratios = (
+        f"{library / best[DYNAMIC]:>6.2f} {library / best[STATIC]:>7.2f}"
+        if plan.floors
+        else f"{'':>6} {'':>7}"
+    )
     print(
-        f"{common['model']:14} {common['prompt_tokens']:>6} {n:>4} {rows[0]['tokens_per_s']:>10.1f} "
-        f"{rows[1]['tokens_per_s']:>10.1f} {rows[2]['tokens_per_s']:>12.1f} "
-        f"{library / dynamic:>6.2f} {library / static:>7.2f} "
+        f"{common['model']:14} {common['prompt_tokens']:>6} {n:>4} {speeds[0]} "
+        f"{speeds[1]:>10} {speeds[2]:>12} {ratios} "
         f"{'-' if peak is None else f'{peak:.0f}':>9} {common['kv_needed_mb']:>8.0f}",
         flush=True,
     )
     return rows
 
 
+def _takes_tensor_out(trie: Any, ws: Any) -> bool:
+    """Whether ``trie`` writes into an ``out=`` tensor (trees from before that refuse it)."""
+    import torch
+
+    try:
+        trie.weight_sum(ws, out=torch.empty(trie.num_nodes, device=ws.device))
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def trie_speed(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
     """The parallel trie on ``device`` against the sequential trie on the CPU, each fed
-    distributions where it computes (torch float32 tensors)."""
+    distributions where it computes (torch float32 tensors); where the trie takes them,
+    also with ``out=`` tensors on the device (no host copy: the kernels' own speed)."""
     import torch
 
     from genlm.backend.tokenization import decode_vocab
@@ -647,6 +688,19 @@ def trie_speed(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
                         lambda t=trie, w=ws[:b]: t.batch_weight_max(w),
                     ),
                 ]
+        if _takes_tensor_out(trie, ws[0]):  # the parallel trie, results left on the device
+            for b in plan.batches:
+                for op in ("sum", "max"):
+                    out = torch.empty(b, trie.num_nodes, device=device)
+                    method = getattr(trie, f"batch_weight_{op}")
+                    calls.append(
+                        (
+                            f"parallel ({device}), out= on {device}",
+                            f"batch_weight_{op}",
+                            b,
+                            lambda m=method, w=ws[:b], o=out: (m(w, out=o), _synchronize(device)),
+                        )
+                    )
         times = bench_trie.time_rounds([call for *_, call in calls], plan.trie_repeats)
         sequential_ms = {}
         for (trie_name, figure, batch, _), call_times in zip(calls, times, strict=True):
@@ -699,6 +753,7 @@ def machine(device: str) -> dict[str, Any]:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "genlm_source": str(SOURCE),
     }
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(device)
@@ -713,9 +768,11 @@ def write_result(out: Path, name: str, result: dict) -> Path:
     return path
 
 
-def publish(out: Path, name: str, images: Path | None) -> None:
-    """Print the result's table and draw its plots (if matplotlib is installed)."""
+def publish(out: Path, name: str, images: Path | None, plotting: bool = True) -> None:
+    """Print the result's table and draw its plots (if asked and matplotlib is installed)."""
     print(f"\n### {name}.json\n\n{plots.markdown_table(name, out)}\n", flush=True)
+    if not plotting:
+        return
     if importlib.util.find_spec("matplotlib") is None:
         print("plots skipped: matplotlib is not installed", flush=True)
         return
@@ -821,7 +878,12 @@ def _part(name: str, device: str, run: Callable[[], Any]) -> tuple[bool, Any]:
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
-    plan = copy.deepcopy(TINY if args.tiny else FULL)
+    """The plan the options ask for: `FULL`, `QUICK` or, with ``--tiny``, `TINY` (with
+    ``--quick`` too: one repeat, as QUICK's), then each size option given."""
+    plan = copy.deepcopy(TINY if args.tiny else QUICK if args.quick else FULL)
+    if args.tiny and args.quick:
+        plan.repeats = plan.trie_repeats = 1
+    plan.floors = not args.library_only
     for key in (
         "particles",
         "prompt_tokens",
@@ -839,10 +901,150 @@ def plan_from(args: argparse.Namespace) -> Plan:
     return plan
 
 
-def main(argv: list[str] | None = None) -> int:
+def baseline_argv(args: argparse.Namespace, plan: Plan, out: Path) -> list[str]:
+    """This command's options for the baseline's run: the same plan, its lm loop and trie."""
+    sizes = {
+        "--models": plan.speed_models,
+        "--particles": plan.particles,
+        "--prompt-tokens": plan.prompt_tokens,
+        "--vocab-sizes": plan.vocab_sizes,
+        "--batches": plan.batches,
+    }
+    argv = ["--device", args.device, "--threads", str(args.threads), "--out", str(out)]
+    argv += ["--tokens", str(plan.tokens), "--repeats", str(plan.repeats)]
+    argv += ["--library-only", "--no-plots"]
+    argv += ["--parts", *[part for part in ("lm", "trie") if part in plan.parts]]
+    argv += ["--tiny"] * args.tiny + ["--quick"] * args.quick
+    for option, values in sizes.items():
+        argv += [option, *map(str, values)]
+    return argv
+
+
+def compare(args: argparse.Namespace, plan: Plan, out: Path) -> Path:
+    """Run this harness on the source tree ``args.compare`` (a second process, so its
+    ``genlm`` is imported), then write ``gpu_compare.json``: its figures beside this tree's."""
+    source = args.compare.resolve()
+    if not (source / "genlm" / "backend" / "__init__.py").is_file():
+        raise FileNotFoundError(f"--compare {source}: no genlm/backend/__init__.py there")
+    baseline_out = out / "baseline"
+    env = {**os.environ, "GENLM_GPU_SOURCE": str(source)}
+    command = [sys.executable, __file__, *baseline_argv(args, plan, baseline_out)]
+    print("baseline: " + " ".join(command), flush=True)
+    subprocess.run(command, env=env, check=True)
+    result = compare_result(out, baseline_out)
+    path = write_result(out, "gpu_compare", result)
+    print(f"\n### gpu_compare.json\n\n{plots.markdown_table('gpu_compare', out)}\n", flush=True)
+    return path
+
+
+def compare_result(out: Path, baseline_out: Path) -> dict:
+    """This tree's lm and trie rows beside the baseline's: tokens/s (or ms) and the ratio."""
+
+    def rows(directory: Path, name: str) -> list[dict]:
+        path = directory / f"{name}.json"
+        return json.loads(path.read_text())["rows"] if path.is_file() else []
+
+    compared: list[dict] = []
+    base_lm = {
+        (r["model"], r["prompt_tokens"], r["n_particles"]): r
+        for r in rows(baseline_out, "gpu_lm")
+        if r["implementation"] == LIBRARY
+    }
+    floors = {
+        (r["model"], r["prompt_tokens"], r["n_particles"], r["implementation"]): r
+        for r in rows(out, "gpu_lm")
+    }
+    for (model, prompt, n, name), row in floors.items():
+        base = base_lm.get((model, prompt, n))
+        if name != LIBRARY or base is None:
+            continue
+        dynamic = floors.get((model, prompt, n, DYNAMIC), {}).get("tokens_per_s")
+        compared.append(
+            {
+                "part": "lm (tokens/s)",
+                "case": f"{model}, {prompt}-token prompt, N={n}",
+                "baseline": base["tokens_per_s"],
+                "this_tree": row["tokens_per_s"],
+                "ratio": row["tokens_per_s"] / base["tokens_per_s"],
+                "dynamic_floor": dynamic,
+                "this_tree_over_floor": row["tokens_per_s"] / dynamic if dynamic else None,
+                "peak_mb_baseline": base.get("peak_mb"),
+                "peak_mb_this_tree": row.get("peak_mb"),
+            }
+        )
+    base_trie = {
+        (r["vocab"], r["trie"], r["figure"], r["batch"]): r for r in rows(baseline_out, "gpu_trie")
+    }
+    for row in rows(out, "gpu_trie"):
+        base = base_trie.get((row["vocab"], row["trie"], row["figure"], row["batch"]))
+        if base is None or row["figure"] == "build":
+            continue
+        compared.append(
+            {
+                "part": "trie (ms per call)",
+                "case": row["line"] + f", {row['vocab']}",
+                "baseline": base["min_ms"],
+                "this_tree": row["min_ms"],
+                "ratio": base["min_ms"] / row["min_ms"],
+                "this_tree_over_floor": row.get("speedup"),
+            }
+        )
+    setups = [
+        json.loads((out / f"{n}.json").read_text())["setup"]
+        for n in ("gpu_lm", "gpu_trie")
+        if (out / f"{n}.json").is_file()
+    ]
+    return {
+        "benchmark": "gpu_compare",
+        "setup": {
+            **{k: v for k, v in (setups[0] if setups else {}).items() if k != "genlm_source"},
+            "this_tree": str(SOURCE),
+            "baseline": recorded_source(baseline_out),
+            "ratio": "speed of this tree / the baseline's (> 1: faster)",
+            "floor": "lm: the DynamicCache loop's tokens/s; trie: the sequential CPU trie",
+        },
+        "rows": compared,
+        "table": [
+            "part",
+            "case",
+            "baseline",
+            "this_tree",
+            "ratio",
+            "dynamic_floor",
+            "this_tree_over_floor",
+            "peak_mb_baseline",
+            "peak_mb_this_tree",
+        ],
+    }
+
+
+def recorded_source(baseline_out: Path) -> str:
+    """The source tree the baseline's run recorded."""
+    for name in ("gpu_lm", "gpu_trie"):
+        path = baseline_out / f"{name}.json"
+        if path.is_file():
+            return json.loads(path.read_text())["setup"].get("genlm_source", "?")
+    return "?"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: cuda)")
     parser.add_argument("--tiny", action="store_true", help="tiny models and sizes: a dry run")
+    parser.add_argument(
+        "--quick", action="store_true", help="the plan one device lease affords (module doc)"
+    )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        metavar="DIR",
+        help="then measure the lm loop and the trie of the source tree in DIR (its genlm/) "
+        "and write both into gpu_compare.json",
+    )
+    parser.add_argument(
+        "--library-only", action="store_true", help="lm: the library's loop alone, no floors"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="tables and JSON only")
     parser.add_argument("--out", type=Path, help="results dir (default: benchmark/results)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, help="default: all")
     parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), help="speed models")
@@ -856,6 +1058,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--write-tokenizer", action="store_true", help=f"rebuild {TOKENIZER_FILE.name} and exit"
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.write_tokenizer:
         print(f"wrote {write_tokenizer()}")
@@ -869,6 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_from(args)
     out = args.out or plots.RESULTS_DIR
     images = None if args.out is None else args.out / "images"
+    plotting = not args.no_plots
     device = args.device
     setup = {**machine(device), "tiny": args.tiny}
     tokenizer = load_tokenizer()
@@ -907,11 +1115,18 @@ def main(argv: list[str] | None = None) -> int:
         ok, _ = _part(
             part,
             device,
-            lambda part=part: (measurements[part](), publish(out, f"gpu_{part}", images)),
+            lambda part=part: (
+                measurements[part](),
+                publish(out, f"gpu_{part}", images, plotting),
+            ),
         )
         if not ok:
             failed.append(f"{part}: raised")
 
+    if args.compare is not None:
+        ok, _ = _part("compare", device, lambda: compare(args, plan, out))
+        if not ok:
+            failed.append("compare: raised")
     print(f"\ndone in {time.perf_counter() - started:.0f} s; results in {out}", flush=True)
     if failed:
         print("FAILED: " + "; ".join(failed), file=sys.stderr)

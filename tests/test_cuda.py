@@ -150,6 +150,48 @@ def test_parallel_trie_on_cuda_matches_brute_force():
     np.testing.assert_allclose(sequential.weight_sum(batch[2].cuda()), sums[2], rtol=1e-5)
 
 
+def test_parallel_trie_results_in_pinned_blocks_or_a_device_tensor():
+    """Host results come from reused pinned blocks (never one a caller still holds); an
+    ``out`` tensor on the device gets the result with no host copy."""
+    trie = ParallelTokenCharacterTrie(VOCAB)
+    batch = torch.softmax(torch.randn(4, len(VOCAB), generator=torch.Generator().manual_seed(2)), 1)
+    sums = np.stack([brute_force(trie, ws.tolist(), sum) for ws in batch])
+    held = trie.batch_weight_sum(batch.cuda())
+    assert torch.from_numpy(held).is_pinned()
+    for _ in range(3):
+        trie.batch_weight_sum(batch.flip(0).cuda())
+    np.testing.assert_allclose(held, sums, rtol=1e-5)
+    assert trie._results.allocated == 2
+    out = torch.full((4, trie.num_nodes), torch.nan, device="cuda")
+    assert trie.batch_weight_sum(batch.cuda(), out=out) is out
+    np.testing.assert_allclose(out.cpu().numpy(), sums, rtol=1e-5)
+    row = torch.full((trie.num_nodes,), torch.nan, device="cuda")
+    assert trie.weight_max(batch[0].cuda(), out=row) is row
+    np.testing.assert_allclose(row.cpu().numpy(), brute_force(trie, batch[0].tolist(), max))
+
+
+def test_sampling_a_batch_of_cuda_rows_syncs_once():
+    """`TokenSampler`'s kernel: one device-to-host copy for the whole batch."""
+    import warnings
+
+    from genlm.backend.sampling import sample_rows
+
+    rows = list(torch.randn(128, 49_152, device="cuda").log_softmax(1))
+    generator = torch.Generator("cuda").manual_seed(0)
+    sample_rows(rows, 1.0, generator)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tokens = sample_rows(rows, 1.0, generator)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(tokens) == 128 and all(0 <= t < 49_152 for t in tokens)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
 def test_async_trie_batches_cuda_weights():
     async_trie = AsyncTokenCharacterTrie.from_vocab(VOCAB, backend="parallel")
     assert async_trie.trie.device == "cuda"

@@ -8,6 +8,7 @@ forwards of the contexts they sampled.
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,15 +33,70 @@ CUDA = pytest.param(
 )
 
 
-def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
-    done = subprocess.run(
-        ["bash", str(ROOT / "benchmark" / "gpu.sh"), "--device", "cpu", "--tiny"]
-        + ["--out", str(tmp_path)],
+def gpu_sh(*args: str) -> subprocess.CompletedProcess:
+    """``bash benchmark/gpu.sh ARGS`` with this interpreter, its output captured."""
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmark" / "gpu.sh"), *args],
         env={**os.environ, "PYTHON": sys.executable},
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_the_quick_plan_is_both_shapes_three_particle_counts_two_prompts():
+    plan = gpu.plan_from(gpu.build_parser().parse_args(["--quick"]))
+    assert plan.speed_models == ["llama-3.2-1b", "llama-3.1-8b"]
+    assert (plan.particles, plan.prompt_tokens, plan.tokens) == ([1, 32, 128], [28, 1024], 32)
+    assert plan.repeats == 1 and plan.floors and plan.parts == list(gpu.PARTS)
+    assert 256 in plan.batches and plan.vocab_sizes == [49_152, 128_000, 256_000]
+
+
+def test_quick_compare_dry_run_measures_both_trees_side_by_side(tmp_path):
+    """``--compare DIR``: the baseline's genlm (a copy here) measured by this harness in a
+    second process, merged with this tree's figures and their ratio."""
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "genlm", base / "genlm", ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "out"
+    done = gpu_sh(
+        "--device", "cpu", "--tiny", "--quick", "--parts", "lm", "trie", "--vocab-sizes", "2000",
+        "--compare", str(base), "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "### gpu_compare.json" in done.stdout
+    baseline = json.loads((out / "baseline" / "gpu_lm.json").read_text())
+    assert baseline["setup"]["genlm_source"] == str(base.resolve())
+    assert {row["implementation"] for row in baseline["rows"]} == {gpu.LIBRARY}
+    assert not (out / "baseline" / "images").exists()  # the baseline's run draws no plots
+    compared = json.loads((out / "gpu_compare.json").read_text())
+    assert compared["setup"]["baseline"] == str(base.resolve())
+    assert compared["setup"]["this_tree"] == str(ROOT)
+    lm = [row for row in compared["rows"] if row["part"].startswith("lm")]
+    assert len(lm) == 4  # 2 prompts x N = 1, 4
+    for row in lm:
+        assert row["ratio"] == pytest.approx(row["this_tree"] / row["baseline"])
+        assert row["dynamic_floor"] > 0
+    trie = [row for row in compared["rows"] if row["part"].startswith("trie")]
+    assert {row["case"].split(":")[0] for row in trie} == {
+        "sequential (cpu)",
+        "parallel (cpu)",
+        "parallel (cpu), out= on cpu",  # the copy takes out= tensors: main's trie does not
+    }
+    assert all(row["ratio"] > 0 for row in trie)
+
+
+def test_compare_refuses_a_directory_without_genlm(tmp_path):
+    done = gpu_sh(
+        "--device", "cpu", "--tiny", "--parts", "trie", "--vocab-sizes", "2000",
+        "--compare", str(tmp_path), "--out", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "no genlm/backend/__init__.py there" in done.stderr
+    assert "FAILED: compare: raised" in done.stderr
+
+
+def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
+    done = gpu_sh("--device", "cpu", "--tiny", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "### gpu_lm.json" in done.stdout and "| model | prompt_tokens |" in done.stdout
 
@@ -72,7 +128,11 @@ def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
             assert row["kv_budget_mb"] >= row["kv_needed_mb"]
 
     trie = json.loads((tmp_path / "gpu_trie.json").read_text())["rows"]
-    assert {row["trie"] for row in trie} == {"sequential (cpu)", "parallel (cpu)"}
+    assert {row["trie"] for row in trie} == {
+        "sequential (cpu)",
+        "parallel (cpu)",
+        "parallel (cpu), out= on cpu",
+    }
     assert {row["vocab_size"] for row in trie} == {49_152, 2_000}
     batched = {(r["figure"], r["batch"]) for r in trie if r["figure"].startswith("batch")}
     assert batched == {(f"batch_weight_{op}", b) for op in ("sum", "max") for b in (1, 4)}

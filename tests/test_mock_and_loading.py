@@ -162,6 +162,71 @@ def test_load_model_by_name_mock(default_model_dir):
     assert llm.tokenizer.eos_token_id is not None
 
 
+def _machine(monkeypatch, cuda: bool, vllm: bool) -> None:
+    """Pretend CUDA is (not) available and vllm is (not) installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: (
+            (find_spec("json") if vllm else None) if name == "vllm" else find_spec(name, *args)
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "cuda, vllm, chosen, logged",
+    [
+        (False, False, "hf", 0),
+        (False, True, "hf", 0),
+        (True, True, "vllm", 0),
+        (True, False, "hf", 1),
+    ],
+)
+def test_default_backend_is_vllm_only_with_cuda_and_vllm(
+    monkeypatch, caplog, default_model_dir, cuda, vllm, chosen, logged
+):
+    from genlm.backend.llm import loading
+
+    _machine(monkeypatch, cuda, vllm)
+    loaded = {}
+    for name in ("vllm", "hf"):  # what each backend would load, without a model or a GPU
+        monkeypatch.setitem(loading.BACKENDS, name, ("genlm.backend.llm.base", "MockAsyncLM"))
+    monkeypatch.setattr(
+        MockAsyncLM, "from_name", classmethod(lambda cls, name, **kw: loaded.setdefault("x", cls))
+    )
+    with caplog.at_level("WARNING", logger=loading.__name__):
+        assert loading.default_backend() == chosen
+        caplog.clear()
+        load_model_by_name(default_model_dir)
+    lines = [r.getMessage() for r in caplog.records if r.name == loading.__name__]
+    assert len(lines) == logged
+    if logged:
+        assert "vllm is not installed" in lines[0] and "genlm-backend[vllm]" in lines[0]
+
+
+def test_cuda_without_vllm_loads_hf_and_never_raises_import_error(monkeypatch, default_model_dir):
+    """The real modules: no backend was named, so vllm's absence is no error."""
+    import sys
+
+    from genlm.backend.llm import loading
+
+    _machine(monkeypatch, cuda=True, vllm=False)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    picked = {}
+    hf_module, hf_class = loading.BACKENDS["hf"]
+    real = getattr(__import__(hf_module, fromlist=[hf_class]), hf_class)
+    monkeypatch.setattr(
+        real, "from_name", classmethod(lambda cls, name, **kw: picked.setdefault("cls", cls))
+    )
+    assert load_model_by_name(default_model_dir) is real
+    with pytest.raises(ImportError, match="genlm-backend\\[vllm\\]"):
+        load_model_by_name(default_model_dir, backend="vllm")
+
+
 def test_load_model_by_name_unknown_backend_lists_the_valid_ones():
     with pytest.raises(ValueError) as info:
         load_model_by_name("anything", backend="tpu")

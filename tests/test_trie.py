@@ -252,6 +252,122 @@ def test_batched_results_into_a_given_array(trie_class):
             trie.batch_weight_sum(ws, out=bad)
 
 
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_a_result_is_the_callers_later_calls_do_not_change_it(trie_class):
+    """Result blocks are reused, but never while any view of an earlier result lives."""
+    from genlm.backend.trie._results import ResultBlocks
+
+    vocab = random_vocab(4)
+    trie = trie_class(vocab)
+    trie._results = ResultBlocks(min_bytes=0)  # lease these small results too
+    rng = np.random.default_rng(1)
+    first_ws, later_ws = rng.random((2, 6, len(vocab)))
+    expected = np.stack([brute_force(trie, vocab, w, sum) for w in first_ws])
+    sums, maxs = trie.batch_weight_sum(first_ws), trie.batch_weight_max(first_ws)
+    single = trie.weight_sum(first_ws[0])
+    row_view = trie.batch_weight_sum(first_ws)[2, 1:]  # the array it came from is dropped
+    for _ in range(3):
+        trie.batch_weight_sum(later_ws)
+        trie.batch_weight_max(later_ws)
+        trie.weight_sum(later_ws[0])
+        kept = trie.batch_weight_sum(later_ws[:4])  # a smaller batch in a larger free block
+        np.testing.assert_allclose(kept[3], brute_force(trie, vocab, later_ws[3], sum), rtol=1e-5)
+    np.testing.assert_allclose(sums, expected, rtol=1e-5)
+    np.testing.assert_allclose(single, expected[0], rtol=1e-5)
+    np.testing.assert_allclose(row_view, expected[2, 1:], rtol=1e-5)
+    np.testing.assert_array_equal(
+        maxs, np.stack([brute_force(trie, vocab, w, max) for w in first_ws]).astype(np.float32)
+    )
+    assert trie._results.allocated >= 3  # results were leased blocks, some reused
+
+
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_results_into_a_given_tensor(trie_class):
+    """``out=`` a torch tensor (the device path; here on the CPU) is filled and returned."""
+    vocab = random_vocab(5)
+    trie = trie_class(vocab)
+    ws = torch.rand(4, len(vocab), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sums = np.stack([brute_force(trie, vocab, w.numpy(), sum) for w in ws])
+    maxs = np.stack([brute_force(trie, vocab, w.numpy(), max) for w in ws])
+    out = torch.full((4, trie.num_nodes), torch.nan)
+    assert trie.batch_weight_sum(ws, out=out) is out
+    np.testing.assert_allclose(out.numpy(), sums, rtol=1e-5)
+    assert trie.batch_weight_max(ws, out=out) is out
+    np.testing.assert_allclose(out.numpy(), maxs, rtol=1e-6)
+    row = torch.full((trie.num_nodes,), torch.nan)
+    assert trie.weight_sum(ws[1], out=row) is row
+    np.testing.assert_allclose(row.numpy(), sums[1], rtol=1e-5)
+    assert trie.weight_max(ws[2], out=row) is row
+    np.testing.assert_allclose(row.numpy(), maxs[2], rtol=1e-6)
+    array_row = np.full(trie.num_nodes, np.nan, np.float32)
+    assert trie.weight_sum(ws[3], out=array_row) is array_row
+    np.testing.assert_allclose(array_row, sums[3], rtol=1e-5)
+
+
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_a_bad_out_is_refused(trie_class):
+    vocab = random_vocab(6)
+    trie = trie_class(vocab)
+    ws = np.ones((2, len(vocab)))
+    for bad in (
+        torch.empty(2, trie.num_nodes, dtype=torch.float64),
+        torch.empty(3, trie.num_nodes),
+        np.empty((2, trie.num_nodes + 1), np.float32),
+    ):
+        with pytest.raises(ValueError, match="out must be a float32 array or tensor of shape"):
+            trie.batch_weight_sum(ws, out=bad)
+    for bad in (
+        torch.empty(trie.num_nodes, dtype=torch.float64),
+        torch.empty(1, trie.num_nodes),
+        np.empty(trie.num_nodes + 1, np.float32),
+    ):
+        with pytest.raises(ValueError, match="out must be a float32 array or tensor of shape"):
+            trie.weight_max(ws[0], out=bad)
+    with pytest.raises(TypeError, match="out must be a numpy array or torch tensor, got list"):
+        trie.batch_weight_max(ws, out=[[0.0] * trie.num_nodes] * 2)
+
+
+def test_result_blocks_are_leased_until_every_view_is_gone():
+    from genlm.backend.trie._results import ResultBlocks
+
+    blocks = ResultBlocks(min_bytes=0)
+    held = blocks.take(3, 5)
+    held[...] = 1.0
+    slice_of_it = held[1:, 2:].T
+    del held
+    other = blocks.take(2, 5)  # the first block is still leased through the slice
+    other[...] = 2.0
+    assert blocks.allocated == 2
+    np.testing.assert_array_equal(slice_of_it, np.ones((3, 2)))
+    del slice_of_it, other
+    assert len(blocks.free) == 2
+    blocks.take(3, 5)
+    blocks.take(1, 5)
+    assert blocks.allocated == 2  # both reused: nothing new allocated
+    blocks.take(4, 5)
+    assert blocks.allocated == 3  # no free block is large enough
+
+
+def test_small_pageable_results_are_plain_arrays():
+    from genlm.backend.trie._results import ResultBlocks
+
+    blocks = ResultBlocks(min_bytes=1000)
+    assert blocks.take(2, 100).flags.owndata and blocks.allocated == 0
+    assert not blocks.take(3, 100).flags.owndata and blocks.allocated == 1
+
+
+def test_result_blocks_keep_at_most_max_bytes_free():
+    from genlm.backend.trie._results import ResultBlocks
+
+    blocks = ResultBlocks(max_bytes=2 * 10 * 4, min_bytes=0)
+    taken = [blocks.take(1, 10) for _ in range(4)]
+    del taken
+    assert len(blocks.free) == 2
+    for _ in range(3):  # larger than max_bytes: the latest is kept, and reused
+        blocks.take(5, 10)
+    assert blocks.allocated == 5 and [b.shape for b in blocks.free] == [(5, 10)]
+
+
 def test_duplicate_entries_are_rejected():
     with pytest.raises(ValueError, match="Duplicate word in vocabulary"):
         TokenCharacterTrie([Token(0, b"a"), Token(1, b"b"), Token(0, b"a")])

@@ -174,16 +174,24 @@ async def test_a_view_derived_from_a_dropped_row_keeps_its_block():
     await trie.cleanup()
 
 
-async def test_dropped_results_let_their_block_be_reused():
-    from genlm.backend.trie.async_impl import _ResultBlocks
+async def test_rows_of_a_batch_keep_its_block_until_every_caller_drops_theirs():
+    from genlm.backend.trie._results import ResultBlocks
 
-    blocks = _ResultBlocks()
-    held = blocks.take(2, 5)[0]
-    assert blocks.take(2, 5).base is not held.base  # held: a second block
-    del held
-    assert len(blocks.blocks) == 2
-    assert blocks.take(1, 5).base is blocks.blocks[0]  # released: reused, no new block
-    assert len(blocks.blocks) == 2
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    trie.trie._results = ResultBlocks(min_bytes=0)  # lease even these tiny results
+    first = await asyncio.gather(*(trie.weight_sum(w) for w in distributions(3, seed=5)))
+    allocated = trie.trie._results.allocated
+    kept = first[1]
+    del first
+    for seed in (6, 7):
+        await asyncio.gather(*(trie.weight_sum(w) for w in distributions(3, seed=seed)))
+    assert trie.trie._results.allocated == allocated + 1  # one row kept its block leased
+    expected = brute_sum(distributions(3, seed=5)[1])
+    for node, prefix in trie.trie.node2prefix.items():
+        if trie.trie._is_leaf[node]:
+            continue
+        assert kept[node] == pytest.approx(expected[bytes(prefix)], rel=1e-5)
+    await trie.cleanup()
 
 
 def test_the_weight_kernels_release_the_gil():

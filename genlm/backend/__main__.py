@@ -56,13 +56,13 @@ async def run_sis(
     on_token=None,
 ) -> list[Particle]:
     """Sequential importance sampling with proposal ``p^(1/temperature)`` and target ``p``."""
-    import torch
+    from genlm.backend.sampling import TokenSampler
 
     eos = {llm.tokenizer.eos_token_id} - {None}
     limit = llm.max_context_length
+    sampler = TokenSampler(seed, temperature)  # the particles' draws: one kernel a step
 
-    async def particle(index: int) -> Particle:
-        generator = torch.Generator().manual_seed(seed + index)
+    async def particle() -> Particle:
         state = Particle()
         for _ in range(max_tokens):
             prefix = list(prompt_ids) + state.token_ids
@@ -70,7 +70,7 @@ async def run_sis(
                 break  # the model's context is full: keep what was sampled
             logps = await llm.next_token_logprobs(prefix)
             proposal = proposal_logprobs(logps, temperature)
-            token = int(torch.multinomial(proposal.exp(), 1, generator=generator).item())
+            token = await sampler.sample(logps)
             state.log_weight += float(logps[token] - proposal[token])
             if on_token is not None:
                 on_token()
@@ -80,7 +80,8 @@ async def run_sis(
             state.token_ids.append(token)
         return state
 
-    return list(await asyncio.gather(*(particle(i) for i in range(n_particles))))
+    with sampler:
+        return list(await asyncio.gather(*(particle() for _ in range(n_particles))))
 
 
 def proposal_logprobs(logps, temperature: float):
@@ -291,7 +292,7 @@ def build_parser(prog: str = "python -m genlm.backend") -> argparse.ArgumentPars
         "--seed",
         type=seed_value,
         default=0,
-        help="particle i draws with seed + i, in [0, 2**63) (default: %(default)s)",
+        help="seeds the particles' draws, in [0, 2**63) (default: %(default)s)",
     )
     sis.add_argument(
         "--model",
@@ -348,8 +349,6 @@ def _main(argv: Sequence[str] | None, prog: str) -> None:
         from genlm.backend.logs import quiet_upstream_logs
 
         quiet_upstream_logs()
-    if args.seed > SEED_LIMIT - args.particles:
-        parser.error(f"argument --seed: seed + particles must stay below 2**63, got {args.seed}")
     if args.model is not None:
         from genlm.backend.models import check_model_name
 

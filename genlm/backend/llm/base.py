@@ -372,7 +372,7 @@ class AsyncLM(ABC):
             if limit is not None and len(context) > limit:
                 break
             logprobs = await self.next_token_logprobs(context, lora_name=query.lora)
-            token = draw(logprobs, temperature, generator)
+            token = sample_token(logprobs, temperature, generator)
             if token in eos:
                 break
             generated.append(token)
@@ -472,7 +472,7 @@ def check_sampling_args(
 ) -> None:
     """Raise for a ``max_tokens`` that is not an int >= 0, a ``temperature`` that is not a
     finite number > 0, or a ``seed`` that is not an int with ``seed + seeds - 1`` in
-    ``[0, 2**63)``. Any such temperature works: `draw` scales in float64, from the top."""
+    ``[0, 2**63)``. Any such temperature works: `sample_token` scales in float64, from the top."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
         raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
     if max_tokens < 0:
@@ -490,7 +490,7 @@ def check_sampling_args(
         raise ValueError(f"seed must be in [0, 2**63){which}, got {seed}")
 
 
-def draw(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     """One token from ``softmax(logprobs / temperature)``. Scaled in float64 after subtracting
     the largest logprob, so the top token stays at 0 and a tiny temperature (down to the
     smallest positive float) gives the greedy token rather than inf or nan."""

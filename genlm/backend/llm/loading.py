@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import logging
 from typing import Any
 
 from genlm.backend.llm.base import AsyncLM
+
+logger = logging.getLogger(__name__)
 
 # backend name -> (module, class name); modules are imported only when chosen.
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -19,10 +23,22 @@ BACKENDS: dict[str, tuple[str, str]] = {
 
 
 def default_backend() -> str:
-    """``"vllm"`` when CUDA is available, else ``"hf"``."""
+    """``"vllm"`` when CUDA is available and vllm is installed, else ``"hf"``.
+
+    A CUDA machine without vllm gets hf and one logged warning naming the ``vllm`` extra:
+    a backend the caller did not name is never an `ImportError`.
+    """
     import torch
 
-    return "vllm" if torch.cuda.is_available() else "hf"
+    if not torch.cuda.is_available():
+        return "hf"
+    if importlib.util.find_spec("vllm") is None:
+        logger.warning(
+            "CUDA is available but vllm is not installed: loading with the hf backend "
+            "(pip install 'genlm-backend[vllm]' for the vLLM one)"
+        )
+        return "hf"
+    return "vllm"
 
 
 def load_model_by_name(
@@ -33,7 +49,8 @@ def load_model_by_name(
     Args:
         name: the model to load.
         backend: one of ``"vllm"``, ``"hf"``, ``"mlx"``, ``"sgl"``, ``"mock"``;
-            ``None`` picks vllm when CUDA is available, else hf.
+            ``None`` picks vllm when CUDA is available and vllm is installed, else hf
+            (see `default_backend`).
         llm_opts: keyword arguments for the backend's ``from_name``.
 
     Raises:
@@ -42,7 +59,8 @@ def load_model_by_name(
         TypeError: ``name`` is not a str (or path), ``llm_opts`` not a dict or holding an
             option the backend does not take (checked before any engine starts: e.g.
             ``hf_opts`` for vllm).
-        ImportError: when the backend's optional package is missing (names the pip extra).
+        ImportError: when the named backend's optional package is missing (names the pip
+            extra); never for the default backend.
     """
     from genlm.backend.models import check_model_name
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -11,15 +12,38 @@ from genlm.backend.tokenization.token import Token
 if TYPE_CHECKING:
     import graphviz
 
-    from genlm.backend.trie.base import TokenCharacterTrie
+
+class DrawableTrie(Protocol):
+    """What `render` reads of a trie (`TokenCharacterTrie` has it all)."""
+
+    @property
+    def decode(self) -> Sequence[Any]: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def parent(self) -> np.ndarray: ...
+
+    @property
+    def idx_to_leaf(self) -> np.ndarray: ...
+
+    @property
+    def node2prefix(self) -> dict[int, list[Any]]: ...
+
+    def symbol_of(self, node: int) -> Any: ...
+
 
 _LIGHT = np.array([0xFF, 0xFF, 0xFF])
 _DARK = np.array([0x4A, 0x90, 0xD9])
 
 
-def draw(trie: TokenCharacterTrie, ws: np.ndarray | None) -> graphviz.Digraph:
+def render(trie: DrawableTrie, ws: np.ndarray | None) -> graphviz.Digraph:
     """A `graphviz.Digraph` of ``trie``, nodes shaded by ``ws`` (one weight per node) if given."""
     import graphviz
+
+    position = np.full(trie.num_nodes, -1, np.int64)  # the vocabulary position of each leaf
+    position[trie.idx_to_leaf[:, 1]] = trie.idx_to_leaf[:, 0]
 
     shade = _shades(ws) if ws is not None else None
     graph = graphviz.Digraph(name="trie", graph_attr={"rankdir": "LR"})
@@ -31,15 +55,14 @@ def draw(trie: TokenCharacterTrie, ws: np.ndarray | None) -> graphviz.Digraph:
         if ws is not None:
             lines.append(f"{ws[node]:.3g}")
         label = "\\n".join(graphviz.escape(line) for line in lines)
-        attrs = {"shape": "doublecircle" if trie._position[node] >= 0 else "circle"}
+        attrs = {"shape": "doublecircle" if position[node] >= 0 else "circle"}
         if shade is not None:
             attrs["fillcolor"] = shade[node]
         graph.node(str(node), label=label, **attrs)
     for node in range(1, trie.num_nodes):
-        position = int(trie._position[node])
-        if position >= 0:
-            entry = trie.decode[position]
-            token_id = entry.token_id if isinstance(entry, Token) else position
+        if position[node] >= 0:
+            entry = trie.decode[position[node]]
+            token_id = entry.token_id if isinstance(entry, Token) else int(position[node])
             label = f"End-of-Token (ID: {token_id})"
         else:
             label = _symbol_text(trie.symbol_of(node))

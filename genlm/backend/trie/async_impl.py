@@ -3,7 +3,9 @@
 Each particle of an SMC run awaits its own prefix weights; the shared
 `genlm.backend.batching.AutoBatcher` gathers the concurrent requests into one
 ``batch_weight_sum`` (or ``batch_weight_max``) call that runs on a worker thread,
-so the event loop keeps scheduling particles meanwhile.
+so the event loop keeps scheduling particles meanwhile. Each caller's row is a view of
+the batch's result block, leased by the trie (`trie._results.ResultBlocks`): the block is
+reused only once every caller has dropped its row and all views of it.
 
 Lifecycle: `pause` stops the worker threads, which restart if the trie is used again
 (`cleanup` and `shutdown`, the reference design's names, pause too); `close` (also run
@@ -14,7 +16,6 @@ by ``with`` / ``async with``) stops them for good, after which calls raise
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -33,44 +34,6 @@ class _Request:
 
     def __init__(self, ws: Any):
         self.ws = ws
-
-
-class _ResultBlocks:
-    """float32 ``[rows, nodes]`` result blocks, reused once no caller holds a row of one.
-
-    A fresh block of tens of megabytes is served by new zero-filled pages, which can
-    cost as much as computing it; the block of a batch whose results were dropped
-    costs nothing to reuse. At most ``max_bytes`` of blocks are kept.
-
-    A caller's lease on a block is its reference to it: each row handed out is a numpy
-    view whose ``base`` is the block, and so is every view a caller derives from its row
-    (numpy points a view of a view at the array owning the memory). A block is free when
-    only this list references it. An explicit lease object per handed-out row could not
-    see those derived views (a row dropped while its slice lives would free a block still
-    read), and copying each row out would cost what reuse saves.
-    """
-
-    def __init__(self, max_bytes: int = 256 << 20):
-        self.max_bytes = max_bytes
-        self.blocks: list[np.ndarray] = []
-
-    def take(self, rows: int, cols: int) -> np.ndarray:
-        """A block of at least ``rows`` rows that no caller holds, else a new one."""
-        for index in range(len(self.blocks)):
-            if self._unleased(index):
-                block = self.blocks[index]
-                if block.shape[0] >= rows and block.shape[1] == cols:
-                    return block[:rows]
-        block = np.empty((rows, cols), np.float32)
-        self.blocks.append(block)
-        while len(self.blocks) > 1 and sum(b.nbytes for b in self.blocks) > self.max_bytes:
-            self.blocks.pop(0)
-        return block
-
-    def _unleased(self, index: int) -> bool:
-        """Whether only this list references block ``index`` (getrefcount counts its own
-        argument too)."""
-        return sys.getrefcount(self.blocks[index]) == 2
 
 
 class AsyncTokenCharacterTrie:
@@ -117,12 +80,9 @@ class AsyncTokenCharacterTrie:
         return cls(trie)
 
     def _batch_function(self, name: str):
-        blocks = _ResultBlocks()  # one per batcher: each runs one batch at a time
-
         def process(requests: list[_Request]) -> np.ndarray:
             method = getattr(self.trie, f"batch_weight_{name}")
-            out = blocks.take(len(requests), self.trie.num_nodes)
-            return method([request.ws for request in requests], out=out)
+            return method([request.ws for request in requests])
 
         return process
 

@@ -32,9 +32,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from genlm.backend.tokenization.token import Token
+from genlm.backend.trie._results import ResultBlocks
 
 if TYPE_CHECKING:
     import graphviz
+    import torch
+
+    Out = np.ndarray | torch.Tensor
 
 _BYTE_CODES = 256  # codes below this are byte values; others index `_symbols`
 
@@ -77,6 +81,7 @@ class TokenCharacterTrie:
             candidates = np.unique(order[np.concatenate([same - 1, same])]).tolist()
             _check_unique([_key(self.decode[p]) for p in candidates], candidates)
         self._scratch_arrays: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+        self._results = ResultBlocks()
         self.root = 0
         self.parent = parent
         self.leaf_of = leaf_of
@@ -193,70 +198,73 @@ class TokenCharacterTrie:
 
         max_into(self.parent, self._leaf_nodes, self._leaf_positions, ws, out)
 
-    def weight_sum(self, ws: Any) -> np.ndarray:
+    def weight_sum(self, ws: Any, out: Out | None = None) -> Out:
         """Per node, the sum of ``ws[i]`` over the positions ``i`` below it.
 
         ``ws``: numpy array or torch tensor (any device) of length ``len(decode)``.
         Returns a float64 array of length `num_nodes`; NaN weights propagate to
-        every ancestor.
+        every ancestor. ``out``: where to write the result instead, a float32 numpy array
+        or torch tensor (any device) of shape ``[num_nodes]``; it is returned.
         """
-        out = np.empty(self.num_nodes)
-        self._sum(self._vector(ws), out, out)
-        return out
+        result = np.empty(self.num_nodes)
+        self._sum(self._vector(ws), result, result)
+        return result if out is None else write_into(result, checked_out(out, result.shape))
 
-    def weight_max(self, ws: Any) -> np.ndarray:
+    def weight_max(self, ws: Any, out: Out | None = None) -> Out:
         """Per node, the max of ``ws[i]`` over the positions below it.
 
         A NaN weight makes every ancestor NaN (as `np.maximum` does); a node with no
         positions below it (only the root of an empty vocabulary) gets ``-inf``.
+        ``out``: as in `weight_sum`.
         """
-        out = np.empty(self.num_nodes)
-        self._max(self._vector(ws), out)
-        return out
+        result = np.empty(self.num_nodes)
+        self._max(self._vector(ws), result)
+        return result if out is None else write_into(result, checked_out(out, result.shape))
 
-    def batch_weight_sum(self, ws: Any, out: np.ndarray | None = None) -> np.ndarray:
+    def batch_weight_sum(self, ws: Any, out: Out | None = None) -> Out:
         """`weight_sum` of B distributions (list of vectors or ``[B, V]``) -> ``[B, num_nodes]``.
 
         float32 results (accumulated in float64): half the memory traffic of float64,
-        which is what a batch's time goes to. ``out``: a float32 ``[B, num_nodes]``
-        array to write into instead of allocating one.
+        which is what a batch's time goes to. The array returned is the caller's: blocks
+        are reused only once every view of an earlier result is gone (`ResultBlocks`).
+        ``out``: a float32 ``[B, num_nodes]`` numpy array or torch tensor (any device) to
+        write into instead; it is returned.
         """
         from genlm.backend.trie._kernels import batch_sum_into
 
         rows = self._rows(ws)
         out = self._output(len(rows), out)
+        host = self._results.take(len(rows), self.num_nodes) if _is_tensor(out) else out
+        assert isinstance(host, np.ndarray)
         for start in range(0, len(rows), SUM_LANES):
             chunk = rows[start : start + SUM_LANES]
             if len(chunk) == 1:  # the one-row kernel is faster than one lane of eight
-                self._sum(chunk[0], out[start], self._scratch((self.num_nodes,)))
+                self._sum(chunk[0], host[start], self._scratch((self.num_nodes,)))
                 continue
             chunk = np.stack(chunk) if isinstance(chunk, list) else chunk
             leaf_ws = self._scratch((max(len(self.decode), 1), SUM_LANES))
             stack = self._scratch((self._max_depth + 2, SUM_LANES))
             batch_sum_into(
-                self._depth, self._is_leaf, self._leaf_rank, chunk, out[start:], leaf_ws, stack
+                self._depth, self._is_leaf, self._leaf_rank, chunk, host[start:], leaf_ws, stack
             )
-        return out
+        return write_into(host, out)
 
-    def batch_weight_max(self, ws: Any, out: np.ndarray | None = None) -> np.ndarray:
+    def batch_weight_max(self, ws: Any, out: Out | None = None) -> Out:
         """`weight_max` of B distributions -> float32 ``[B, num_nodes]`` (``out``: as in
         `batch_weight_sum`)."""
         rows = self._rows(ws)
         out = self._output(len(rows), out)
-        for row, row_out in zip(rows, out, strict=True):
+        host = self._results.take(len(rows), self.num_nodes) if _is_tensor(out) else out
+        assert isinstance(host, np.ndarray)
+        for row, row_out in zip(rows, host, strict=True):
             self._max(row, row_out)
-        return out
+        return write_into(host, out)
 
-    def _output(self, num_rows: int, out: np.ndarray | None) -> np.ndarray:
-        """``out`` checked to be a float32 ``[num_rows, num_nodes]`` array, or a new one."""
-        shape = (num_rows, self.num_nodes)
+    def _output(self, num_rows: int, out: Out | None) -> Out:
+        """``out`` checked to be float32 ``[num_rows, num_nodes]``, or a leased block."""
         if out is None:
-            return np.empty(shape, np.float32)
-        if out.shape != shape or out.dtype != np.float32:
-            raise ValueError(
-                f"out must be a float32 array of shape {shape}, got {out.dtype} {out.shape}"
-            )
-        return out
+            return self._results.take(num_rows, self.num_nodes)
+        return checked_out(out, (num_rows, self.num_nodes))
 
     def _scratch(self, shape: tuple[int, ...]) -> np.ndarray:
         """A float64 work array of ``shape``, kept per thread between calls: a fresh
@@ -267,12 +275,12 @@ class TokenCharacterTrie:
             scratch = self._scratch_arrays[key] = np.zeros(shape)
         return scratch
 
-    def mass_sum(self, p_llm: Any) -> np.ndarray:
+    def mass_sum(self, p_llm: Any) -> Out:
         """Deprecated name of `weight_sum`."""
         warnings.warn("mass_sum is deprecated; use weight_sum", DeprecationWarning, stacklevel=2)
         return self.weight_sum(p_llm)
 
-    def batch_mass_sum(self, p_llms: Any) -> np.ndarray:
+    def batch_mass_sum(self, p_llms: Any) -> Out:
         """Deprecated name of `batch_weight_sum`."""
         warnings.warn(
             "batch_mass_sum is deprecated; use batch_weight_sum", DeprecationWarning, stacklevel=2
@@ -288,7 +296,7 @@ class TokenCharacterTrie:
         node, e.g. the output of `weight_sum`) is given, shaded by weight; leaves are
         double circles reached by an "End-of-Token (ID: n)" edge.
         """
-        from genlm.backend.trie._draw import draw
+        from genlm.backend.trie._draw import render
 
         if ws is not None:
             ws = _as_numpy(ws)
@@ -297,7 +305,40 @@ class TokenCharacterTrie:
                     f"visualize needs one weight per node ({self.num_nodes}), "
                     f"got shape {tuple(ws.shape)}"
                 )
-        return draw(self, ws)
+        return render(self, ws)
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def checked_out(out: Any, shape: tuple[int, ...]) -> Any:
+    """``out`` if it is a float32 numpy array or torch tensor of ``shape``, else `ValueError`."""
+    if _is_tensor(out):
+        dtype_ok = out.dtype == sys.modules["torch"].float32
+    elif isinstance(out, np.ndarray):
+        dtype_ok = out.dtype == np.float32
+    else:
+        raise TypeError(f"out must be a numpy array or torch tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape or not dtype_ok:
+        raise ValueError(
+            f"out must be a float32 array or tensor of shape {shape}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    return out
+
+
+def write_into(result: Any, out: Any) -> Any:
+    """``out`` holding ``result`` (the same object when ``out`` is ``result``)."""
+    if out is result:
+        return out
+    if _is_tensor(out):
+        torch = sys.modules["torch"]
+        out.copy_(torch.from_numpy(result) if isinstance(result, np.ndarray) else result)
+    else:
+        out[...] = result
+    return out
 
 
 def check_weights_shape(shape: tuple[int, ...], vocab_size: int, batched: bool) -> None:

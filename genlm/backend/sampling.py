@@ -1,0 +1,145 @@
+"""`TokenSampler`: the particles' next tokens, sampled together.
+
+In the README's loop each particle samples its token from its own row of log-probabilities;
+done one row at a time (``torch.multinomial(...).item()``) that is one kernel and one
+device-to-host sync per particle per step, which on a GPU costs more than the step's
+forward. A `TokenSampler` collects the concurrent ``await sampler.sample(row)`` calls the
+way the LMs collect requests (the package's one `AutoBatcher`) and answers them with one
+kernel per device and one device-to-host copy per batch (`sample_rows`).
+
+Exact: a token is the argmax of its scaled log-probability plus Gumbel noise (the
+Gumbel-max trick), which follows ``softmax(logprobs / temperature)``; scores are taken
+relative to each row's largest, so a tiny temperature gives the greedy token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from genlm.backend.batching import SEED_LIMIT, AutoBatcher, BatchResults, check_int
+
+if TYPE_CHECKING:
+    import torch
+
+
+class _Row:
+    """One caller's row; hashed by identity, so equal rows are still two draws."""
+
+    __slots__ = ("logprobs",)
+
+    def __init__(self, logprobs: torch.Tensor):
+        self.logprobs = logprobs
+
+
+class TokenSampler:
+    """Samples one token per awaited row, batching concurrent calls into one kernel.
+
+    Args:
+        seed: seeds one generator per device; the same seed gives the same tokens for the
+            same rows awaited in the same order (batches form when the event loop has
+            nothing else to run, never on a timer). None: seeded from the OS.
+        temperature: tokens follow ``softmax(logprobs / temperature)``; any finite
+            number > 0.
+        batch_size: most rows per batch.
+
+    Use it from one event loop at a time; `close` (or ``with``) stops its worker thread.
+    """
+
+    def __init__(self, seed: int | None = None, temperature: float = 1.0, batch_size: int = 4096):
+        check_int("seed", seed, optional=True)
+        if seed is not None and seed >= SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        self.seed = seed
+        self.temperature = float(temperature)
+        self._generators: dict[str, torch.Generator] = {}
+        self.batcher: AutoBatcher[_Row, int] = AutoBatcher(
+            self._sample_batch, batch_size, timeout=None, name="genlm-sampler"
+        )
+
+    def sample(self, logprobs: torch.Tensor) -> Coroutine[Any, Any, int]:
+        """A token id drawn from ``logprobs`` (a 1-D float tensor on any device), batched
+        with the concurrent calls: await the result.
+
+        Raises:
+            TypeError: ``logprobs`` is not a floating-point torch tensor.
+            ValueError: it is not 1-D and non-empty, or (when awaited) it has a NaN or
+                +inf entry or no finite one.
+        """
+        import torch
+
+        if not isinstance(logprobs, torch.Tensor) or not logprobs.dtype.is_floating_point:
+            kind = getattr(logprobs, "dtype", type(logprobs).__name__)
+            raise TypeError(f"logprobs must be a floating-point torch tensor, got {kind}")
+        if logprobs.ndim != 1 or logprobs.shape[0] == 0:
+            raise ValueError(
+                f"logprobs must be one non-empty row, got shape {tuple(logprobs.shape)}"
+            )
+        return self.batcher.submit(_Row(logprobs.detach()))
+
+    def _sample_batch(self, rows: list[_Row]) -> BatchResults[int]:
+        """One `sample_rows` per (device, vocabulary size) among ``rows``, in order."""
+        groups: dict[tuple[str, int], list[int]] = {}
+        for index, row in enumerate(rows):
+            key = (str(row.logprobs.device), row.logprobs.shape[0])
+            groups.setdefault(key, []).append(index)
+        answers: list[Any] = [0] * len(rows)  # a ValueError is its caller's answer
+        for (device, _), indices in groups.items():
+            tokens = sample_rows(
+                [rows[i].logprobs for i in indices], self.temperature, self._generator(device)
+            )
+            for index, token in zip(indices, tokens, strict=True):
+                answers[index] = token
+        return answers
+
+    def _generator(self, device: str) -> torch.Generator:
+        import torch
+
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device)
+            if self.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self.seed)
+        return generator
+
+    def close(self) -> None:
+        """Stop the worker thread (a new one starts if the sampler is used again)."""
+        self.batcher.close()
+
+    def __enter__(self) -> TokenSampler:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def sample_rows(
+    rows: list[torch.Tensor], temperature: float, generator: torch.Generator
+) -> list[int | ValueError]:
+    """A token per row (rows of one length, on ``generator``'s device), by Gumbel-max: one
+    kernel sequence for the batch and one device-to-host copy; a row with a NaN or +inf
+    entry or no finite one gets a `ValueError` instead (found on the device, no sync)."""
+    import torch
+
+    scores = torch.stack([row.float() for row in rows])
+    top = scores.amax(dim=1, keepdim=True)  # NaN if any entry is
+    valid = torch.isfinite(top[:, 0])
+    uniform = torch.rand(scores.shape, generator=generator, device=scores.device)
+    noise = -torch.log(-torch.log(uniform))  # Gumbel(0, 1); uniform 0 gives -inf, never drawn
+    tokens = ((scores - top) / temperature + noise).argmax(dim=1)
+    answers, ok = torch.stack([tokens, valid.long()]).tolist()  # the one copy to the host
+    return [
+        token
+        if good
+        else ValueError(
+            "logprobs must have a finite largest entry and no NaN or +inf to sample from"
+        )
+        for token, good in zip(answers, ok, strict=True)
+    ]

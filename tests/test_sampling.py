@@ -1,0 +1,151 @@
+"""TokenSampler: tokens follow the rows' distributions, one batch a step, one host copy a batch."""
+
+import asyncio
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from genlm.backend.sampling import TokenSampler, sample_rows
+
+PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03, 0.0], dtype=torch.float64)
+LOGPROBS = PROBS.log().float()  # the last token is impossible (-inf)
+
+
+def chi_square(tokens, probs):
+    """Pearson's statistic of ``tokens`` against ``probs`` over the possible tokens."""
+    counts = Counter(tokens)
+    assert set(counts) <= {i for i, p in enumerate(probs) if p > 0}
+    n = len(tokens)
+    return sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs) if p > 0)
+
+
+# 6 possible tokens, 5 degrees of freedom: P(chi2 > 30) < 2e-5.
+CHI2_LIMIT = 30.0
+
+
+async def sample_many(sampler, rows, steps):
+    """``steps`` rounds of concurrent ``sample`` calls, one per row: the README's pattern."""
+    tokens = []
+    for _ in range(steps):
+        tokens += await asyncio.gather(*(sampler.sample(row) for row in rows))
+    return tokens
+
+
+async def test_tokens_follow_the_rows_distribution():
+    with TokenSampler(seed=0) as sampler:
+        tokens = await sample_many(sampler, [LOGPROBS] * 500, 40)
+        assert list(sampler.batcher.batch_sizes) == [500] * 40
+    assert chi_square(tokens, PROBS.tolist()) < CHI2_LIMIT
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+async def test_tokens_follow_the_tempered_distribution(temperature):
+    tempered = torch.softmax(PROBS.log() / temperature, 0).tolist()
+    with TokenSampler(seed=1, temperature=temperature) as sampler:
+        tokens = await sample_many(sampler, [LOGPROBS] * 500, 40)
+    assert chi_square(tokens, tempered) < CHI2_LIMIT
+
+
+async def test_a_tiny_temperature_gives_the_greedy_token():
+    with TokenSampler(seed=2, temperature=5e-324) as sampler:
+        rows = [LOGPROBS, LOGPROBS.flip(0)]
+        assert await sample_many(sampler, rows, 50) == [0, 6] * 50
+
+
+async def test_same_seed_same_tokens_and_rows_are_sampled_independently():
+    rows = [LOGPROBS] * 64
+    with TokenSampler(seed=7) as a, TokenSampler(seed=7) as b, TokenSampler(seed=8) as c:
+        first, again, other = [await sample_many(s, rows, 5) for s in (a, b, c)]
+    assert first == again
+    assert first != other
+    assert len(set(first[:64])) > 1  # equal rows in one batch get their own draws
+
+
+async def test_rows_on_different_vocabularies_share_a_batch():
+    short = torch.tensor([0.0, -math.inf])
+    with TokenSampler(seed=3) as sampler:
+        tokens = await asyncio.gather(sampler.sample(short), sampler.sample(LOGPROBS))
+    assert tokens[0] == 0 and 0 <= tokens[1] < 6
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_is_the_same_ops_at_any_size_with_no_scalar_sync():
+    """Per-row ``.item()`` shows as one ``_local_scalar_dense`` per row (a host sync each
+    on a GPU); a batch has none, and the same ops for 2 rows as for 64."""
+    counts = []
+    for rows in (2, 64):
+        batch = [torch.randn(1000) for _ in range(rows)]
+        with CountOps() as counted:
+            tokens = sample_rows(batch, 1.0, torch.Generator().manual_seed(0))
+        assert len(tokens) == rows
+        assert counted.ops["aten._local_scalar_dense"] == 0
+        counts.append(counted.ops)
+        with CountOps() as per_row:
+            [torch.multinomial(row.exp(), 1).item() for row in batch]
+        assert per_row.ops["aten._local_scalar_dense"] == rows  # what the README loop did
+    assert counts[0] == counts[1]
+
+
+def test_sample_rows_matches_an_independent_gumbel_max():
+    batch = [torch.randn(50, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    tokens = sample_rows(batch, 0.7, torch.Generator().manual_seed(4))
+    uniform = torch.rand(8, 50, generator=torch.Generator().manual_seed(4)).double()
+    scores = torch.stack(batch).double() / 0.7 - (-uniform.log()).log()
+    assert tokens == scores.argmax(1).tolist()
+
+
+async def test_bad_rows_fail_their_caller_alone():
+    with TokenSampler(seed=5) as sampler:
+        for bad, error, match in [
+            ([0.0, 1.0], TypeError, "floating-point torch tensor, got list"),
+            (torch.tensor([1, 2]), TypeError, "got torch.int64"),
+            (torch.zeros(2, 3), ValueError, r"one non-empty row, got shape \(2, 3\)"),
+            (torch.zeros(0), ValueError, r"got shape \(0,\)"),
+        ]:
+            with pytest.raises(error, match=match):
+                sampler.sample(bad)
+        nan = torch.tensor([0.0, math.nan, -1.0])
+        inf = torch.tensor([0.0, math.inf])
+        impossible = torch.full((3,), -math.inf)
+        results = await asyncio.gather(
+            *(sampler.sample(row) for row in (nan, LOGPROBS, inf, impossible)),
+            return_exceptions=True,
+        )
+    assert 0 <= results[1] < 6
+    for failed in (results[0], results[2], results[3]):
+        assert isinstance(failed, ValueError) and "finite largest entry" in str(failed)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"seed": -1}, ValueError, "seed must be >= 0"),
+        ({"seed": 2**63}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+        ({"seed": 1.5}, TypeError, "seed must be an int or None"),
+        ({"temperature": 0}, ValueError, "temperature must be a finite number > 0"),
+        ({"temperature": math.nan}, ValueError, "temperature must be a finite number > 0"),
+        ({"temperature": "1"}, TypeError, "temperature must be a number"),
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TokenSampler(**kwargs)
+
+
+def test_numpy_rows_are_not_tensors():
+    with TokenSampler() as sampler, pytest.raises(TypeError, match="got float32"):
+        sampler.sample(np.zeros(3, np.float32))
