@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from genlm.backend.batching import SEED_LIMIT, first_line
+from genlm.backend.checks import SEED_LIMIT, first_line
 
 DESCRIPTION = "Demos of genlm.backend, the auto-batched LM engine for probabilistic programs."
 SIS_HELP = (

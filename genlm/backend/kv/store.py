@@ -37,6 +37,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from genlm.backend.checks import check_budget, check_int
+
 if TYPE_CHECKING:
     from genlm.backend.kv.pool import BlockPool
 
@@ -92,6 +94,11 @@ class PrefixKVStore:
         max_kv_entries: int | None = None,
         max_logprobs_entries: int | None = None,
     ):
+        check_budget("max_kv_bytes", max_kv_bytes)
+        check_budget("max_logprobs_bytes", max_logprobs_bytes)
+        check_int("max_kv_entries", max_kv_entries, optional=True)
+        check_int("max_logprobs_entries", max_logprobs_entries, optional=True)
+        check_int("the pool's block_size", pool.block_size, minimum=1)
         self.pool = pool
         self.block_size = pool.block_size
         self.block_bytes = pool.block_bytes

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from genlm.backend.checks import check_int
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout
 from genlm.backend.kv.store import BlockCopy, Chain
 
@@ -19,6 +20,7 @@ class TorchBlockPool:
     """
 
     def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
+        check_int("block_size", block_size, minimum=1)
         self.layout = layout
         self.block_size = block_size
         self.layers: list[torch.Tensor] = []
