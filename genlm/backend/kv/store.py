@@ -50,7 +50,7 @@ ZERO_BLOCK = 0
 INITIAL_BLOCKS = 64
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class KVNode:
     """One token prefix: its children, cached next-token logprobs and KV chain (plain data)."""
 
@@ -61,6 +61,15 @@ class KVNode:
     logprobs: Any = None
     chain: Chain | None = None
     pinned: bool = False
+
+    def __repr__(self) -> str:
+        """One line about this node alone: a tree thousands of tokens deep (parent and
+        children link every node) prints in constant time and space."""
+        blocks = 0 if self.chain is None else len(self.chain)
+        return (
+            f"KVNode(depth={self.depth}, token={self.token}, children={len(self.children)}, "
+            f"blocks={blocks}, pinned={self.pinned}, logprobs={self.logprobs is not None})"
+        )
 
 
 @dataclass(frozen=True)
