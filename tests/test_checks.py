@@ -8,6 +8,8 @@ sentinel. Closed LMs and tries get every public method and must raise without st
 thread.
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -18,6 +20,8 @@ from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm import MockAsyncLM
 from genlm.backend.llm.base import check_sampling_args
+from genlm.backend.tokenization import Token
+from genlm.backend.trie import AsyncTokenCharacterTrie
 
 NAN, INF = float("nan"), float("inf")
 
@@ -315,3 +319,123 @@ def test_a_walk_describes_a_tensor_past_by_its_shape():
     walk = CacheWalk(KVNode(), 3, torch.zeros(2, 2, 1, 3, 4), 3)
     assert "past=<Tensor of shape (2, 2, 1, 3, 4)>" in repr(walk)
     assert "past=None" in repr(CacheWalk(KVNode(), 0, None, 0))
+
+
+# -- closed means closed -------------------------------------------------------------------------
+
+LM_METHODS = [
+    ("next_token_logprobs", [1]),
+    ("next_token_logprobs_sync", [1]),
+    ("batch_next_token_logprobs", [[1]]),
+    ("batch_next_token_logprobs_sync", [[1]]),
+    ("batch_next_token_logprobs_sync", []),
+    ("sample", [1], 2, [0]),
+    ("batch_sample", [[1]], 2, [0]),
+    ("add_new_lora", "some/adapter", "a"),
+    ("remove_lora", "a"),
+    ("set_lora",),
+    ("clear_lora",),
+    ("clear_cache",),
+    ("reset_async_queries",),
+]
+PREFIX_METHODS = [
+    ("clear_kv_cache",),
+    ("cache_kv", [1]),
+    ("walk_cache", [1]),
+    ("add_query", [1]),
+    ("batch_evaluate_queries",),
+]
+METHODS = {
+    "mock": LM_METHODS,
+    "fake": LM_METHODS + PREFIX_METHODS,
+    "hf": LM_METHODS + PREFIX_METHODS + [("next_token_logprobs_uncached", [1])],
+    "mlx": LM_METHODS + PREFIX_METHODS,
+}
+
+
+def make_lm(kind, tokenizer):
+    """A fast LM of each kind: the mock, the contract suite's fake, a tiny random Llama on
+    transformers and on mlx-lm (the default model's vocabulary)."""
+    if kind == "mock":
+        return MockAsyncLM(tokenizer)
+    if kind == "fake":
+        from test_prefix_contract import FakeLM
+
+        return FakeLM(tokenizer)
+    if kind == "hf":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from genlm.backend.llm.hf import AsyncTransformer
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+        return AsyncTransformer(LlamaForCausalLM(config), tokenizer)
+    from test_mlx import tiny_llama
+
+    return mlx_class()(tiny_llama(len(tokenizer), ["full_attention"]), tokenizer)
+
+
+@pytest.fixture(
+    scope="module", params=["mock", "fake", "hf", pytest.param("mlx", marks=pytest.mark.mlx)]
+)
+def closed_lm(request, smollm2_tokenizer):
+    """An LM of each kind that served one request, then was closed (twice: idempotent)."""
+    lm = make_lm(request.param, smollm2_tokenizer)
+    lm.next_token_logprobs_sync([1, 2])
+    lm.close()
+    lm.close()
+    return request.param, lm
+
+
+def has_worker(batcher):
+    """Whether ``batcher`` holds a worker thread (it starts one only through its executor)."""
+    return batcher._executor is not None
+
+
+ALL_CALLS = METHODS["hf"] + [call for call in METHODS["mlx"] if call not in METHODS["hf"]]
+
+
+@pytest.mark.parametrize("call", ALL_CALLS, ids=[call[0] for call in ALL_CALLS])
+async def test_every_method_of_a_closed_lm_raises_and_starts_no_thread(closed_lm, call):
+    kind, lm = closed_lm
+    if call not in METHODS[kind]:
+        pytest.skip(f"{kind} has no {call[0]}")
+    name, *args = call
+    assert not has_worker(lm.batcher)
+    with pytest.raises(RuntimeError, match=r"used after cleanup\(\) or close\(\)"):
+        result = getattr(lm, name)(*args)
+        if inspect.iscoroutine(result):
+            await result
+    assert not has_worker(lm.batcher)
+
+
+TRIE_VOCAB = [Token(i, b) for i, b in enumerate([b"a", b"ab", b"b"])]
+
+
+@pytest.mark.parametrize("backend", ["sequential", "parallel"])
+async def test_a_closed_async_trie_refuses_work_and_its_stop_verbs_start_nothing(backend):
+    trie = AsyncTokenCharacterTrie.from_vocab(TRIE_VOCAB, backend=backend)
+    assert (await trie.weight_sum([1.0, 2.0, 3.0])).shape == (trie.trie.num_nodes,)
+    trie.close()
+    for call in (
+        lambda: trie.weight_sum([1.0, 2.0, 3.0]),
+        lambda: trie.weight_max([1.0, 2.0, 3.0]),
+        trie.start,
+    ):
+        with pytest.raises(RuntimeError, match=r"AsyncTokenCharacterTrie used after close\(\)"):
+            result = call()
+            if inspect.iscoroutine(result):
+                await result
+    # stopping a closed trie again is allowed (close is idempotent) and starts nothing
+    trie.pause()
+    trie.shutdown()
+    await trie.cleanup()
+    trie.close()
+    assert not any(has_worker(batcher) for batcher in trie._batchers.values())
