@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from genlm.backend.batching import SEED_LIMIT, first_line
+from genlm.backend.checks import SEED_LIMIT, first_line
 
 DESCRIPTION = "Demos of genlm.backend, the auto-batched LM engine for probabilistic programs."
 SIS_HELP = (

@@ -26,12 +26,13 @@ per key, in order (a list, or anything indexable such as a ``[B, V]`` tensor).
 from __future__ import annotations
 
 import asyncio
-import numbers
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
+
+from genlm.backend.checks import check_batching
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
@@ -227,39 +228,3 @@ class AutoBatcher(Generic[K, R]):
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
-
-
-# Seeds go to torch.Generator.manual_seed (and vLLM's sampler): signed 64-bit integers.
-SEED_LIMIT = 2**63
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (loaders chain long explanations)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def check_batching(batch_size: Any, timeout: Any) -> None:
-    """Raise for a ``batch_size`` that is not an int >= 1 or a ``timeout`` that is not a
-    finite number of seconds >= 0 or None."""
-    check_int("batch_size", batch_size, minimum=1)
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not timeout >= 0
-        or timeout == float("inf")
-    ):
-        raise ValueError(
-            f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}"
-        )
-
-
-def check_int(name: str, value: Any, minimum: int = 0, optional: bool = False) -> None:
-    """Raise ``TypeError`` unless ``value`` is an int (or None, if ``optional``), and
-    ``ValueError`` if it is below ``minimum``; the message names the argument."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        kind = "an int or None" if optional else "an int"
-        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}: {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

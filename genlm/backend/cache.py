@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from genlm.backend.batching import check_int
+from genlm.backend.checks import check_int
 from genlm.backend.kv.store import KVNode as TokenTrie
 
 __all__ = ["OutputCache", "TokenTrie"]

@@ -145,7 +145,7 @@ def explained_load_errors(name: str) -> Iterator[None]:
     """Turn a loader's failure for ``name`` into one error that names it and says what to
     do: ``OSError`` (not found, offline) or ``ValueError`` (a corrupt or incomplete file),
     the loader's first line included, without its chained traceback."""
-    from genlm.backend.batching import first_line
+    from genlm.backend.checks import first_line
 
     try:
         yield

@@ -18,7 +18,8 @@ import math
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from genlm.backend.batching import SEED_LIMIT, AutoBatcher, BatchResults, check_int
+from genlm.backend.batching import AutoBatcher, BatchResults
+from genlm.backend.checks import SEED_LIMIT, check_int
 
 if TYPE_CHECKING:
     import torch

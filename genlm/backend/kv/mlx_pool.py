@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from genlm.backend.checks import check_int
 from genlm.backend.kv.pool import BLOCK_SIZE, BlockCopy, Chain, KVLayout
 
 
@@ -15,6 +16,7 @@ class MlxBlockPool:
     (``values`` alike), ``mx.array``s evaluated where they change."""
 
     def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
+        check_int("block_size", block_size, minimum=1)
         self.layout = layout
         self.block_size = block_size
         self.keys: list[Any] = []

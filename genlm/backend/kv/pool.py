@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from genlm.backend.checks import check_int
+
 # Tokens per block, for every backend.
 BLOCK_SIZE = 16
 
@@ -63,6 +65,10 @@ class KVLayout:
     dtype: Any
     itemsize: int
     device: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "head_dim", "itemsize"):
+            check_int(f"KVLayout.{name}", getattr(self, name), minimum=1)
 
     def block_bytes(self, block_size: int) -> int:
         return self.num_layers * 2 * self.num_heads * self.head_dim * block_size * self.itemsize

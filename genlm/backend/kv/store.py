@@ -41,6 +41,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from genlm.backend.checks import check_budget, check_int
+
 # BlockCopy is also this module's name (SPEC lists it with the store's).
 from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain
 
@@ -52,7 +54,7 @@ ZERO_BLOCK = 0
 INITIAL_BLOCKS = 64
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class KVNode:
     """One token prefix: its children, cached next-token logprobs and KV chain (plain data)."""
 
@@ -63,6 +65,15 @@ class KVNode:
     logprobs: Any = None
     chain: Chain | None = None
     pinned: bool = False
+
+    def __repr__(self) -> str:
+        """One line about this node alone: a tree thousands of tokens deep (parent and
+        children link every node) prints in constant time and space."""
+        blocks = 0 if self.chain is None else len(self.chain)
+        return (
+            f"KVNode(depth={self.depth}, token={self.token}, children={len(self.children)}, "
+            f"blocks={blocks}, pinned={self.pinned}, logprobs={self.logprobs is not None})"
+        )
 
 
 class PrefixKVStore:
@@ -87,6 +98,11 @@ class PrefixKVStore:
         max_kv_entries: int | None = None,
         max_logprobs_entries: int | None = None,
     ):
+        check_budget("max_kv_bytes", max_kv_bytes)
+        check_budget("max_logprobs_bytes", max_logprobs_bytes)
+        check_int("max_kv_entries", max_kv_entries, optional=True)
+        check_int("max_logprobs_entries", max_logprobs_entries, optional=True)
+        check_int("the pool's block_size", pool.block_size, minimum=1)
         self.pool = pool
         self.block_size = pool.block_size
         self.block_bytes = pool.block_bytes

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from genlm.backend.checks import check_int
 from genlm.backend.kv.pool import BLOCK_SIZE, BlockCopy, Chain, KVLayout
 
 
@@ -19,6 +20,7 @@ class TorchBlockPool:
     """
 
     def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
+        check_int("block_size", block_size, minimum=1)
         self.layout = layout
         self.block_size = block_size
         self.layers: list[torch.Tensor] = []

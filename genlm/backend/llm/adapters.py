@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from genlm.backend.batching import first_line
+from genlm.backend.checks import first_line
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")

@@ -21,17 +21,18 @@ import operator
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence, Set
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import numpy as np
 import torch
 
-from genlm.backend.batching import (
+from genlm.backend.batching import AutoBatcher, BatchResults
+from genlm.backend.checks import (
     SEED_LIMIT,
-    AutoBatcher,
-    BatchResults,
-    check_batching,
-    check_int,
+    OptionCheck,
+    check_options,
+    check_seconds,
+    int_option,
 )
 from genlm.backend.tokenization import decode_vocab
 
@@ -96,7 +97,16 @@ class AsyncLM(ABC):
         str_vocab: ``str_vocab[i]`` is token ``i`` as a string.
         default_lora: the adapter that serves ``lora_name=None`` (set by `set_lora`;
             ``None``: the base model).
+
+    Class attributes:
+        OPTION_CHECKS: a check per constructor option (`genlm.backend.checks`), run by
+            `check_constructor_options` before any work, from the constructor and from
+            ``from_name`` (before a model loads).
+        max_temperature: the highest sampling temperature the backend accepts.
     """
+
+    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {}
+    max_temperature: ClassVar[float] = math.inf
 
     def __init__(self, tokenizer: Any):
         if tokenizer is None or isinstance(tokenizer, str | bytes | os.PathLike):
@@ -269,6 +279,7 @@ class AsyncLM(ABC):
 
     def clear_cache(self) -> None:
         """Forget cached results (no-op for backends without a cache)."""
+        self._check_open()
 
     # -- LoRA adapters ---------------------------------------------------------------------
 
@@ -317,12 +328,14 @@ class AsyncLM(ABC):
 
     def set_lora(self, lora_path: str | None = None, lora_name: str = "lora_1") -> None:
         """Make ``lora_name`` the default adapter (registering ``lora_path`` first if given)."""
+        self._check_open()
         if lora_path is not None:
             self.add_new_lora(lora_path, lora_name)
         self.default_lora = self.resolve_lora(lora_name)
 
     def clear_lora(self) -> None:
         """Make the base model the default again (adapters stay registered)."""
+        self._check_open()
         self.default_lora = None
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
@@ -351,7 +364,7 @@ class AsyncLM(ABC):
         after a prefix of ``max_context_length`` tokens (a prompt longer than that is refused
         before any work). The same ``seed`` gives the same tokens.
         """
-        check_sampling_args(max_tokens, temperature, seed)
+        check_sampling_args(max_tokens, temperature, seed, max_temperature=self.max_temperature)
         query = self._query(prompt_token_ids, lora_name)
         eos = frozenset(self.check_eos_token_ids(eos_token_ids))
         return await self._sample(query, max_tokens, eos, temperature, seed)
@@ -392,7 +405,9 @@ class AsyncLM(ABC):
         """`sample` for several prompts at once (their steps are batched together); prompt
         ``i`` uses the seed ``seed + i``."""
         queries = self._query_list(prompt_token_ids_list, lora_name)
-        check_sampling_args(max_tokens, temperature, seed, seeds=len(queries))
+        check_sampling_args(
+            max_tokens, temperature, seed, len(queries), max_temperature=self.max_temperature
+        )
         eos = frozenset(self.check_eos_token_ids(eos_token_ids))
         return list(
             await asyncio.gather(
@@ -409,26 +424,22 @@ class AsyncLM(ABC):
 
     @classmethod
     def check_constructor_options(cls, options: Mapping[str, Any]) -> None:
-        """What `from_name` checks before it loads anything: every option is a keyword of
-        the constructor (``TypeError`` naming it and the ones there are), ``batch_size`` and
-        ``timeout`` are valid, and integer options are ints (the constructor checks the rest)."""
+        """Check constructor options before any work (``from_name``: before a model loads;
+        the constructor: first): every option is a keyword of the constructor
+        (``TypeError`` naming it and the ones there are), and each passes its check in
+        `OPTION_CHECKS` (an error naming the option, the value and what is allowed)."""
         named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         parameters = {
-            p.name: p
+            p.name
             for p in inspect.signature(cls.__init__).parameters.values()
             if p.kind in named and p.default is not p.empty
         }
-        for name, value in options.items():
+        for name in options:
             if name not in parameters:
                 raise TypeError(
                     f"{cls.__name__} takes no option {name!r}; it takes: {sorted(parameters)}"
                 )
-            default = parameters[name].default
-            if isinstance(default, int) and not isinstance(default, bool):
-                check_int(name, value)
-            elif default is None and name.startswith("max_"):
-                check_int(name, value, optional=True)
-        check_batching(options.get("batch_size", 1), options.get("timeout"))
+        check_options(cls.OPTION_CHECKS, options)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -468,19 +479,27 @@ class AsyncLM(ABC):
 
 
 def check_sampling_args(
-    max_tokens: Any, temperature: Any, seed: Any = None, seeds: int = 1
+    max_tokens: Any,
+    temperature: Any,
+    seed: Any = None,
+    seeds: int = 1,
+    *,
+    max_temperature: float = math.inf,
 ) -> None:
     """Raise for a ``max_tokens`` that is not an int >= 0, a ``temperature`` that is not a
-    finite number > 0, or a ``seed`` that is not an int with ``seed + seeds - 1`` in
-    ``[0, 2**63)``. Any such temperature works: `sample_token` scales in float64, from the top."""
+    finite number in ``(0, max_temperature]``, or a ``seed`` that is not an int with
+    ``seed + seeds - 1`` in ``[0, 2**63)``. Any finite temperature > 0 works with
+    `sample_token`, which scales in float64, from the top; an engine's own sampler may accept
+    fewer (`AsyncLM.max_temperature`)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
         raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if not (math.isfinite(temperature) and 0 < temperature <= max_temperature):
+        allowed = "> 0" if max_temperature == math.inf else f"in (0, {max_temperature}]"
+        raise ValueError(f"temperature must be a finite number {allowed}, got {temperature}")
     if seed is None:
         return
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
@@ -510,6 +529,10 @@ class BatchedAsyncLM(AsyncLM):
     """
 
     batcher: AutoBatcher[Query, torch.Tensor]
+    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
+        "batch_size": int_option(minimum=1),
+        "timeout": check_seconds,
+    }
 
     @abstractmethod
     def _process_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
@@ -558,6 +581,7 @@ class BatchedAsyncLM(AsyncLM):
 
     def reset_async_queries(self) -> None:
         """Drop queued requests (after an aborted run); their callers get CancelledError."""
+        self._check_open()
         self.batcher.reset()
 
     def _close(self) -> None:

@@ -8,13 +8,14 @@ every call raises `RuntimeError`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from genlm.backend.batching import AutoBatcher, check_int
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
+from genlm.backend.checks import OptionCheck, check_options, dict_option, int_option
 from genlm.backend.llm.base import BatchedAsyncLM, Query
 
 
@@ -33,6 +34,12 @@ class EngineLM(BatchedAsyncLM):
         name: the batcher's worker thread name.
     """
 
+    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
+        **BatchedAsyncLM.OPTION_CHECKS,
+        "cache_size": int_option(minimum=0),
+        "cache_opts": dict_option,
+    }
+
     def __init__(
         self,
         tokenizer: Any,
@@ -43,9 +50,15 @@ class EngineLM(BatchedAsyncLM):
         name: str,
     ):
         # every argument is checked before the vocabulary is decoded
-        check_int("cache_size", cache_size, minimum=0)
-        if cache_opts is not None and not isinstance(cache_opts, dict):
-            raise TypeError(f"cache_opts must be a dict or None, got {type(cache_opts).__name__}")
+        check_options(
+            self.OPTION_CHECKS,
+            {
+                "cache_size": cache_size,
+                "cache_opts": cache_opts,
+                "batch_size": batch_size,
+                "timeout": timeout,
+            },
+        )
         self.output_cache = (
             OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         )
@@ -83,6 +96,7 @@ class EngineLM(BatchedAsyncLM):
 
     def clear_cache(self) -> None:
         """Forget cached log-probabilities."""
+        self._check_open()
         if self.output_cache is not None:
             self.output_cache.clear()
 
@@ -93,7 +107,8 @@ class EngineLM(BatchedAsyncLM):
 
     def _close(self) -> None:
         self.batcher.close()
-        self.clear_cache()
+        if self.output_cache is not None:
+            self.output_cache.clear()
         self._shutdown_engine()
 
     def cleanup(self) -> None:

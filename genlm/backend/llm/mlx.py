@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from genlm.backend._install import install_hint
-from genlm.backend.batching import check_int, first_line
+from genlm.backend.checks import check_budget, check_options, first_line, int_option
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
@@ -175,6 +175,14 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         max_logprobs_bytes: optional cap on the bytes of the cached log-probabilities.
     """
 
+    OPTION_CHECKS = {
+        **PrefixCachedLM.OPTION_CHECKS,
+        "prefill_step_size": int_option(minimum=1),
+        "cache_size": int_option(minimum=0),
+        "max_kv_bytes": check_budget,
+        "max_logprobs_bytes": check_budget,
+    }
+
     def __init__(
         self,
         mlx_lm_model: Any,
@@ -188,10 +196,17 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         max_logprobs_bytes: int | None = None,
     ):
         mx = _import_mlx()
-        check_int("prefill_step_size", prefill_step_size, minimum=1)
-        check_int("cache_size", cache_size)
-        check_int("max_kv_bytes", max_kv_bytes, optional=True)
-        check_int("max_logprobs_bytes", max_logprobs_bytes, optional=True)
+        check_options(
+            self.OPTION_CHECKS,
+            {
+                "batch_size": batch_size,
+                "timeout": timeout,
+                "prefill_step_size": prefill_step_size,
+                "cache_size": cache_size,
+                "max_kv_bytes": max_kv_bytes,
+                "max_logprobs_bytes": max_logprobs_bytes,
+            },
+        )
         super().__init__(_hf_tokenizer(tokenizer))
         self.mlx_tokenizer = tokenizer
         self.model = mlx_lm_model

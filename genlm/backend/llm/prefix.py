@@ -56,6 +56,25 @@ class CacheWalk(NamedTuple):
     past: Any
     base: int
 
+    def __repr__(self) -> str:
+        """One line: the node's summary and what ``past`` is, not its values."""
+        return (
+            f"CacheWalk(node={self.node!r}, next_token_index={self.next_token_index}, "
+            f"past={_describe(self.past)}, base={self.base})"
+        )
+
+
+def _describe(past: Any) -> str:
+    """A backend's KV copy in a few words: its type and shape (or length)."""
+    if past is None:
+        return "None"
+    shape = getattr(past, "shape", None)
+    if shape is not None:
+        return f"<{type(past).__name__} of shape {tuple(shape)}>"
+    if hasattr(past, "__len__"):
+        return f"<{type(past).__name__} of length {len(past)}>"
+    return f"<{type(past).__name__}>"
+
 
 class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     """An auto-batched LM with a prefix tree of cached logprobs and paged KV (`store`).
@@ -161,15 +180,18 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     def batch_evaluate_queries(self) -> list[torch.Tensor]:
         """Evaluate every queued prefix in one batch (blocking); empties the queue."""
+        self._check_open()
         queries, self.queries = self.queries, []
         return self._run_batch(queries) if queries else []
 
     def clear_cache(self) -> None:
         """Forget all cached logprobs and KV (pinned prompts included)."""
+        self._check_open()
         self.batcher.run_sync(self.store.reset)
 
     def clear_kv_cache(self) -> None:
         """Forget all cached KV (pinned prompts included), keep the logprobs."""
+        self._check_open()
         self.batcher.run_sync(self.store.clear_kv)
 
     def reset_async_queries(self) -> None:

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from genlm.backend.batching import check_int
+from genlm.backend.checks import check_budget, check_options, choice_option, int_option
 from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
@@ -104,6 +104,14 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             ``"grouped"`` (one forward per adapter).
     """
 
+    OPTION_CHECKS = {
+        **PrefixCachedLM.OPTION_CHECKS,
+        "max_kv_bytes": check_budget,
+        "max_logprobs_bytes": check_budget,
+        "max_batch_tokens": int_option(minimum=1),
+        "lora_batching": choice_option(*LORA_BATCHING),
+    }
+
     def __init__(
         self,
         hf_model: Any,
@@ -116,11 +124,17 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         max_batch_tokens: int = 4096,
         lora_batching: str = "mixed",
     ):
-        check_int("max_kv_bytes", max_kv_bytes, optional=True)
-        check_int("max_logprobs_bytes", max_logprobs_bytes, optional=True)
-        check_int("max_batch_tokens", max_batch_tokens, minimum=1)
-        if lora_batching not in LORA_BATCHING:
-            raise ValueError(f"lora_batching must be one of {LORA_BATCHING}, got {lora_batching!r}")
+        check_options(
+            self.OPTION_CHECKS,
+            {
+                "batch_size": batch_size,
+                "timeout": timeout,
+                "max_kv_bytes": max_kv_bytes,
+                "max_logprobs_bytes": max_logprobs_bytes,
+                "max_batch_tokens": max_batch_tokens,
+                "lora_batching": lora_batching,
+            },
+        )
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
         quiet_bitsandbytes(self.model)
