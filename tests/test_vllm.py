@@ -371,7 +371,7 @@ def small_llama(small_llama_dir):
 
 
 async def check_agreement(lm, model):
-    """Batched rows, a live extension, a fork, ``sample`` and a failed step on ``lm``: every
+    """Batched rows, a live extension, a fork, ``sample`` and a refused request on ``lm``: every
     row against vLLM's own rows on ``lm``'s engine and a transformers forward of ``model``."""
     tokenizer = lm.tokenizer
     prompts = [p for p in prompts_of(tokenizer) if len(p) < 400]
@@ -413,7 +413,7 @@ async def check_agreement(lm, model):
         assert_right(lm, context, row, model)
         context.append(token)
 
-    # A failed step: the engine's error reaches every caller of the step, and it serves on.
+    # A context past the engine's length fails its caller alone; the engine serves on.
     too_long = [5] * (lm.llm_engine.vllm_config.model_config.max_model_len + 10)
     results = await asyncio.wait_for(
         asyncio.gather(
@@ -423,7 +423,8 @@ async def check_agreement(lm, model):
         ),
         timeout=300,
     )
-    assert all(isinstance(r, Exception) for r in results), results
+    assert_right(lm, base + [7], results[0], model)
+    assert isinstance(results[1], ValueError) and "context length" in str(results[1])
     row = await asyncio.wait_for(lm.next_token_logprobs(base + [8]), timeout=300)
     assert_right(lm, base + [8], row, model)
 
@@ -461,7 +462,7 @@ async def test_two_tensor_parallel_workers_return_the_rows_of_one_model_and_adap
 ):
     """``tensor_parallel_size=2``: two worker processes each hold half of the heads; the
     logits processor capture runs in the workers, not in this process. Batched rows, a live
-    extension, a fork, ``sample``, a failed step, then a LoRA adapter served by both
+    extension, a fork, ``sample``, a refused request, then a LoRA adapter served by both
     workers next to the base model: every row against vLLM's own rows and transformers
     (the adapter's against the merged model)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
