@@ -1,7 +1,9 @@
 """Shared fixtures: the offline default model (converted once per machine) and its tokenizer;
-the guard against deprecated calls from our code (tests/deprecations.py)."""
+the guard against deprecated calls from our code (tests/deprecations.py); a temporary
+Hugging Face cache for adapters by hub id."""
 
 import os
+from pathlib import Path
 
 import pytest
 from deprecations import DeprecationGuard
@@ -116,3 +118,37 @@ def random_walks():
         return seen
 
     return walk
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """``hub_cache(repo_id, directory)``: the files of ``directory`` placed in a temporary
+    Hugging Face cache the way huggingface_hub lays out a downloaded snapshot (``blobs/``,
+    ``snapshots/<revision>/`` of links to them, ``refs/main``), with the hub offline (so a
+    hub id resolves from this cache or not at all); returns the snapshot directory."""
+    import hashlib
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-hub-cache"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def place(repo_id, directory):
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        revision = hashlib.sha1(repo_id.encode()).hexdigest()
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True)
+        (repo / "blobs").mkdir()
+        for file in sorted(Path(directory).iterdir()):
+            if file.is_file():
+                blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+                blob.write_bytes(file.read_bytes())
+                (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+        return snapshot
+
+    return place

@@ -284,3 +284,25 @@ def test_without_peft_an_adapter_is_refused_with_what_to_install(lm, adapter_dir
     with pytest.raises(ImportError, match=r"pip install 'genlm-backend\[lora\]'"):
         lm.add_new_lora(adapter_dirs["a"], "c")
     assert sorted(lm.lora_paths) == ["a", "b"]
+
+
+# -- adapters by hub id --------------------------------------------------------------------------
+
+
+def test_an_adapter_by_hub_id_loads_from_the_hugging_face_cache(
+    base_model, smollm2_tokenizer, adapter_dirs, references, prompt, hub_cache
+):
+    """Offline, a hub id resolves to its snapshot in the local cache (as peft resolves
+    it); one that is not there fails naming the id and the offline setting, changing
+    nothing."""
+    hub_cache("genlm-test/lora-a", adapter_dirs["a"])
+    with AsyncTransformer(base_model, smollm2_tokenizer) as lm:
+        lm.add_new_lora("genlm-test/lora-a", "a")
+        row = lm.next_token_logprobs_sync(prompt, lora_name="a")
+        assert (row - references["a"](prompt)).abs().max() <= TOL
+        for missing in ("genlm-test/missing", "no-such-adapter"):
+            with pytest.raises(FileNotFoundError, match=rf"'{missing}'.*HF_HUB_OFFLINE=1"):
+                lm.add_new_lora(missing, "m")
+        assert lm.lora_paths == {"a": "genlm-test/lora-a"}
+        lm.remove_lora("a")
+        assert_untouched(lm, references, prompt)

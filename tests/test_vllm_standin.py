@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -494,7 +495,7 @@ def test_hash_to_int_is_deterministic_across_processes_and_in_range():
 def any_adapter_path(monkeypatch):
     """The stand-in engine has no model to check adapters against: any path registers
     (the checks run against the real engine in tests/test_vllm.py)."""
-    monkeypatch.setattr(AsyncVirtualLM, "_check_adapter", lambda self, path: None)
+    monkeypatch.setattr(AsyncVirtualLM, "_check_adapter", lambda self, path: path)
 
 
 @pytest.mark.usefixtures("any_adapter_path")
@@ -1124,3 +1125,162 @@ def test_an_lm_left_open_is_closed_at_interpreter_exit(default_model_dir):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "engine shut down\n"
+
+
+def with_max_model_len(engine, max_model_len):
+    """Give the stand-in a ``vllm_config`` like vLLM's, with ``max_model_len``."""
+    engine.vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_model_len),
+        scheduler_config=SimpleNamespace(max_num_seqs=16),
+        cache_config=SimpleNamespace(num_gpu_blocks=None, block_size=4),
+    )
+    return engine
+
+
+async def test_a_context_past_the_engine_length_fails_its_caller_alone(engine):
+    """max_model_len 8: contexts of up to 7 tokens (vLLM counts the drawn token); an
+    8-token one fails its caller with the documented ValueError, as a new request or as
+    a session's continuation, and the engine never sees it."""
+    lm = AsyncVirtualLM(with_max_model_len(engine, 8), LogitsProcessorCapture(), timeout=0.01)
+    assert lm.max_context_length == 7
+    seven = [1, 2, 3, 4, 5, 6, 7]
+    results = await asyncio.gather(
+        lm.next_token_logprobs(seven),
+        lm.next_token_logprobs(seven + [8]),  # continues seven's session, once opened
+        lm.next_token_logprobs([9] * 20),
+        return_exceptions=True,
+    )
+    torch.testing.assert_close(results[0], expected_logprobs(seven, lm.vocab_size))
+    for error in results[1:]:
+        assert isinstance(error, ValueError) and "context length of 7 tokens" in str(error)
+    with pytest.raises(ValueError, match="context length of 7"):
+        await lm.next_token_logprobs(seven + [8])
+    assert max(len(r.context) for r in engine.requests) == 7
+    lm.close()
+
+
+async def test_sample_stops_at_the_engine_length(engine):
+    lm = AsyncVirtualLM(with_max_model_len(engine, 8), LogitsProcessorCapture(), timeout=0.01)
+    tokens = await lm.sample([1, 2, 3], max_tokens=20, eos_token_ids=[], seed=1)
+    assert len(tokens) == 5  # the last one drawn after a context of 7 tokens
+    assert engine.requests[-1].params.max_tokens == 5
+    assert await lm.sample([1] * 7, max_tokens=20, eos_token_ids=[], seed=1) != []
+    with pytest.raises(ValueError, match="context length of 7"):
+        await lm.sample([1] * 8, max_tokens=20, eos_token_ids=[])
+    lm.close()
+
+
+async def test_sample_temperature_is_kept_within_what_vllm_accepts(lm, engine):
+    with pytest.raises(ValueError, match=r"at most 2 on vLLM .*\[0, 2\].*1e\+300"):
+        await lm.sample([1], 2, [0], temperature=1e300)
+    with pytest.raises(ValueError, match="at most 2 on vLLM"):
+        await lm.batch_sample([[1], [2]], 2, [0], temperature=2.5)
+    assert engine.requests == []
+    assert len(await lm.sample([1], 2, [], temperature=2.0, seed=1)) == 2
+
+
+class ChunkRecordingEngine(StandInEngine):
+    """The stand-in recording the ``logprobs`` parameter of every chunk of each session."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.chunk_logprobs = {}
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        if not isinstance(prompt, dict):
+            prompt = self._recorded(prompt, self.chunk_logprobs.setdefault(request_id, []))
+        async for output in super().generate(prompt, params, request_id, lora_request):
+            yield output
+
+    async def _recorded(self, chunks, seen):
+        async for chunk in chunks:
+            seen.append(chunk.sampling_params.logprobs)
+            yield chunk
+
+
+async def test_lms_with_other_captures_never_continue_each_others_sessions(smollm2_tokenizer):
+    """Two LMs on one engine, one capturing with the logits processor and one with
+    ``logprobs=-1``, stepping the same six particles in turn: every session's chunks carry
+    one capture's parameters, and each LM goes on extending its own sessions."""
+    engine = ChunkRecordingEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    processor = AsyncVirtualLM(engine, LogitsProcessorCapture(), timeout=0.01)
+    logprobs = AsyncVirtualLM(engine, EngineLogprobsCapture(), timeout=0.01)
+    contexts = [[1, 2, i] for i in range(6)]
+    for length in range(3):
+        for lm in (processor, logprobs):
+            await step(lm, engine, [c + [7] * length for c in contexts])
+    assert len(engine.chunk_logprobs) == 12  # six sessions per LM
+    for seen in engine.chunk_logprobs.values():
+        assert len(seen) == 3 and len(set(seen)) == 1
+    assert [r.kind for r in engine.requests[-6:]] == ["extend"] * 6
+    processor.close()
+    close_engine_loop(engine)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"stall_timeout": -1}, ValueError, "stall_timeout must be .* > 0, got -1"),
+        ({"cache_opts": 3}, TypeError, "cache_opts must be a dict .* got int: 3"),
+        ({"cache_opts": {"bogus": 1}}, TypeError, "no option 'bogus'; it takes: .'move_to_cpu'"),
+        ({"cache_opts": {"move_to_cpu": "yes"}}, TypeError, "move_to_cpu must be a bool"),
+        ({"capture": None}, ValueError, r"capture must be one of .* got None"),
+        ({"capture": 42}, ValueError, r"capture must be one of .* got 42"),
+        ({"engine_opts": [1]}, TypeError, r"engine_opts must be a dict .* got list"),
+        ({"max_kv_bytes": None}, TypeError, "takes no option 'max_kv_bytes'"),
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+    ],
+    ids=lambda value: str(value)[:30],
+)
+def test_from_name_checks_its_options_before_it_starts_an_engine(
+    fake_vllm, options, error, message
+):
+    started = time.monotonic()
+    with pytest.raises(error, match=message):
+        AsyncVirtualLM.from_name("m", **options)
+    assert fake_vllm.built == []
+    assert time.monotonic() - started < 1  # no model read, no engine: milliseconds
+
+
+def test_option_errors_come_before_the_vllm_import(monkeypatch):
+    """Where vllm is missing the option is still named (checked before the import)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ValueError, match="stall_timeout"):
+        AsyncVirtualLM.from_name("m", stall_timeout=float("nan"))
+    with pytest.raises(ImportError, match="genlm-backend\\[vllm\\]"):
+        AsyncVirtualLM.from_name("m")
+
+
+class NeverShutsDownEngine(StandInEngine):
+    """The stand-in whose ``shutdown`` never returns (it blocks the engine's loop)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+
+    def shutdown(self, timeout=None):
+        self.shutdowns += 1
+        self.release.wait()
+
+
+def test_close_is_bounded_when_the_engines_shutdown_never_returns(
+    smollm2_tokenizer, monkeypatch, caplog
+):
+    monkeypatch.setattr(vllm_backend, "ENGINE_SHUTDOWN_TIMEOUT", 0.5)
+    monkeypatch.setattr(vllm_backend, "SHUTDOWN_GRACE", 0.5)
+    engine = NeverShutsDownEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), timeout=0.01)
+    torch.testing.assert_close(
+        lm.next_token_logprobs_sync([1, 2]), expected_logprobs([1, 2], lm.vocab_size)
+    )
+    loop = lm._engine_loop
+    started = time.monotonic()
+    lm.close()
+    assert time.monotonic() - started < 0.5 + 0.5 + 5  # the bound, and slack for the machine
+    assert engine.shutdowns == 1 and not loop.alive
+    assert "shutdown did not return" in caplog.text
+    with pytest.raises(RuntimeError, match="after cleanup"):
+        lm.next_token_logprobs_sync([1, 2])
+    engine.release.set()  # the loop's thread then ends
+    loop._thread.join(5)
+    assert not loop._thread.is_alive()

@@ -19,20 +19,63 @@ from genlm.backend.checks import first_line
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 MLX_WEIGHTS = "adapters.safetensors"
+# What a hub id's snapshot needs: the adapter's config and weights (peft's or mlx-lm's).
+ADAPTER_FILES = (PEFT_CONFIG, *PEFT_WEIGHTS, MLX_WEIGHTS)
 # peft saves keys as "base_model.model.<module path>.lora_A.weight" (no adapter name).
 _PEFT_PREFIX = "base_model.model."
 
 
 def adapter_directory(lora_path: Any) -> Path:
-    """``lora_path`` (``~`` expanded) as an existing directory holding ``adapter_config.json``;
-    `FileNotFoundError` naming the path otherwise."""
+    """``lora_path`` as an existing directory holding ``adapter_config.json``: a local
+    directory (``~`` expanded), else a hub id resolved as peft resolves it (`hub_adapter`);
+    `FileNotFoundError` naming the path or id otherwise."""
     path = Path(str(lora_path)).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"LoRA adapter directory {str(lora_path)!r} does not exist")
+        if not looks_like_hub_id(str(lora_path)):
+            raise FileNotFoundError(f"LoRA adapter directory {str(lora_path)!r} does not exist")
+        path = hub_adapter(str(lora_path))
     config = path / PEFT_CONFIG
     if not config.is_file():
         raise FileNotFoundError(f"LoRA adapter directory {str(path)!r} has no {PEFT_CONFIG}")
     return path
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """Whether ``name`` can be a Hugging Face repository id (``org/name`` or ``name``), and
+    is not written as a path (absolute, ``./``, ``~``, a backslash)."""
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_adapter(repo_id: str) -> Path:
+    """The local snapshot of the adapter repository ``repo_id``, through huggingface_hub as
+    peft loads one: from the local Hugging Face cache (``HF_HUB_CACHE``), downloaded first
+    where the hub is reachable, the cache alone when ``HF_HUB_OFFLINE=1``. Only the adapter's
+    files (`ADAPTER_FILES`). `FileNotFoundError` naming the id, the cache and the offline
+    setting when it cannot be had."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(ADAPTER_FILES)))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
+        where = (
+            f"it is not in the local Hugging Face cache {constants.HF_HUB_CACHE!r} and "
+            "HF_HUB_OFFLINE=1 forbids a download"
+            if offline
+            else f"it could not be had from the Hugging Face Hub: {first_line(error)}"
+        )
+        raise FileNotFoundError(
+            f"LoRA adapter {repo_id!r} is no local directory, and as a hub id {where}"
+        ) from None
 
 
 def read_config(path: Path) -> dict[str, Any]:

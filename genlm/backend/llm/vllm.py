@@ -31,6 +31,7 @@ import atexit
 import copy
 import functools
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -40,9 +41,10 @@ import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -51,6 +53,7 @@ import torch
 
 from genlm.backend._install import install_hint
 from genlm.backend.batching import AutoBatcher
+from genlm.backend.cache import OutputCache
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
@@ -79,10 +82,16 @@ VLLM_MIN_VERSION = (0, 31)
 CAPTURE_PROCESSOR = "genlm.backend.llm.vllm_capture:FullLogitsCapture"
 # ``SamplingParams.extra_args`` key through which a request asks for its logits.
 CAPTURE_KEY = "genlm_capture"
-# Longest waits (seconds) of `AsyncVirtualLM.close`: for the sessions to close, and for
-# the engine's processes to stop (vLLM kills them after that).
-SESSIONS_CLOSE_TIMEOUT = 30.0
+# The highest sampling temperature vLLM's ``SamplingParams`` accepts.
+MAX_TEMPERATURE = 2.0
+# Longest waits (seconds) of `AsyncVirtualLM.close`: for the sessions to close; for the
+# engine's processes to stop (vLLM kills them after that); and for vLLM's shutdown call to
+# return after that. So `close` returns within about `CLOSE_TIMEOUT` seconds, even when
+# vLLM's shutdown never returns.
+SESSIONS_CLOSE_TIMEOUT = 10.0
 ENGINE_SHUTDOWN_TIMEOUT = 30.0
+SHUTDOWN_GRACE = 5.0
+CLOSE_TIMEOUT = SESSIONS_CLOSE_TIMEOUT + ENGINE_SHUTDOWN_TIMEOUT + SHUTDOWN_GRACE
 
 
 def import_vllm() -> Any:
@@ -356,6 +365,50 @@ def engine_options(engine_opts: dict[str, Any] | None, capture: Any) -> dict[str
     return opts
 
 
+def make_capture(capture: Any) -> LogprobsCapture:
+    """The capture `AsyncVirtualLM.from_name`'s ``capture`` names: one of `CAPTURES` by name,
+    or a capture object (with ``engine_opts``, ``batch`` and ``close``) as it is."""
+    if isinstance(capture, str) and capture in CAPTURES:
+        return CAPTURES[capture]()
+    if not isinstance(capture, str) and all(
+        hasattr(capture, name) for name in ("engine_opts", "batch", "close")
+    ):
+        return capture
+    raise ValueError(
+        f"capture must be one of {sorted(CAPTURES)} or a capture object such as "
+        f"LogitsProcessorCapture(directory=...) or EngineLogprobsCapture(), got {capture!r}"
+    )
+
+
+def check_stall_timeout(stall_timeout: Any) -> None:
+    """Raise ``ValueError`` unless ``stall_timeout`` is a finite number of seconds > 0."""
+    if isinstance(stall_timeout, bool) or not (
+        isinstance(stall_timeout, int | float) and 0 < stall_timeout < math.inf
+    ):
+        raise ValueError(
+            f"stall_timeout must be a finite number of seconds > 0, got {stall_timeout!r}"
+        )
+
+
+def check_cache_opts(cache_opts: Any) -> None:
+    """Raise unless ``cache_opts`` is None or a dict of `OutputCache` options with valid
+    values (``TypeError`` naming the option and the ones there are)."""
+    if cache_opts is None:
+        return
+    if not isinstance(cache_opts, dict):
+        raise TypeError(
+            f"cache_opts must be a dict of OutputCache options or None, got "
+            f"{type(cache_opts).__name__}: {cache_opts!r}"
+        )
+    allowed = [name for name in inspect.signature(OutputCache).parameters if name != "maxsize"]
+    for name in cache_opts:
+        if name not in allowed:
+            raise TypeError(
+                f"cache_opts: OutputCache takes no option {name!r}; it takes: {allowed}"
+            )
+    OutputCache(0, **cache_opts)  # checks the values, naming the option
+
+
 @dataclass(frozen=True)
 class _SampleRequest:
     prompt: tuple[int, ...]
@@ -401,15 +454,12 @@ class AsyncVirtualLM(EngineLM):
         timeout: float | None = 0.02,
         stall_timeout: float = STALL_TIMEOUT,
     ):
-        if isinstance(stall_timeout, bool) or not (
-            isinstance(stall_timeout, int | float) and 0 < stall_timeout < math.inf
-        ):
-            raise ValueError(
-                f"stall_timeout must be a finite number of seconds > 0, got {stall_timeout!r}"
-            )
+        check_stall_timeout(stall_timeout)
+        check_cache_opts(cache_opts)
         self.llm_engine: Any = llm_engine  # None once closed
         self.logprobs_capture = logprobs_capture
         self.stall_timeout = float(stall_timeout)
+        self._max_model_len = engine_max_model_len(llm_engine)
         self._engine_loop = engine_loop(llm_engine)
         super().__init__(
             llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
@@ -422,6 +472,8 @@ class AsyncVirtualLM(EngineLM):
             self._engine_loop.pool = SessionPool(llm_engine, _chunk, _prompt)
         self._sessions = self._engine_loop.pool
         self._skeleton: torch.nn.Module | None = None  # see _model_skeleton
+        # Each registered adapter's local directory (a hub id's snapshot), for vLLM.
+        self._adapter_dirs: dict[str, str] = {}
 
     @classmethod
     def from_name(
@@ -450,13 +502,14 @@ class AsyncVirtualLM(EngineLM):
                 logits processor's rows reach this process (`_check_capture`).
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
         """
-        if isinstance(capture, str):
-            if capture not in CAPTURES:
-                raise ValueError(f"capture must be one of {sorted(CAPTURES)}, got {capture!r}")
-            logprobs_capture: LogprobsCapture = CAPTURES[capture]()
-        else:
-            logprobs_capture = capture
+        # Every option checked before vllm is imported and an engine starts (~30 s on CPU).
         cls.check_constructor_options(kwargs)
+        if engine_opts is not None and not isinstance(engine_opts, dict):
+            raise TypeError(
+                f"engine_opts must be a dict of vllm.AsyncEngineArgs options or None, got "
+                f"{type(engine_opts).__name__}: {engine_opts!r}"
+            )
+        logprobs_capture = make_capture(capture)
         vllm = import_vllm()
         opts = engine_options(engine_opts, logprobs_capture)
         if is_cpu_build():
@@ -478,6 +531,13 @@ class AsyncVirtualLM(EngineLM):
             lm.close()
             raise
         return lm
+
+    @classmethod
+    def check_constructor_options(cls, options: Mapping[str, Any]) -> None:
+        """The base checks, and ``stall_timeout`` and ``cache_opts`` (see `from_name`)."""
+        super().check_constructor_options(options)
+        check_stall_timeout(options.get("stall_timeout", STALL_TIMEOUT))
+        check_cache_opts(options.get("cache_opts"))
 
     def _check_capture(self) -> None:
         """Send one probe request through the logits processor capture: where its row does
@@ -509,6 +569,14 @@ class AsyncVirtualLM(EngineLM):
             self.logprobs_capture = EngineLogprobsCapture()
 
     @property
+    def max_context_length(self) -> int | None:
+        """The longest context the engine can extend by a token: ``max_model_len - 1``, as
+        vLLM counts the token it draws. A longer one is refused before the engine sees it
+        (in a session's continuation, vLLM's worker fails an assertion and the engine dies
+        for every caller). ``None`` for an engine that publishes no ``max_model_len``."""
+        return None if self._max_model_len is None else self._max_model_len - 1
+
+    @property
     def underlying_model(self) -> Any:
         """The ``vllm.AsyncLLM`` engine. Its torch module lives in vLLM's worker process."""
         self._check_open()
@@ -518,7 +586,7 @@ class AsyncVirtualLM(EngineLM):
         """vLLM's ``LoRARequest`` for an adapter (None for the base model)."""
         if lora is None:
             return None
-        return vllm_api().LoRARequest(lora, hash_to_int(lora), self.lora_paths[lora])
+        return vllm_api().LoRARequest(lora, hash_to_int(lora), self._adapter_dirs[lora])
 
     def _process_batch(self, keys: list[Any]) -> list[Any]:
         """One step of the session pool for a batch of `Query` and `_SampleRequest` keys."""
@@ -539,6 +607,8 @@ class AsyncVirtualLM(EngineLM):
                         output_kind=api.DELTA,
                         **rows.sampling_kwargs(i),
                     ),
+                    # LMs with other captures on this engine never continue its sessions
+                    kind=type(self.logprobs_capture),
                 )
                 for i, key in enumerate(logprob_keys)
             ]
@@ -573,9 +643,17 @@ class AsyncVirtualLM(EngineLM):
     async def _sample(
         self, query: Query, max_tokens: int, eos: frozenset[int], temperature: float, seed: Any
     ) -> list[int]:
-        """Sample with vLLM's own sampler; concurrent calls share one engine step (vLLM stops
-        at the model's context length by itself)."""
-        if max_tokens == 0:
+        """Sample with vLLM's own sampler; concurrent calls share one engine step. At most
+        ``max_model_len`` tokens in all, so the last token drawn follows a context of
+        `max_context_length` tokens (as on every backend)."""
+        if temperature > MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be at most {MAX_TEMPERATURE:g} on vLLM (its SamplingParams "
+                f"accepts [0, {MAX_TEMPERATURE:g}]), got {temperature}"
+            )
+        if self._max_model_len is not None:
+            max_tokens = min(max_tokens, self._max_model_len - len(query.token_ids))
+        if max_tokens <= 0:
             return []
         request = _SampleRequest(
             prompt=query.token_ids,
@@ -593,16 +671,52 @@ class AsyncVirtualLM(EngineLM):
         the adapter is checked here first (files readable, shapes fit the base model: a
         bad one is refused before it is registered); re-registering a name makes the
         engine drop the weights it holds for it."""
-        self._check_adapter(lora_path)
+        directory = self._check_adapter(lora_path)
         if lora_name in self.lora_paths:
             self.batcher.run_sync(self._forget_engine_lora, lora_name)
         self._forget_lora_results(lora_name)
+        self._adapter_dirs[lora_name] = str(directory)
 
-    def _check_adapter(self, lora_path: str) -> None:
-        from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
+    def _check_adapter(self, lora_path: str) -> Path:
+        """The adapter's local directory (a hub id resolved), once checked."""
+        from genlm.backend.llm.adapters import check_peft_shapes, read_config, read_peft_adapter
 
         path, weights = read_peft_adapter(lora_path)
         check_peft_shapes(weights, self._model_skeleton(), path)
+        self._check_engine_serves(path, read_config(path), weights)
+        return path
+
+    def _check_engine_serves(
+        self, path: Path, config: dict[str, Any], weights: dict[str, torch.Tensor]
+    ) -> None:
+        """Raise ``ValueError`` naming the engine option to set for an adapter the engine
+        cannot serve: vLLM checks these in its worker, on the adapter's first request, and
+        there a refusal kills the engine for every caller. (``max_loras`` bounds the
+        adapters of one batch only, and a step runs one adapter at a time.)"""
+        vllm_config = getattr(self.llm_engine, "vllm_config", None)
+        if vllm_config is None:
+            return  # an engine that publishes no config (a stand-in): nothing to check
+        lora_config = getattr(vllm_config, "lora_config", None)
+        if lora_config is None:
+            raise ValueError(
+                "this vLLM engine was started without LoRA support: start it with "
+                "engine_opts={'enable_lora': True, 'max_lora_rank': ...} to serve adapters"
+            )
+        ranks = [int(tensor.shape[0]) for key, tensor in weights.items() if ".lora_A." in key]
+        pattern = config.get("rank_pattern") or {}
+        rank = max([int(config.get("r") or 0), *map(int, pattern.values()), *ranks])
+        if rank > lora_config.max_lora_rank:
+            raise ValueError(
+                f"the LoRA adapter {str(path)!r} has rank {rank}, above the engine's "
+                f"max_lora_rank of {lora_config.max_lora_rank}: start the engine with "
+                "engine_opts={'max_lora_rank': R}, R at least the rank (one of vLLM's 1, 8, "
+                "16, 32, 64, 128, 256, 320, 512)"
+            )
+        if config.get("bias", "none") != "none":
+            raise ValueError(
+                f"the LoRA adapter {str(path)!r} trains biases (bias={config['bias']!r}), "
+                "which vLLM does not serve: serve it with AsyncTransformer"
+            )
 
     def _model_skeleton(self) -> torch.nn.Module:
         """The engine's model built from its config on the meta device (no memory): the
@@ -616,6 +730,7 @@ class AsyncVirtualLM(EngineLM):
         return self._skeleton
 
     def _unload_lora(self, lora_name: str) -> None:
+        self._adapter_dirs.pop(lora_name, None)
         self.batcher.run_sync(self._forget_engine_lora, lora_name)
         self._forget_lora_results(lora_name)
 
@@ -651,6 +766,13 @@ class AsyncVirtualLM(EngineLM):
         stop_engine(engine, self._engine_loop)
 
 
+def engine_max_model_len(engine: Any) -> int | None:
+    """The engine's ``max_model_len`` (prompt and drawn tokens), None where it has no config."""
+    model_config = getattr(getattr(engine, "vllm_config", None), "model_config", None)
+    length = getattr(model_config, "max_model_len", None)
+    return length if isinstance(length, int) else None
+
+
 _OPEN_LMS: weakref.WeakSet[AsyncVirtualLM] = weakref.WeakSet()
 
 
@@ -663,18 +785,23 @@ def _close_open_lms() -> None:
 
 
 def stop_engine(engine: Any, loop: EngineLoop) -> None:
-    """Shut ``engine`` down on ``loop``, the loop that drives it, then stop the loop
-    (bounded: vLLM kills engine processes still running after `ENGINE_SHUTDOWN_TIMEOUT`
-    seconds)."""
+    """Shut ``engine`` down on ``loop``, the loop that drives it, then stop the loop, in
+    at most `ENGINE_SHUTDOWN_TIMEOUT` + `SHUTDOWN_GRACE` seconds (vLLM kills engine
+    processes still running after `ENGINE_SHUTDOWN_TIMEOUT`). A shutdown call that has not
+    returned by then holds the loop's thread: the loop is abandoned, not waited for."""
+    stuck = False
     try:
         loop.run(
             _call_async(functools.partial(engine.shutdown, timeout=ENGINE_SHUTDOWN_TIMEOUT)),
-            timeout=2 * ENGINE_SHUTDOWN_TIMEOUT,
+            timeout=ENGINE_SHUTDOWN_TIMEOUT + SHUTDOWN_GRACE,
         )
-    except (TimeoutError, EngineLoopClosedError) as error:
+    except TimeoutError as error:
+        stuck = True
+        logger.warning("vLLM engine shutdown did not return; left behind: %s", error)
+    except EngineLoopClosedError as error:
         logger.warning("vLLM engine shutdown did not finish: %s", error)
     finally:
-        close_engine_loop(engine)
+        close_engine_loop(engine, abandon=stuck)
 
 
 def _prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:

@@ -52,13 +52,22 @@ class EngineLoop:
         self.loop = asyncio.new_event_loop()
         self._running: set[concurrent.futures.Future] = set()
         self._running_lock = threading.Lock()
+        self._abandoned = False
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
-        """Whether the loop still runs calls."""
-        return self._thread.is_alive() and not self.loop.is_closed()
+        """Whether the loop still runs calls (not once `abandon` gave up on it)."""
+        return self._thread.is_alive() and not self.loop.is_closed() and not self._abandoned
+
+    def abandon(self) -> None:
+        """Give up on a loop whose thread is stuck in a call that never returns (an engine's
+        shutdown): the calls in flight end, the loop is asked to stop once that call
+        returns, and nobody waits for it (its thread is a daemon)."""
+        self._abandoned = True
+        self.cancel_running()
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
     def run(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run ``coroutine`` on the loop and wait for its result (from any other thread).
@@ -113,7 +122,7 @@ class EngineLoop:
     def close(self) -> None:
         """Cancel the loop's remaining tasks, stop it and its thread (idempotent; waits at
         most about `LOOP_CLOSE_TIMEOUT` seconds)."""
-        if self.loop.is_closed():
+        if self.loop.is_closed() or self._abandoned:
             return
         self.cancel_running()
         if self._thread.is_alive():
@@ -183,9 +192,13 @@ def check_output_handler(engine: Any, loop: EngineLoop) -> None:
         )
 
 
-def close_engine_loop(engine: Any) -> None:
-    """Stop the loop that drives ``engine``, if there is one."""
+def close_engine_loop(engine: Any, abandon: bool = False) -> None:
+    """Stop the loop that drives ``engine``, if there is one (``abandon``: without waiting
+    for it, see `EngineLoop.abandon`)."""
     with _ENGINE_LOOPS_LOCK:
         loop = _ENGINE_LOOPS.pop(engine, None)
     if loop is not None:
-        loop.close()
+        if abandon:
+            loop.abandon()
+        else:
+            loop.close()

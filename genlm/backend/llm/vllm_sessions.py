@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -106,12 +106,24 @@ class EngineLimits:
 
 @dataclass
 class StepRequest:
-    """One request of a step: a context, its adapter, and its sampling parameters."""
+    """One request of a step: a context, its adapter, its sampling parameters, and ``kind``:
+    what else its chunks must share with a session's to continue it (the requester's
+    capture: a session opened with one capture's parameters is never continued with
+    another's, which on vLLM 0.32 kills the engine)."""
 
     token_ids: tuple[int, ...]
     lora: str | None
     lora_request: Any
     params: Any
+    kind: Hashable = None
+
+    def key(self, context: tuple[int, ...]) -> SessionKey:
+        """The key of a session of ``context`` that this request's chunks may continue."""
+        return (context, self.lora, self.kind)
+
+
+# A live session's key: its context, adapter and `StepRequest.kind`.
+SessionKey = tuple[tuple[int, ...], str | None, Hashable]
 
 
 class Session:
@@ -124,7 +136,7 @@ class Session:
     def __init__(self, engine: Any, request_id: str, request: StepRequest, make_chunk: Callable):
         self.request_id = request_id
         self.context = request.token_ids
-        self.lora = request.lora
+        self.request = request
         self.sent = asyncio.Event()
         self._make_chunk = make_chunk
         self._inputs: asyncio.Queue = asyncio.Queue()
@@ -155,6 +167,11 @@ class Session:
         self.sent.clear()
         self._inputs.put_nowait(self._make_chunk(request.token_ids[-1:], request.params))
         self.context = request.token_ids
+        self.request = request
+
+    @property
+    def key(self) -> SessionKey:
+        return self.request.key(self.context)
 
     async def close(self) -> None:
         """End the input stream (the engine frees the request) and drain its outputs."""
@@ -179,8 +196,8 @@ class SessionPool:
         self.engine = engine
         self._last_output = 0.0  # loop time of the step's latest output
         self.limits = EngineLimits.of(engine)
-        # Live sessions by (context, adapter), least recently used first.
-        self.sessions: dict[tuple[tuple[int, ...], str | None], Session] = {}
+        # Live sessions by key (context, adapter, kind), least recently used first.
+        self.sessions: dict[SessionKey, Session] = {}
         self._make_chunk = make_chunk
         self._make_prompt = make_prompt
         self._ids = itertools.count()
@@ -215,7 +232,7 @@ class SessionPool:
         if any(request.lora is not None for request in [*requests, *one_shot]):
             return await self._step_without_sessions([*requests, *one_shot], stall_timeout)
         claimed = [
-            self.sessions.pop((r.token_ids[:-1], r.lora), None) if len(r.token_ids) > 1 else None
+            self.sessions.pop(r.key(r.token_ids[:-1]), None) if len(r.token_ids) > 1 else None
             for r in requests
         ]
         slots = self._slot_budget()
@@ -268,10 +285,10 @@ class SessionPool:
         if error is not None:
             self._fail(live, error)
         for session in live:
-            stale = self.sessions.pop((session.context, session.lora), None)
+            stale = self.sessions.pop(session.key, None)
             if stale is not None:  # a paused session of the same context: one is enough
                 self._close_later(stale)
-            self.sessions[(session.context, session.lora)] = session
+            self.sessions[session.key] = session
         return results
 
     async def _step_without_sessions(
