@@ -227,11 +227,12 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def _delivered(self, answers: BatchResults[torch.Tensor]) -> BatchResults[torch.Tensor]:
         """A copy of each row for its caller (errors as they are): `_process_batch` returns
         the rows the tree holds, and a row edited in place must not change what it holds."""
-        rows = [answer for answer in answers if isinstance(answer, torch.Tensor)]
-        if len(rows) == len(answers):
+        listed = [answers[index] for index in range(len(answers))]
+        rows = [answer for answer in listed if isinstance(answer, torch.Tensor)]
+        if len(rows) == len(listed):
             return _copies(rows)
         copies = iter(_copies(rows))
-        return [next(copies) if isinstance(a, torch.Tensor) else a for a in answers]
+        return [next(copies) if isinstance(a, torch.Tensor) else a for a in listed]
 
     def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
