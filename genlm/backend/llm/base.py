@@ -20,7 +20,7 @@ import math
 import operator
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import numpy as np
@@ -556,27 +556,7 @@ class BatchedAsyncLM(AsyncLM):
     def _rows_sync(self, queries: list[Query]) -> list[torch.Tensor]:
         return self._run_batch(queries)
 
-    def batch_next_token_logprobs_sync(
-        self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Blocking `batch_next_token_logprobs`: ``[B, V]``, one batch. The stack is the
-        callers' copy, so the rows are stacked as `_process_batch` returns them (no copy
-        of each row first)."""
-        queries = self._query_list(token_ids_list, lora_name)
-        if not queries:
-            return torch.empty(0, self.vocab_size)
-        return torch.stack(self._run_batch(queries, self._serve_shared))
-
     def _serve_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
-        """`_serve_shared`'s answers as their callers get them (`_delivered`)."""
-        return self._delivered(self._serve_shared(keys))
-
-    def _delivered(self, answers: BatchResults[torch.Tensor]) -> BatchResults[torch.Tensor]:
-        """The answers a caller gets: here `_process_batch`'s own rows; a backend whose
-        rows are also kept (a cache) gives each caller a copy."""
-        return answers
-
-    def _serve_shared(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """`_process_batch` on the keys whose adapter is still registered; the others get
         the unknown-adapter `ValueError` as their result (the batcher fails only them)."""
         gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]
@@ -589,15 +569,10 @@ class BatchedAsyncLM(AsyncLM):
         ]
         return answers
 
-    def _run_batch(
-        self,
-        keys: list[Query],
-        serve: Callable[[list[Query]], BatchResults[torch.Tensor]] | None = None,
-    ) -> list[torch.Tensor]:
-        """``serve`` (default `_serve_batch`) on the distinct ``keys`` (worker thread,
-        blocking), in ``keys`` order."""
+    def _run_batch(self, keys: list[Query]) -> list[torch.Tensor]:
+        """`_serve_batch` on the distinct ``keys`` (worker thread, blocking), in ``keys`` order."""
         distinct = list(dict.fromkeys(keys))
-        results = self.batcher.run_sync(serve or self._serve_batch, distinct)
+        results = self.batcher.run_sync(self._serve_batch, distinct)
         by_key = dict(zip(distinct, results, strict=True))
         for result in by_key.values():
             if isinstance(result, BaseException):

@@ -18,7 +18,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from genlm.backend.batching import AutoBatcher, BatchResults
+from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import KVNode, PrefixKVStore
 from genlm.backend.llm.base import BatchedAsyncLM, Query
@@ -202,8 +202,6 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
     def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        """The rows for ``keys``, those the tree holds (callers get them through
-        `_delivered`, or stacked: never these tensors themselves)."""
         results: dict[int, torch.Tensor] = {}
         planned: list[Row] = []
         chains: dict[int, Chain] = {}  # by slot: each row's own chain until a node takes it
@@ -222,17 +220,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                     results[row.slot] = logprobs
         finally:
             self._finish(planned, chains)
-        return [results[slot] for slot in range(len(keys))]
-
-    def _delivered(self, answers: BatchResults[torch.Tensor]) -> BatchResults[torch.Tensor]:
-        """A copy of each row for its caller (errors as they are): `_process_batch` returns
-        the rows the tree holds, and a row edited in place must not change what it holds."""
-        listed = [answers[index] for index in range(len(answers))]
-        rows = [answer for answer in listed if isinstance(answer, torch.Tensor)]
-        if len(rows) == len(listed):
-            return _copies(rows)
-        copies = iter(_copies(rows))
-        return [next(copies) if isinstance(a, torch.Tensor) else a for a in listed]
+        # Callers get copies: a row edited in place must not change what the tree holds.
+        return _copies([results[slot] for slot in range(len(keys))])
 
     def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
