@@ -96,8 +96,15 @@ class ForwardClock:
     def __init__(self, model: Any):
         self.seconds = 0.0
         self._start = 0.0
-        model.register_forward_pre_hook(self._enter)
-        model.register_forward_hook(self._leave)
+        self._hooks = [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._leave),
+        ]
+
+    def remove(self) -> None:
+        """Take the hooks off the model (the next configuration brings its own)."""
+        for hook in self._hooks:
+            hook.remove()
 
     def _enter(self, *_: Any) -> None:
         self._start = time.perf_counter()
@@ -149,6 +156,9 @@ def library_steps(
         hosts.append(wall - clock.seconds)
         tokens = torch.multinomial(rows.exp(), 1, generator=generator).flatten().tolist()
         contexts = [context + [token] for context, token in zip(contexts, tokens, strict=True)]
+    clock.remove()
+    lm.close()  # its tree, pool and worker must not weigh on the next configuration
+    del lm, rows, first
     return {"walls": walls, "hosts": hosts, "ops": ops}
 
 

@@ -154,6 +154,10 @@ async def test_every_row_has_storage_of_its_own(tiny_model, smollm2_tokenizer):
     rows[3].fill_(0.0)  # a caller's edit does not reach the tree
     again = lm.next_token_logprobs_sync(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
+    again.fill_(0.0)  # nor an edit of a cached row's copy, nor of a stacked batch of them
+    lm.batch_next_token_logprobs_sync(contexts).fill_(0.0)
+    again = await lm.next_token_logprobs(contexts[2])
+    assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
 
 
 def test_block_copies_copy_each_tokens_slot_and_nothing_else():

@@ -137,6 +137,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         )
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
+        # Read once: every prefix of every step is checked against it (a config lookup
+        # through transformers' __getattribute__ per prefix was ~3 us of each particle's step).
+        self._max_positions: int | None = getattr(
+            self.model.config.get_text_config(), "max_position_embeddings", None
+        )
         quiet_bitsandbytes(self.model)
         check_vocab_fits(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])
         self.max_kv_bytes = max_kv_bytes
@@ -206,7 +211,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     @property
     def max_context_length(self) -> int | None:
         """The model's ``max_position_embeddings`` (None if its config has none)."""
-        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        return self._max_positions
 
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
