@@ -205,7 +205,7 @@ def test_default_backend_is_vllm_only_with_cuda_and_vllm(
     lines = [r.getMessage() for r in caplog.records if r.name == loading.__name__]
     assert len(lines) == logged
     if logged:
-        assert "vllm is not installed" in lines[0] and "genlm-backend[vllm]" in lines[0]
+        assert "vllm is not installed" in lines[0] and "[vllm]" in lines[0]
 
 
 def test_cuda_without_vllm_loads_hf_and_never_raises_import_error(monkeypatch, default_model_dir):
@@ -223,7 +223,7 @@ def test_cuda_without_vllm_loads_hf_and_never_raises_import_error(monkeypatch, d
         real, "from_name", classmethod(lambda cls, name, **kw: picked.setdefault("cls", cls))
     )
     assert load_model_by_name(default_model_dir) is real
-    with pytest.raises(ImportError, match="genlm-backend\\[vllm\\]"):
+    with pytest.raises(ImportError, match=r"needs vllm: pip install -e .*\[vllm\]"):
         load_model_by_name(default_model_dir, backend="vllm")
 
 

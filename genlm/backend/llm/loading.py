@@ -33,9 +33,12 @@ def default_backend() -> str:
     if not torch.cuda.is_available():
         return "hf"
     if importlib.util.find_spec("vllm") is None:
+        from genlm.backend._install import install_hint
+
         logger.warning(
             "CUDA is available but vllm is not installed: loading with the hf backend "
-            "(pip install 'genlm-backend[vllm]' for the vLLM one)"
+            "(%s for the vLLM one)",
+            install_hint("vllm"),
         )
         return "hf"
     return "vllm"
