@@ -281,7 +281,7 @@ def test_re_registering_with_a_bad_adapter_keeps_the_old_weights(
 
 def test_without_peft_an_adapter_is_refused_with_what_to_install(lm, adapter_dirs, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
-    with pytest.raises(ImportError, match=r"pip install 'genlm-backend\[lora\]'"):
+    with pytest.raises(ImportError, match=r"LoRA adapters need peft: pip install -e .*\[lora\]"):
         lm.add_new_lora(adapter_dirs["a"], "c")
     assert sorted(lm.lora_paths) == ["a", "b"]
 
