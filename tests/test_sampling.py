@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_hf_step import OpCounter
 
 from genlm.backend.sampling import TokenSampler, sample_rows
 
@@ -72,30 +72,22 @@ async def test_rows_on_different_vocabularies_share_a_batch():
     assert tokens[0] == 0 and 0 <= tokens[1] < 6
 
 
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_batch_is_the_same_ops_at_any_size_with_no_scalar_sync():
     """Per-row ``.item()`` shows as one ``_local_scalar_dense`` per row (a host sync each
     on a GPU); a batch has none, and the same ops for 2 rows as for 64."""
     counts = []
     for rows in (2, 64):
         batch = [torch.randn(1000) for _ in range(rows)]
-        with CountOps() as counted:
+        with OpCounter() as counted:
             tokens = sample_rows(batch, 1.0, torch.Generator().manual_seed(0))
         assert len(tokens) == rows
-        assert counted.ops["aten._local_scalar_dense"] == 0
-        counts.append(counted.ops)
-        with CountOps() as per_row:
+        assert counted.counts["aten._local_scalar_dense.default"] == 0
+        counts.append(counted.counts)
+        with OpCounter() as per_row:
             [torch.multinomial(row.exp(), 1).item() for row in batch]
-        assert per_row.ops["aten._local_scalar_dense"] == rows  # what the README loop did
+        assert (
+            per_row.counts["aten._local_scalar_dense.default"] == rows
+        )  # what the README loop did
     assert counts[0] == counts[1]
 
 
