@@ -53,7 +53,7 @@ class NullLM(PrefixCachedLM):
     def _load_adapter(self, lora_path, lora_name):
         pass
 
-    def _delete_adapter(self, lora_name):
+    def _unload_adapter(self, lora_name):
         pass
 
     def _run_rows(self, rows):

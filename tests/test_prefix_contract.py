@@ -100,7 +100,7 @@ class FakeLM(PrefixCachedLM):
     def _load_adapter(self, lora_path, lora_name):
         self.adapters.add(lora_name)
 
-    def _delete_adapter(self, lora_name):
+    def _unload_adapter(self, lora_name):
         self.adapters.discard(lora_name)
 
     def _run_rows(self, rows):

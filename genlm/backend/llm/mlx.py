@@ -89,7 +89,7 @@ def _hf_tokenizer(tokenizer: Any) -> Any:
 def _share_weights_copy(model: Any) -> Any:
     """A copy of an mlx-lm model's modules that holds the very same arrays (none is copied).
 
-    Adapter layers can then be swapped into the copy without touching the original.
+    Adapter layers can then be loaded into the copy without touching the original.
     """
     mx = _import_mlx()
     shared = {}
@@ -100,7 +100,7 @@ def _share_weights_copy(model: Any) -> Any:
     return copy.deepcopy(model, shared)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Step:
     """One forward over the pool, shared by every layer's `_PagedCache`.
 
@@ -135,9 +135,9 @@ class _PagedCache:
         rows, heads, new, dim = keys.shape
         step = self.step
         fetched = []
-        for pool, states in ((self.pool.keys, keys), (self.pool.values, values)):
+        for layers, states in ((self.pool.keys, keys), (self.pool.values, values)):
             # Gathered after the write, so the scatter can reuse the pool's buffer.
-            layer = pool[self.layer]
+            layer = layers[self.layer]
             layer[step.write] = states.transpose(0, 2, 1, 3).reshape(rows * new, heads, dim)
             fetched.append(layer[step.read].transpose(0, 2, 1, 3))
         return fetched[0], fetched[1]
@@ -274,7 +274,7 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         mx.eval(model.parameters())
         self._adapters[lora_name] = model
 
-    def _delete_adapter(self, lora_name: str) -> None:
+    def _unload_adapter(self, lora_name: str) -> None:
         del self._adapters[lora_name]
 
     def _model(self, lora: str | None) -> Any:

@@ -121,23 +121,23 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         once it has loaded (a failure leaves the model as it was)."""
 
     @abstractmethod
-    def _delete_adapter(self, lora_name: str) -> None:
+    def _unload_adapter(self, lora_name: str) -> None:
         """Free a loaded adapter."""
 
     # -- LoRA wiring: the model work on the worker, then that adapter's tree dropped ----------
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
-        self.batcher.run_sync(self._swap_adapter, lora_path, lora_name)
+        self.batcher.run_sync(self._load_on_worker, lora_path, lora_name)
 
     def _unload_lora(self, lora_name: str) -> None:
-        self.batcher.run_sync(self._drop_adapter, lora_name)
+        self.batcher.run_sync(self._unload_on_worker, lora_name)
 
-    def _swap_adapter(self, lora_path: str, lora_name: str) -> None:
+    def _load_on_worker(self, lora_path: str, lora_name: str) -> None:
         self._load_adapter(lora_path, lora_name)
         self.store.drop_root(lora_name)
 
-    def _drop_adapter(self, lora_name: str) -> None:
-        self._delete_adapter(lora_name)
+    def _unload_on_worker(self, lora_name: str) -> None:
+        self._unload_adapter(lora_name)
         self.store.drop_root(lora_name)
 
     # -- public API ----------------------------------------------------------------------------

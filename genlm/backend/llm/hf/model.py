@@ -248,19 +248,19 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 self._peft.load_adapter(str(path), adapter_name=peft_name)
                 self._peft.eval()
         except Exception:
-            self._discard_adapter(peft_name)
+            self._unload_partial_peft_adapter(peft_name)
             raise
         replaced = self._peft_names.get(lora_name)
         self._peft_names[lora_name] = peft_name
         if replaced is not None:
-            self._delete_peft_adapter(replaced)
+            self._unload_peft_adapter(replaced)
 
-    def _discard_adapter(self, peft_name: str) -> None:
-        """Undo a failed load of ``peft_name``: delete what peft added of it, or, if the
+    def _unload_partial_peft_adapter(self, peft_name: str) -> None:
+        """Undo a failed load of ``peft_name``: unload what peft added of it, or, if the
         model had no adapter before, put every layer peft wrapped back to its base layer."""
         if self._peft is not None:  # it serves other adapters: remove only this one
             if peft_name in self._peft.peft_config:
-                self._delete_peft_adapter(peft_name)
+                self._unload_peft_adapter(peft_name)
             return
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -271,10 +271,10 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         if hasattr(self.model, "peft_config"):  # peft marks the models it wraps
             del self.model.peft_config
 
-    def _delete_adapter(self, lora_name: str) -> None:
-        self._delete_peft_adapter(self._peft_names.pop(lora_name))
+    def _unload_adapter(self, lora_name: str) -> None:
+        self._unload_peft_adapter(self._peft_names.pop(lora_name))
 
-    def _delete_peft_adapter(self, peft_name: str) -> None:
+    def _unload_peft_adapter(self, peft_name: str) -> None:
         if not set(self._peft_names.values()) - {peft_name}:
             # peft cannot serve with no adapter left: restore the plain model (in place).
             self._peft.unload()
