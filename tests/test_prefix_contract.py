@@ -103,22 +103,22 @@ class FakeLM(PrefixCachedLM):
     def _unload_adapter(self, lora_name):
         self.adapters.discard(lora_name)
 
-    def _run_rows(self, rows):
+    def _run_plans(self, plans):
         if self.fail:
             self.fail -= 1
             raise RuntimeError("forward failed on purpose")
-        self.fed.append(sum(row.new_tokens for row in rows))
+        self.fed.append(sum(plan.new_tokens for plan in plans))
         results = []
-        for row in rows:
-            assert row.lora is None or row.lora in self.adapters
+        for plan in plans:
+            assert plan.lora is None or plan.lora in self.adapters
             if self._pool is None:
-                assert row.start == 0
-                entries = fake_entries(row.ids, row.lora)
+                assert plan.start == 0
+                entries = fake_entries(plan.ids, plan.lora)
             else:
-                entries = self._pool.read(row.chain, row.start)
-                new = fake_entries(row.ids, row.lora)[row.start :]
+                entries = self._pool.read(plan.chain, plan.start)
+                new = fake_entries(plan.ids, plan.lora)[plan.start :]
                 for slot, entry in zip(
-                    self._pool.slots(row.chain, len(row.ids))[row.start :], new, strict=True
+                    self._pool.slots(plan.chain, len(plan.ids))[plan.start :], new, strict=True
                 ):
                     self._pool.data[slot] = entry
                 entries += new
