@@ -629,6 +629,9 @@ def test_add_query_and_batch_evaluate_queries(backend, prompt):
     for ids, got in zip(queries, results, strict=True):
         backend.assert_exact(lm, ids, got)
     assert lm.batch_evaluate_queries() == []
+    lm.add_query(prompt)
+    lm.reset_async_queries()  # empties the queue too
+    assert lm.batch_evaluate_queries() == []
     batch = lm.batch_next_token_logprobs_sync([prompt[:4], prompt[:5]])
     assert batch.shape == (2, lm.vocab_size)
     backend.assert_exact(lm, prompt[:5], batch[1])
@@ -655,7 +658,7 @@ async def test_bad_input_fails_before_any_model_work(backend):
         with pytest.raises(error, match=needle):
             lm.batch_next_token_logprobs_sync([[1, 2], bad])
     assert backend.fed() == 0 and len(lm.batcher.batch_sizes) == batches
-    assert lm.queries == [] and not lm.cache.children
+    assert lm.batch_evaluate_queries() == [] and not lm.cache.children
 
 
 async def test_a_failed_batch_reaches_every_caller_and_leaves_nothing_behind(backend, prompt):

@@ -97,9 +97,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         self.store = store
         self.kv_reuse = kv_reuse
         self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
-        # Prefixes queued by `add_query` (the reference design's public list: code that
-        # resets it with ``llm.queries = []`` keeps working).
-        self.queries: list[Query] = []
+        self._queries: list[Query] = []  # prefixes queued by `add_query`
 
     # -- backend hooks (worker thread) ---------------------------------------------------------
 
@@ -175,13 +173,13 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
         """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
-        self.queries.append(self._query(token_ids, lora_name))
-        return len(self.queries) - 1
+        self._queries.append(self._query(token_ids, lora_name))
+        return len(self._queries) - 1
 
     def batch_evaluate_queries(self) -> list[torch.Tensor]:
         """Evaluate every queued prefix in one batch (blocking); empties the queue."""
         self._check_open()
-        queries, self.queries = self.queries, []
+        queries, self._queries = self._queries, []
         return self._run_batch(queries) if queries else []
 
     def clear_cache(self) -> None:
@@ -197,7 +195,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def reset_async_queries(self) -> None:
         """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
         super().reset_async_queries()
-        self.queries = []
+        self._queries = []
 
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
