@@ -948,11 +948,11 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
 def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
     import numpy as np
 
-    from genlm.backend.llm.vllm.capture import RowFiles, write_row
+    from genlm.backend.llm.vllm.capture import MappedFiles, write_row
 
     path = tmp_path / "rows.f32"
     np.zeros(2 * 3, dtype=np.float32).tofile(path)
-    files = RowFiles()
+    files = MappedFiles()
     write_row(files, (str(path), 1, 3), torch.tensor([1.0, 2.0]))
     write_row(files, (str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
     assert list(files.maps) == [str(path)]  # mapped once, for both rows
@@ -960,20 +960,20 @@ def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
     assert rows.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, float("-inf")]]
 
 
-def test_row_files_keep_a_few_unused_maps_and_drop_replaced_files(tmp_path):
+def test_mapped_files_keep_a_few_unused_maps_and_drop_replaced_files(tmp_path):
     """The caller reuses its files between steps, when no request names them: their maps
     stay (the `KEEP_UNUSED` most recent), and a path that names a new file is mapped anew."""
     import numpy as np
 
-    from genlm.backend.llm.vllm.capture import RowFiles, write_row
+    from genlm.backend.llm.vllm.capture import MappedFiles, write_row
 
-    paths = [str(tmp_path / f"rows{i}.f32") for i in range(RowFiles.KEEP_UNUSED + 2)]
-    files = RowFiles()
+    paths = [str(tmp_path / f"rows{i}.f32") for i in range(MappedFiles.KEEP_UNUSED + 2)]
+    files = MappedFiles()
     for path in paths:
         np.zeros(3, dtype=np.float32).tofile(path)
         write_row(files, (path, 0, 3), torch.tensor([1.0, 2.0, 3.0]))
     files.keep_only({paths[0]})  # paths[0] in use: now the most recently used
-    assert list(files.maps) == paths[-RowFiles.KEEP_UNUSED :] + [paths[0]]
+    assert list(files.maps) == paths[-MappedFiles.KEEP_UNUSED :] + [paths[0]]
     os.unlink(paths[-1])
     np.full(3, 9.0, dtype=np.float32).tofile(paths[-1])  # a new file at the same path
     files.check({paths[-1], paths[-2]})

@@ -15,7 +15,7 @@ Two ways to get it, chosen by ``logprobs_capture``:
 A request opts in to the processor through ``SamplingParams.extra_args[CAPTURE_KEY] =
 (path, row, width)``: at every step the processor writes that request's full row of float32
 logits into row ``row`` of the file ``path`` (``width`` floats per row). The caller reuses
-its files step after step and each side maps each file once (`RowFiles` on the engine's),
+its files step after step and each side maps each file once (`MappedFiles` on the engine's),
 so writing a row opens nothing. Rows are found through vLLM's public `BatchUpdate`
 bookkeeping (added, removed, moved requests), so reordering of the persistent batch never
 mixes requests up; a chunked prefill writes the row more than once and the last write, the
@@ -96,9 +96,9 @@ def _remove_file(path: str) -> None:
         pass
 
 
-class _FileRows:
-    """One batch's rows: the first ``n`` rows of a capture file, NaN until the engine-side
-    logits processor writes them."""
+class _FileBatch:
+    """A batch whose rows are the first ``n`` rows of a capture file, NaN until the
+    engine-side logits processor writes them."""
 
     def __init__(self, file: _CaptureFile, n: int):
         self.path, self.n, self.width = file.path, n, file.width
@@ -142,12 +142,12 @@ class LogitsProcessorCapture:
         self._lock = threading.Lock()  # for LMs that share this capture
 
     @contextmanager
-    def batch(self, n: int, width: int) -> Iterator[_FileRows]:
+    def batch(self, n: int, width: int) -> Iterator[_FileBatch]:
         """A file's first ``n`` rows for one batch. After a failed batch the file is
         removed, not reused: requests of an abandoned step may still write to it."""
         file = self._take(n, width)
         try:
-            yield _FileRows(file, n)
+            yield _FileBatch(file, n)
         except BaseException:
             file.close()
             raise
@@ -179,7 +179,9 @@ class LogitsProcessorCapture:
             file.close()
 
 
-class _EngineLogprobsRows:
+class _LogprobsBatch:
+    """A batch whose rows come back as vLLM's own ``logprobs=-1`` output."""
+
     def __init__(self, n: int, width: int):
         self.n, self.width = n, width
 
@@ -207,8 +209,8 @@ class EngineLogprobsCapture:
     engine_opts: dict[str, Any] = {"max_logprobs": -1}
 
     @contextmanager
-    def batch(self, n: int, width: int) -> Iterator[_EngineLogprobsRows]:
-        yield _EngineLogprobsRows(n, width)
+    def batch(self, n: int, width: int) -> Iterator[_LogprobsBatch]:
+        yield _LogprobsBatch(n, width)
 
     def close(self) -> None:
         """Nothing is kept between batches."""
@@ -278,7 +280,7 @@ def apply_batch_update(
             targets[a] = b_target
 
 
-class RowFiles:
+class MappedFiles:
     """Memory maps of the capture files that requests write to.
 
     The caller reuses its files step after step, while between steps no request names
@@ -344,7 +346,7 @@ class RowFiles:
             pass
 
 
-def write_row(files: RowFiles, target: Target, logits_row: torch.Tensor) -> None:
+def write_row(files: MappedFiles, target: Target, logits_row: torch.Tensor) -> None:
     """Write one row of logits (padded with -inf, or cut, to ``width``) into its file."""
     path, row, width = target
     rows = files.rows(path, width)
@@ -371,7 +373,7 @@ def _processor_class() -> type:
 
         def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
             self.targets: dict[int, Target] = {}
-            self.files = RowFiles()
+            self.files = MappedFiles()
             self._warned = False
 
         @classmethod

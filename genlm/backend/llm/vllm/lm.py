@@ -283,14 +283,14 @@ class AsyncVirtualLM(EngineLM):
         self._check_open()
         queries = [key for key in keys if isinstance(key, Query)]
         samples = [key for key in keys if isinstance(key, _SampleRequest)]
-        with self.logprobs_capture.batch(len(queries), self.vocab_size) as capture:
-            steps = [self._query_step(q, capture.sampling_kwargs(i)) for i, q in enumerate(queries)]
+        with self.logprobs_capture.batch(len(queries), self.vocab_size) as batch:
+            steps = [self._query_step(q, batch.sampling_kwargs(i)) for i, q in enumerate(queries)]
             draws = [self._sample_step(request) for request in samples]
             # A step with adapter rows runs without sessions (Sessions.step).
             outputs = self._handle.loop.run(
                 self._handle.sessions.step(steps, draws, self.stall_timeout)
             )
-            logprobs = torch.log_softmax(capture.read(outputs[: len(queries)]), dim=-1)
+            logprobs = torch.log_softmax(batch.read(outputs[: len(queries)]), dim=-1)
         answers: dict[_StepKey, _StepAnswer] = dict(zip(queries, logprobs, strict=True))
         for request, output in zip(samples, outputs[len(queries) :], strict=True):
             answers[request] = request.tokens(output)
