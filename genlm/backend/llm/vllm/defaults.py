@@ -11,10 +11,8 @@ an explicit KV space (``kv_cache_memory_bytes``): `KV_MEMORY_FRACTION` of the me
 available when the engine starts, shared by its workers. The context (``max_model_len``)
 stays the model's own unless that space cannot hold one full context; then it is the
 tokens the space holds. And it runs eagerly (``enforce_eager=True``): vLLM's CPU backend
-otherwise compiles the model with torch inductor and warms it up at every start, which on
-a 2-core machine took 200 s of a 270 s start for no faster steps (SmolLM2-135M, the CLI's
-10 particles: 19.5 tokens/s compiled, 20 eager; the eager start: 63 s).
-Whatever the caller sets wins: ``engine_opts`` keys ``kv_cache_memory_bytes``,
+otherwise compiles the model with torch inductor and warms it up at every start, for no
+faster steps (docs/backends.md has the figures). Whatever the caller sets wins: ``engine_opts`` keys ``kv_cache_memory_bytes``,
 ``gpu_memory_utilization`` (vLLM's own sizing), ``max_model_len``, ``enforce_eager`` and
 ``compilation_config``, or the ``VLLM_CPU_KVCACHE_SPACE`` environment variable (GiB, which
 vLLM applies over any engine option).
@@ -39,6 +37,20 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
 # The logger of vLLM's scheduler, which logs every pause and resume at INFO.
 SCHEDULER_LOGGER = "vllm.v1.core.sched.scheduler"
+
+
+def from_name_options(
+    model_name: str, engine_opts: dict[str, Any] | None, capture: LogprobsCapture
+) -> dict[str, Any]:
+    """Every engine option of `AsyncVirtualLM.from_name` (see the module doc)."""
+    opts = engine_options(engine_opts, capture)
+    if is_cpu_build():
+        dtype = str(opts.get("dtype", "auto")).removeprefix("torch.")
+        shape = model_shape(model_name, dtype)
+        opts.update(cpu_engine_defaults(engine_opts or {}, shape, available_memory()))
+    if not logging_configured(opts):
+        opts["logging_config"] = quiet_scheduler_logging()
+    return opts
 
 
 def engine_options(engine_opts: dict[str, Any] | None, capture: LogprobsCapture) -> dict[str, Any]:

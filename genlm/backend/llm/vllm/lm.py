@@ -34,16 +34,8 @@ from genlm.backend.llm.vllm.capture import (
     MissingRowsError,
     make_capture,
 )
-from genlm.backend.llm.vllm.defaults import (
-    available_memory,
-    cpu_engine_defaults,
-    engine_options,
-    is_cpu_build,
-    logging_configured,
-    model_shape,
-    quiet_scheduler_logging,
-)
-from genlm.backend.llm.vllm.handle import engine_handle, start_engine
+from genlm.backend.llm.vllm.defaults import from_name_options
+from genlm.backend.llm.vllm.loop import engine_handle, start_engine
 from genlm.backend.llm.vllm.sessions import STALL_TIMEOUT, StepRequest
 
 logger = logging.getLogger(__name__)
@@ -99,6 +91,17 @@ class _SampleRequest:
     nonce: int | None  # makes unseeded requests distinct, so they are never merged
     lora: str | None = None
 
+    def sampling_params(self, vllm: Any) -> Any:
+        """vLLM's ``SamplingParams`` for these draws (``vllm``: `api.vllm_api`)."""
+        return vllm.SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
+            stop_token_ids=list(self.eos_token_ids),
+            ignore_eos=True,
+            detokenize=False,
+        )
+
     def tokens(self, output: Any) -> list[int]:
         """The tokens vLLM drew, up to the first end-of-sequence token (not included)."""
         tokens = list(output.outputs[0].token_ids)
@@ -131,7 +134,7 @@ class AsyncVirtualLM(EngineLM):
             forever.
 
     Raises ``ValueError`` for an engine built inside a running event loop by the caller
-    (`genlm.backend.llm.vllm.handle.check_output_handler`); `from_name` has no such limit.
+    (`genlm.backend.llm.vllm.loop.engine_handle`); `from_name` has no such limit.
     """
 
     # Wider than the base class's (queries alone): samples share the queries' steps.
@@ -201,13 +204,7 @@ class AsyncVirtualLM(EngineLM):
             )
         logprobs_capture = make_capture(capture)
         vllm = api.import_vllm()
-        opts = engine_options(engine_opts, logprobs_capture)
-        if is_cpu_build():
-            dtype = str(opts.get("dtype", "auto")).removeprefix("torch.")
-            shape = model_shape(model_name, dtype)
-            opts.update(cpu_engine_defaults(engine_opts or {}, shape, available_memory()))
-        if not logging_configured(opts):
-            opts["logging_config"] = quiet_scheduler_logging()
+        opts = from_name_options(model_name, engine_opts, logprobs_capture)
         args = vllm.AsyncEngineArgs(model=model_name, **opts)
         engine = start_engine(lambda: vllm.AsyncLLMEngine.from_engine_args(args))
         try:
@@ -272,23 +269,30 @@ class AsyncVirtualLM(EngineLM):
         self._check_open()
         return self.llm_engine
 
-    def _lora_request(self, lora: str | None) -> Any:
-        """vLLM's ``LoRARequest`` for an adapter (None for the base model)."""
-        if lora is None:
-            return None
-        return api.vllm_api().LoRARequest(lora, hash_to_int(lora), self._adapter_dirs[lora])
-
     def _process_batch(self, keys: list[_StepKey]) -> list[_StepAnswer]:  # type: ignore[override]
         """One engine step for a batch of queries and sample requests (see `_StepKey`)."""
         self._check_open()
+        vllm = api.vllm_api()
         queries = [key for key in keys if isinstance(key, Query)]
         samples = [key for key in keys if isinstance(key, _SampleRequest)]
         with self.logprobs_capture.batch(len(queries), self.vocab_size) as batch:
-            steps = [self._query_step(q, batch.sampling_kwargs(i)) for i, q in enumerate(queries)]
-            draws = [self._sample_step(request) for request in samples]
+            params = [
+                vllm.SamplingParams(
+                    max_tokens=1,
+                    temperature=0.0,
+                    detokenize=False,
+                    output_kind=vllm.DELTA,
+                    **batch.sampling_kwargs(i),
+                )
+                for i in range(len(queries))
+            ]
+            requests = [
+                self._request(q.token_ids, q.lora, p) for q, p in zip(queries, params, strict=True)
+            ]
+            draws = [self._request(r.prompt, r.lora, r.sampling_params(vllm)) for r in samples]
             # A step with adapter rows runs without sessions (Sessions.step).
             outputs = self._handle.loop.run(
-                self._handle.sessions.step(steps, draws, self.stall_timeout)
+                self._handle.sessions.step(requests, draws, self.stall_timeout)
             )
             logprobs = torch.log_softmax(batch.read(outputs[: len(queries)]), dim=-1)
         answers: dict[_StepKey, _StepAnswer] = dict(zip(queries, logprobs, strict=True))
@@ -296,32 +300,15 @@ class AsyncVirtualLM(EngineLM):
             answers[request] = request.tokens(output)
         return [answers[key] for key in keys]
 
-    def _query_step(self, query: Query, capture_kwargs: dict[str, Any]) -> StepRequest:
-        """A query's request: one greedy token, its row captured."""
-        params = api.vllm_api().SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            detokenize=False,
-            output_kind=api.vllm_api().DELTA,
-            **capture_kwargs,
+    def _request(self, token_ids: tuple[int, ...], lora: str | None, params: Any) -> StepRequest:
+        """A request of a step, with vLLM's ``LoRARequest`` for its adapter. LMs with other
+        captures on this engine never continue its sessions (its ``kind``)."""
+        lora_request = (
+            None
+            if lora is None
+            else api.vllm_api().LoRARequest(lora, hash_to_int(lora), self._adapter_dirs[lora])
         )
-        # LMs with other captures on this engine never continue its sessions
-        kind = type(self.logprobs_capture)
-        return StepRequest(
-            query.token_ids, query.lora, self._lora_request(query.lora), params, kind
-        )
-
-    def _sample_step(self, request: _SampleRequest) -> StepRequest:
-        """A sample request's one-shot request, drawn by vLLM's sampler."""
-        params = api.vllm_api().SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            seed=request.seed,
-            stop_token_ids=list(request.eos_token_ids),
-            ignore_eos=True,
-            detokenize=False,
-        )
-        return StepRequest(request.prompt, request.lora, self._lora_request(request.lora), params)
+        return StepRequest(token_ids, lora, lora_request, params, type(self.logprobs_capture))
 
     async def _sample(
         self, query: Query, max_tokens: int, eos: frozenset[int], temperature: float, seed: Any

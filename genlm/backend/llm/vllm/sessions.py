@@ -1,11 +1,9 @@
 """Particles that live in the vLLM engine: streaming-input sessions over ``AsyncLLM``.
 
-vLLM's v1 engine can keep a request open between inputs (``AsyncLLM.generate`` fed by
-an async generator of ``StreamingInput`` chunks): each chunk appends prompt tokens to
-the same request, whose KV blocks stay in place, and the token the engine sampled for
-the previous chunk is dropped without being computed. A particle that asks for the
-next-token distribution after its context plus one token is therefore one more chunk
-of one token: no new request, no re-hash of the prefix, no recompute of its last block.
+vLLM's v1 engine keeps a request open between inputs (``AsyncLLM.generate`` fed by an
+async generator of ``StreamingInput`` chunks): each chunk appends prompt tokens to the
+request, whose KV blocks stay in place. A particle's next context (its context plus one
+token) is therefore one more chunk: no new request, no re-hash or recompute of its prefix.
 
 `Sessions` maps each live session to its context (and adapter) and runs one step of
 requests at a time:
@@ -125,10 +123,10 @@ class StepRequest:
 
     def chunk(self, token_ids: Sequence[int]) -> Any:
         """A streaming-input chunk of ``token_ids`` with this request's parameters."""
-        return api.vllm_api().StreamingInput(prompt=prompt(token_ids), sampling_params=self.params)
+        return api.vllm_api().StreamingInput(prompt=_prompt(token_ids), sampling_params=self.params)
 
 
-def prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
+def _prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
     """A token prompt; a fresh list every time, as vLLM extends a session's list in place."""
     return {"prompt_token_ids": list(token_ids)}
 
@@ -233,9 +231,12 @@ class Sessions:
                     await self._all_sent(live, tasks)
             finally:
                 resumed = self._background(self.engine.resume_generation()) if held else None
-            if resumed is not None:
-                await self._check_resumed(resumed, live, tasks, stall_timeout)
-            results = await self._outputs(live, tasks, stall_timeout)
+            try:
+                if resumed is not None:
+                    await self._check_resumed(resumed, tasks, stall_timeout)
+                results = await self._results(tasks, stall_timeout)
+            except Exception as failure:  # noqa: BLE001 (stalled, the engine died, a request failed)
+                self._fail(live, failure)
             self._keep(live)
             return results
 
@@ -247,8 +248,8 @@ class Sessions:
         and a task per request for its output."""
         claimed = [self._claim(request) for request in requests]
         kept = [len(r.token_ids) for r, s in zip(requests, claimed, strict=True) if s is not None]
-        slots = self._slot_budget() - len(kept)
-        blocks = self._block_budget() - sum(map(self.limits.blocks, kept))
+        slots, blocks = self._budget()
+        slots, blocks = slots - len(kept), blocks - sum(map(self.limits.blocks, kept))
         live: list[Session] = []
         waits: list[Awaitable[Any]] = []
         for request, session in zip(requests, claimed, strict=True):
@@ -278,32 +279,15 @@ class Sessions:
         return self.live.pop(request.key(request.token_ids[:-1]), None)
 
     async def _check_resumed(
-        self,
-        resumed: asyncio.Future,
-        live: Sequence[Session],
-        tasks: Sequence[asyncio.Future],
-        stall_timeout: float,
+        self, resumed: asyncio.Future, tasks: Sequence[asyncio.Future], stall_timeout: float
     ) -> None:
-        """Fail the step if the held scheduler did not resume: its answer comes long before
-        the step's outputs, and without it they never come."""
+        """Raise (the step's tasks cancelled) unless the held scheduler resumed: its answer
+        comes long before the step's outputs, and without it they never come."""
         await asyncio.wait([resumed], timeout=stall_timeout)
         lost = resumed.exception() if resumed.done() else _stalled(len(tasks), stall_timeout)
         if lost is not None:
             await _cancel(tasks)
-            self._fail(live, lost)
-
-    async def _outputs(
-        self, live: Sequence[Session], tasks: Sequence[asyncio.Future], stall_timeout: float
-    ) -> list[Any]:
-        """Each task's output; the first failure closes the step's sessions and is raised."""
-        try:
-            results = await self._results(tasks, stall_timeout)
-        except Exception as failure:  # noqa: BLE001 (stalled, or the engine died)
-            self._fail(live, failure)
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            self._fail(live, error)
-        return results
+            raise lost
 
     def _keep(self, live: Sequence[Session]) -> None:
         """File the step's sessions as the most recently used, each replacing a paused
@@ -328,19 +312,15 @@ class Sessions:
         for lora in dict.fromkeys(request.lora for request in requests):
             group = [i for i, request in enumerate(requests) if request.lora == lora]
             tasks = [asyncio.ensure_future(self._one_shot(requests[i])) for i in group]
-            outputs = await self._results(tasks, stall_timeout)
-            error = next((r for r in outputs if isinstance(r, BaseException)), None)
-            if error is not None:
-                raise error
-            for i, output in zip(group, outputs, strict=True):
+            for i, output in zip(group, await self._results(tasks, stall_timeout), strict=True):
                 results[i] = output
         return results
 
     async def _results(self, tasks: Sequence[asyncio.Future], stall_timeout: float) -> list[Any]:
-        """Each task's result or exception, in order, once all have ended. Raises (after
-        cancelling the unfinished ones) `StepStalledError` when no output comes for
-        ``stall_timeout`` seconds, and the engine's own error as soon as it reports itself
-        dead."""
+        """Each task's result, in order, once all have ended (else the first one's error).
+        Raises (after cancelling the unfinished ones) `StepStalledError` when no output
+        comes for ``stall_timeout`` seconds, and the engine's own error as soon as it
+        reports itself dead."""
         loop = asyncio.get_running_loop()
         self._last_output = loop.time()
         pending = set(tasks)
@@ -354,7 +334,7 @@ class Sessions:
             if pending and getattr(self.engine, "errored", False):
                 await _cancel(pending)
                 raise self.engine.dead_error
-        return [task.exception() or task.result() for task in tasks]
+        return [task.result() for task in tasks]
 
     def _output_marked(self) -> None:
         self._last_output = asyncio.get_running_loop().time()
@@ -410,18 +390,12 @@ class Sessions:
         if not task.cancelled():
             task.exception()  # retrieved here; a step checks its pause and resume itself
 
-    def _slot_budget(self) -> int:
-        """Request slots sessions may hold: all but one of ``max_num_seqs``, so one-shot
-        requests always find a slot while sessions are paused."""
-        if self.limits.max_num_seqs is None:
-            return 1 << 30
-        return self.limits.max_num_seqs - 1
-
-    def _block_budget(self) -> int:
-        """KV blocks sessions may hold: half of the engine's."""
-        if self.limits.num_blocks is None:
-            return 1 << 30
-        return self.limits.num_blocks // 2
+    def _budget(self) -> tuple[int, int]:
+        """The request slots and KV blocks sessions may hold: all but one of
+        ``max_num_seqs`` (so one-shot requests always find a slot while sessions are
+        paused) and half of the engine's blocks; unbounded where the engine says none."""
+        slots, blocks = self.limits.max_num_seqs, self.limits.num_blocks
+        return (1 << 30 if slots is None else slots - 1, 1 << 30 if blocks is None else blocks // 2)
 
     def _make_room(self, slots: int, blocks: int) -> None:
         """Close paused sessions, least recently used first, until they fit in ``slots``
@@ -437,7 +411,7 @@ class Sessions:
         final = None
         request_id = self._request_id()
         outputs = self.engine.generate(
-            prompt(request.token_ids),
+            _prompt(request.token_ids),
             request.params,
             request_id,
             lora_request=request.lora_request,
