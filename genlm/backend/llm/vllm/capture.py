@@ -350,8 +350,7 @@ def _processor_class() -> type:
 
         @classmethod
         def validate_params(cls, sampling_params: SamplingParams) -> None:
-            extra = sampling_params.extra_args or {}
-            target = extra.get(CAPTURE_KEY)
+            target = (sampling_params.extra_args or {}).get(CAPTURE_KEY)
             if target is not None and (not isinstance(target, list | tuple) or len(target) != 3):
                 raise ValueError(
                     f"extra_args[{CAPTURE_KEY!r}] must be (path, row, width), got {target!r}"

@@ -247,9 +247,10 @@ class Sessions:
         budget allows, else as a one-shot request; then ``one_shot``. The step's sessions,
         and a task per request for its output."""
         claimed = [self._claim(request) for request in requests]
-        kept = [len(r.token_ids) for r, s in zip(requests, claimed, strict=True) if s is not None]
         slots, blocks = self._budget()
-        slots, blocks = slots - len(kept), blocks - sum(map(self.limits.blocks, kept))
+        for request, session in zip(requests, claimed, strict=True):
+            if session is not None:  # the continued sessions take their room first
+                slots, blocks = slots - 1, blocks - self.limits.blocks(len(request.token_ids))
         live: list[Session] = []
         waits: list[Awaitable[Any]] = []
         for request, session in zip(requests, claimed, strict=True):
