@@ -115,9 +115,8 @@ class LogitsProcessorCapture:
     every request names its row, the processor fills it, and rows still NaN afterwards
     raise `MissingRowsError`. ``directory`` must be visible to the process that samples (a
     shared filesystem if that is another host; `AsyncVirtualLM.from_name` checks it with a
-    probe request). Files are reused from batch to batch (making, filling and mapping a
-    fresh file each step cost ~1.5 ms of CPU a step at 8 rows of 49k tokens): `KEEP_FILES`
-    stay between batches, the others are removed, and `close` removes those too.
+    probe request). Files are reused from batch to batch (a fresh file costs ~1.5 ms of
+    CPU a step): `KEEP_FILES` stay between batches, `close` removes those too.
     """
 
     engine_opts: dict[str, Any] = {"logits_processors": [CAPTURE_PROCESSOR]}

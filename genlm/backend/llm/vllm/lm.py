@@ -24,6 +24,7 @@ import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
+from genlm.backend.checks import dict_option
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
@@ -63,13 +64,9 @@ def check_stall_timeout(stall_timeout: Any) -> None:
 def check_cache_opts(cache_opts: Any) -> None:
     """Raise unless ``cache_opts`` is None or a dict of `OutputCache` options with valid
     values (``TypeError`` naming the option and the ones there are)."""
+    dict_option("cache_opts", cache_opts)
     if cache_opts is None:
         return
-    if not isinstance(cache_opts, dict):
-        raise TypeError(
-            f"cache_opts must be a dict of OutputCache options or None, got "
-            f"{type(cache_opts).__name__}: {cache_opts!r}"
-        )
     allowed = [name for name in inspect.signature(OutputCache).parameters if name != "maxsize"]
     for name in cache_opts:
         if name not in allowed:
