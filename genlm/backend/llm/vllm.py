@@ -40,6 +40,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -71,6 +72,7 @@ from genlm.backend.llm.vllm_loop import (
     start_engine,
 )
 from genlm.backend.llm.vllm_sessions import STALL_TIMEOUT, SessionPool, StepRequest
+from genlm.backend.llm.vllm_shm import remove_left_behind, watch_shared_memory
 
 logger = logging.getLogger(__name__)
 
@@ -461,6 +463,7 @@ class AsyncVirtualLM(EngineLM):
         self.stall_timeout = float(stall_timeout)
         self._max_model_len = engine_max_model_len(llm_engine)
         self._engine_loop = engine_loop(llm_engine)
+        watch_shared_memory(llm_engine)
         super().__init__(
             llm_engine.get_tokenizer(), cache_size, cache_opts, batch_size, timeout, "genlm-vllm"
         )
@@ -788,7 +791,10 @@ def stop_engine(engine: Any, loop: EngineLoop) -> None:
     """Shut ``engine`` down on ``loop``, the loop that drives it, then stop the loop, in
     at most `ENGINE_SHUTDOWN_TIMEOUT` + `SHUTDOWN_GRACE` seconds (vLLM kills engine
     processes still running after `ENGINE_SHUTDOWN_TIMEOUT`). A shutdown call that has not
-    returned by then holds the loop's thread: the loop is abandoned, not waited for."""
+    returned by then holds the loop's thread: the loop is abandoned, not waited for.
+    Within the same time, the shared memory of engine processes that died uncleanly is
+    removed once they have all exited (`genlm.backend.llm.vllm_shm`)."""
+    deadline = time.monotonic() + ENGINE_SHUTDOWN_TIMEOUT + SHUTDOWN_GRACE
     stuck = False
     try:
         loop.run(
@@ -802,6 +808,7 @@ def stop_engine(engine: Any, loop: EngineLoop) -> None:
         logger.warning("vLLM engine shutdown did not finish: %s", error)
     finally:
         close_engine_loop(engine, abandon=stuck)
+        remove_left_behind(engine, deadline)
 
 
 def _prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
