@@ -4,8 +4,8 @@ means closed.
 Bad options are sent to ``from_name`` with the loaders replaced by a sentinel that fails
 the test if reached (so a refusal provably comes before any model loads), and to the
 constructors with no model at all (the checks come first); good ones must reach the
-sentinel. Closed LMs and tries get every public method and must raise without starting a
-thread.
+sentinel. Closed LMs get every public method and must raise without starting a thread
+(closed async tries: tests/test_trie_async.py).
 """
 
 import inspect
@@ -20,8 +20,6 @@ from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm import MockAsyncLM
 from genlm.backend.llm.base import check_sampling_args
-from genlm.backend.tokenization import Token
-from genlm.backend.trie import AsyncTokenCharacterTrie
 
 NAN, INF = float("nan"), float("inf")
 
@@ -405,28 +403,3 @@ async def test_every_method_of_a_closed_lm_raises_and_starts_no_thread(closed_lm
         if inspect.iscoroutine(result):
             await result
     assert not has_worker(lm.batcher)
-
-
-TRIE_VOCAB = [Token(i, b) for i, b in enumerate([b"a", b"ab", b"b"])]
-
-
-@pytest.mark.parametrize("backend", ["sequential", "parallel"])
-async def test_a_closed_async_trie_refuses_work_and_its_stop_verbs_start_nothing(backend):
-    trie = AsyncTokenCharacterTrie.from_vocab(TRIE_VOCAB, backend=backend)
-    assert (await trie.weight_sum([1.0, 2.0, 3.0])).shape == (trie.trie.num_nodes,)
-    trie.close()
-    for call in (
-        lambda: trie.weight_sum([1.0, 2.0, 3.0]),
-        lambda: trie.weight_max([1.0, 2.0, 3.0]),
-        trie.start,
-    ):
-        with pytest.raises(RuntimeError, match=r"AsyncTokenCharacterTrie used after close\(\)"):
-            result = call()
-            if inspect.iscoroutine(result):
-                await result
-    # stopping a closed trie again is allowed (close is idempotent) and starts nothing
-    trie.pause()
-    trie.shutdown()
-    await trie.cleanup()
-    trie.close()
-    assert not any(has_worker(batcher) for batcher in trie._batchers.values())

@@ -1,6 +1,7 @@
 """AsyncTokenCharacterTrie: concurrent awaits batched, results equal to the direct calls."""
 
 import asyncio
+import inspect
 import threading
 
 import numpy as np
@@ -192,6 +193,55 @@ async def test_rows_of_a_batch_keep_its_block_until_every_caller_drops_theirs():
             continue
         assert kept[node] == pytest.approx(expected[bytes(prefix)], rel=1e-5)
     await trie.cleanup()
+
+
+CLOSED = r"^AsyncTokenCharacterTrie used after close\(\): create a new one \(pause\(\), "
+CALLS_AFTER_CLOSE = {
+    "weight_sum": lambda trie: trie.weight_sum(np.ones(len(VOCAB))),
+    "weight_max": lambda trie: trie.weight_max(torch.ones(len(VOCAB))),
+    "start": lambda trie: trie.start(),
+    "pause": lambda trie: trie.pause(),
+    "cleanup": lambda trie: trie.cleanup(),
+    "shutdown": lambda trie: trie.shutdown(),
+}
+
+
+def has_workers(trie):
+    """Whether any of ``trie``'s batchers holds a worker thread (started only by its executor)."""
+    return any(batcher._executor is not None for batcher in trie._batchers.values())
+
+
+@pytest.mark.parametrize("backend", ["sequential", "parallel"])
+@pytest.mark.parametrize("call", CALLS_AFTER_CLOSE)
+async def test_every_method_of_a_closed_trie_raises_and_starts_no_thread(backend, call):
+    trie = AsyncTokenCharacterTrie.from_vocab(VOCAB, backend=backend)
+    ws = distributions(1)[0]
+    np.testing.assert_allclose(await trie.weight_sum(ws), trie.trie.weight_sum(ws), rtol=1e-6)
+    assert has_workers(trie)
+    trie.close()
+    assert not has_workers(trie)
+    with pytest.raises(RuntimeError, match=CLOSED):
+        result = CALLS_AFTER_CLOSE[call](trie)
+        if inspect.iscoroutine(result):
+            await result
+    assert not has_workers(trie)
+
+
+async def test_close_is_idempotent_and_the_with_blocks_close_quietly_after_it():
+    """A second close, and leaving a ``with`` / ``async with`` block after an explicit
+    close, do nothing (and raise nothing)."""
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    trie.close()
+    trie.close()
+    with AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB)) as trie:
+        await trie.weight_sum(np.ones(len(VOCAB)))
+        trie.close()
+    async with AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB)) as trie:
+        await trie.weight_max(np.ones(len(VOCAB)))
+        trie.close()
+    assert not has_workers(trie)
+    with pytest.raises(RuntimeError, match=CLOSED):
+        trie.pause()
 
 
 def test_the_weight_kernels_release_the_gil():

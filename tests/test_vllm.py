@@ -854,6 +854,65 @@ def test_lms_built_inside_a_running_loop_or_in_a_thread_serve_and_exit_cleanly(
         assert diff <= TRANSFORMERS_TOLERANCE
 
 
+# An LM whose engine dies under it (its worker killed, as the OOM killer would) while a
+# particle keeps stepping, left open at exit. Its stderr after EXIT_MARKER is the exit's.
+EXIT_MARKER = "-- exiting without close() --"
+DEAD_ENGINE_SCRIPT = """
+import sys, threading, time
+import psutil
+from genlm.backend.llm.vllm import AsyncVirtualLM
+
+model, marker = sys.argv[1:3]
+opts = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256, "max_num_seqs": 4}
+
+def particle(lm, served, failures):
+    context = [504, 3458, 282, 4649, 314]
+    while True:  # also once the engine is dead, as an SMC particle would
+        try:
+            lm.next_token_logprobs_sync(context)
+            served.set()
+            context = context[:5] if len(context) > 64 else [*context, context[-1] + 1]
+        except Exception as error:
+            failures.append(type(error).__name__)
+            time.sleep(0.05)
+
+if __name__ == "__main__":
+    lm = AsyncVirtualLM.from_name(model, engine_opts=opts)
+    served, failures = threading.Event(), []
+    threading.Thread(target=particle, args=(lm, served, failures), daemon=True).start()
+    assert served.wait(120)
+    for process in psutil.Process().children(recursive=True):
+        if process.name().startswith("VLLM::Worker"):
+            process.kill()
+    deadline = time.monotonic() + 120
+    while not failures and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("steps failed with", failures[:1], file=sys.stderr)
+    print(marker, file=sys.stderr, flush=True)
+"""
+
+
+def test_an_lm_left_open_on_an_engine_that_died_exits_cleanly(small_llama_dir, tmp_path):
+    """The worker killed under a stepping particle: the steps fail with vLLM's
+    EngineDeadError, and the exit (the backend's exit hook closing the LM) prints no
+    traceback and no "leaked shared_memory objects" (the dead worker's ring buffer and
+    semaphore, which only its own exit would have removed). On the small Llama."""
+    script = tmp_path / "dead_engine.py"
+    script.write_text(DEAD_ENGINE_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), small_llama_dir, EXIT_MARKER],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.getcwd(),
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, marker, at_exit = run.stderr.partition(EXIT_MARKER)
+    assert marker and "steps failed with ['EngineDeadError']" in before, run.stderr[-3000:]
+    assert untidy_exit_lines(at_exit) == []
+
+
 def test_the_cli_on_vllm_exits_cleanly_and_a_failed_engine_exits_non_zero(small_llama_dir):
     """`python -m genlm.backend sis --backend vllm` with the CPU build's defaults (no KV
     space given): status 0, tidy exit; an engine that cannot start: status 1, one line.

@@ -9,8 +9,9 @@ reused only once every caller has dropped its row and all views of it.
 
 Lifecycle: `pause` stops the worker threads, which restart if the trie is used again
 (`cleanup` and `shutdown`, the reference design's names, pause too); `close` (also run
-by ``with`` / ``async with``) stops them for good, after which calls raise
-`RuntimeError`, as `close` does for every LM.
+by ``with`` / ``async with``) stops them for good: after it every method, the pausing
+ones and `start` included, raises `RuntimeError`, as on every LM; only `close` itself may
+be called again, and does nothing.
 """
 
 from __future__ import annotations
@@ -125,12 +126,13 @@ class AsyncTokenCharacterTrie:
 
     def pause(self) -> None:
         """Drop queued requests and stop the worker threads; they restart on demand."""
-        for batcher in self._batchers.values():
-            batcher.close()
+        self._check_open()
+        self._stop_workers()
 
     async def cleanup(self) -> None:
         """`pause`, off the event loop (the reference design's name: it does not close)."""
-        await asyncio.to_thread(self.pause)
+        self._check_open()
+        await asyncio.to_thread(self._stop_workers)
 
     def shutdown(self) -> None:
         """`pause` (the reference design's name: it does not close)."""
@@ -138,8 +140,14 @@ class AsyncTokenCharacterTrie:
 
     def close(self) -> None:
         """Stop the worker threads for good (idempotent); later calls raise `RuntimeError`."""
+        if self._closed:
+            return
         self._closed = True
-        self.pause()
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        for batcher in self._batchers.values():
+            batcher.close()
 
     def _check_open(self) -> None:
         if self._closed:

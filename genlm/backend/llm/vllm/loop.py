@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from genlm.backend.llm.vllm.sessions import Sessions
+from genlm.backend.llm.vllm.shm import remove_left_behind, watch_shared_memory
 
 logger = logging.getLogger(__name__)
 
@@ -157,12 +158,15 @@ class EngineHandle:
         self.engine = engine
         self.loop = loop
         self.sessions = Sessions(engine)
+        watch_shared_memory(engine)
 
     def stop(self) -> None:
         """Close the sessions, shut the engine down, then stop the loop, in at most
         `CLOSE_TIMEOUT` seconds (vLLM kills engine processes still running after
         `ENGINE_SHUTDOWN_TIMEOUT`). A shutdown call that has not returned by then holds the
-        loop's thread: the loop is abandoned, not waited for."""
+        loop's thread: the loop is abandoned, not waited for. Within the same time, the
+        shared memory of engine processes that died uncleanly is removed once they have
+        all exited (`genlm.backend.llm.vllm.shm`)."""
         if not self.loop.alive:
             return  # stopped already, through another wrapper of the same engine
         try:
@@ -170,6 +174,7 @@ class EngineHandle:
         except (TimeoutError, EngineLoopClosedError) as error:
             logger.warning("vLLM sessions not closed before shutdown: %s", error)
         stuck = False
+        deadline = time.monotonic() + ENGINE_SHUTDOWN_TIMEOUT + SHUTDOWN_GRACE
         try:
             self.loop.run(
                 _call(functools.partial(self.engine.shutdown, timeout=ENGINE_SHUTDOWN_TIMEOUT)),
@@ -182,6 +187,7 @@ class EngineHandle:
             logger.warning("vLLM engine shutdown did not finish: %s", error)
         finally:
             close_engine_loop(self.engine, abandon=stuck)
+            remove_left_behind(self.engine, deadline)
 
 
 async def _call(fn: Callable[[], Any]) -> Any:
