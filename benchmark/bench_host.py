@@ -11,7 +11,7 @@ hand-written floor in the same run (one prefill of the prompt expanded to N rows
 - ``ops``: aten ops of one step, counted with a ``TorchDispatchMode`` (every op that
   reaches the dispatcher below autograd, views included; on a GPU each non-view op is a
   kernel launch). Deterministic. The library's count covers the caller's thread (the
-  rows stacked) and the batcher's worker (``_process_batch``: plan, forward, rows out).
+  rows stacked) and the batcher's worker (``_serve_batch``: plan, forward, rows out).
 - ``ms``: wall time per step (median over the timed steps).
 - ``host_ms``: wall time per step outside the model's forward (hooks around
   ``model.forward``): the index building, the prefix tree, the rows' copies, ...
@@ -125,11 +125,11 @@ def library_steps(
     lm = AsyncTransformer(model, tokenizer, batch_size=n)
     clock = ForwardClock(model)
     worker_counts: list[Counter[str]] = []
-    process = lm._process_batch
+    serve = lm._serve_batch
 
-    def counted(keys: Any) -> Any:
+    def counted(*args: Any) -> Any:
         with op_counter() as counter:
-            rows = process(keys)
+            rows = serve(*args)
         worker_counts.append(counter.counts)
         return rows
 
@@ -142,7 +142,7 @@ def library_steps(
     for step in range(steps):
         last = count_ops and step == steps - 1
         if last:
-            lm._process_batch = counted  # type: ignore[method-assign]
+            lm._serve_batch = counted  # type: ignore[method-assign]
         clock.seconds = 0.0
         start = time.perf_counter()
         if last:

@@ -66,19 +66,19 @@ def expected(model, vocab_size, ids):
 
 def counted_steps(lm, contexts, steps):
     """Run ``steps`` decode steps (each particle appends a token of its own) and return
-    each step's aten op counts, taken in the batcher's worker (`_process_batch`: plan,
+    each step's aten op counts, taken in the batcher's worker (`_serve_batch`: plan,
     forward, rows out)."""
     counts = []
-    process = lm._process_batch
+    serve = lm._serve_batch
 
-    def counted(keys):
+    def counted(*args):
         assert threading.current_thread() is not threading.main_thread()
         with OpCounter() as counter:
-            rows = process(keys)
+            rows = serve(*args)
         counts.append(counter.counts)
         return rows
 
-    lm._process_batch = counted
+    lm._serve_batch = counted
     for step in range(steps):
         lm.batch_next_token_logprobs_sync(contexts)
         contexts = [c + [(7 * i + 11 * step) % 1000 + 1] for i, c in enumerate(contexts)]

@@ -106,7 +106,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     @abstractmethod
     def _run_rows(self, rows: Sequence[Row]) -> torch.Tensor | list[torch.Tensor]:
         """Each row's next-token logprobs, in order: a ``[rows, vocab]`` batch (the base
-        copies its rows out in one op) or a list of tensors of their own. With KV reuse a
+        copies its rows out in one op before the next call, so a backend may reuse its
+        memory) or a list of tensors of their own. With KV reuse a
         row's chain is allocated and its copies applied: read its first ``row.start``
         tokens' KV from the chain and write ``ids[start:]``'s into it; without, run the
         whole prefix."""
@@ -202,6 +203,11 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
     def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
+        # Callers get copies: a row edited in place must not change what the tree holds.
+        return _copies(self._shared_rows(keys))
+
+    def _shared_rows(self, keys: list[Query]) -> list[torch.Tensor]:
+        """The rows of ``keys``, as the tree holds them (not to be edited)."""
         results: dict[int, torch.Tensor] = {}
         planned: list[Row] = []
         chains: dict[int, Chain] = {}  # by slot: each row's own chain until a node takes it
@@ -220,8 +226,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                     results[row.slot] = logprobs
         finally:
             self._finish(planned, chains)
-        # Callers get copies: a row edited in place must not change what the tree holds.
-        return _copies([results[slot] for slot in range(len(keys))])
+        return [results[slot] for slot in range(len(keys))]
 
     def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
