@@ -160,6 +160,24 @@ async def test_every_row_has_storage_of_its_own(tiny_model, smollm2_tokenizer):
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
 
 
+def test_rows_of_earlier_batches_stay_theirs_when_the_next_batches_run(
+    tiny_model, smollm2_tokenizer
+):
+    """A batch's logprobs are written into one buffer that every batch reuses: the rows a
+    caller holds and those the tree serves again stay the rows of their own contexts."""
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    vocab = lm.vocab_size
+    prompt = list(range(3, 40))
+    first = particles(4, prompt)
+    held = lm.batch_next_token_logprobs_sync(first)
+    held_one = lm.next_token_logprobs_sync(first[0] + [5])
+    lm.batch_next_token_logprobs_sync([c + [9] for c in first] + [prompt[:10]])  # two groups
+    for ids, row in zip(first, held, strict=True):
+        assert torch.allclose(row, expected(tiny_model, vocab, ids), atol=TOL)
+    assert torch.allclose(held_one, expected(tiny_model, vocab, first[0] + [5]), atol=TOL)
+    assert torch.equal(lm.batch_next_token_logprobs_sync(first), held)  # from the tree
+
+
 def test_block_copies_copy_each_tokens_slot_and_nothing_else():
     layout = KVLayout(3, 2, 4, torch.float32, 4, torch.device("cpu"))
     pool = TorchBlockPool(layout, block_size=4)
