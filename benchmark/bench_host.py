@@ -1,14 +1,15 @@
 """The host work of a decode step: `AsyncTransformer` on a tiny random Llama on the CPU.
 
-The model (2 layers, hidden 64, SmolLM2's 49,152-token vocabulary from ``benchmark/data``,
-random weights; nothing is downloaded) makes the forward nearly free, so what a step
-costs is what the library does around it. For N particles on a P-token prompt, each step
-is one ``batch_next_token_logprobs_sync`` over the N contexts, then one batched
-``multinomial`` draw (outside the timed step). Measured per step, against the
-hand-written floor in the same run (one prefill of the prompt expanded to N rows of a
-``DynamicCache``, then one batched forward and ``log_softmax`` per token):
+The model (`small_models.tiny_llama`: 2 layers, hidden 64, SmolLM2's 49,152-token
+vocabulary from ``benchmark/data``, random weights; nothing is downloaded) makes the
+forward nearly free, so what a step costs is what the library does around it. For N
+particles on a P-token prompt, each step is one ``batch_next_token_logprobs_sync`` over
+the N contexts, then one batched ``multinomial`` draw (outside the timed step). Measured
+per step, against the hand-written floor in the same run (one prefill of the prompt
+expanded to N rows of a ``DynamicCache``, then one batched forward and ``log_softmax``
+per token):
 
-- ``ops``: aten ops of one step, counted with a ``TorchDispatchMode`` (every op that
+- ``ops``: aten ops of one step, counted with `op_count.OpCounter` (every op that
   reaches the dispatcher below autograd, views included; on a GPU each non-view op is a
   kernel launch). Deterministic. The library's count covers the caller's thread (the
   rows stacked) and the batcher's worker (``_serve_batch``: plan, forward, rows out).
@@ -52,42 +53,8 @@ RESULTS_DIR = BENCHMARK_DIR / "results"
 TABLE = ["particles", "prompt_tokens", "ops", "floor_ops", "syncs", "ms", "host_ms", "floor_ms"]
 sys.path.insert(0, str(BENCHMARK_DIR))
 
-
-def tiny_llama(vocab_size: int, max_positions: int = 4096, seed: int = 0) -> Any:
-    """A 2-layer Llama (hidden 64, 4 query / 2 KV heads of dim 16) with random weights, float32, sdpa."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).float().eval()
-
-
-def op_counter() -> Any:
-    """A ``TorchDispatchMode`` that counts the aten ops run while it is entered (its thread only)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class OpCounter(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.counts: Counter[str] = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.counts[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
-    return OpCounter()
+from op_count import OpCounter  # noqa: E402
+from small_models import tiny_llama  # noqa: E402
 
 
 class ForwardClock:
@@ -128,7 +95,7 @@ def library_steps(
     serve = lm._serve_batch
 
     def counted(*args: Any) -> Any:
-        with op_counter() as counter:
+        with OpCounter() as counter:
             rows = serve(*args)
         worker_counts.append(counter.counts)
         return rows
@@ -146,7 +113,7 @@ def library_steps(
         clock.seconds = 0.0
         start = time.perf_counter()
         if last:
-            with op_counter() as caller:
+            with OpCounter() as caller:
                 rows = lm.batch_next_token_logprobs_sync(contexts)
             ops = caller.counts + worker_counts[-1]
         else:
@@ -200,7 +167,7 @@ def floor_steps(model: Any, prompt: list[int], n: int, steps: int) -> dict[str, 
         for index in range(steps):
             start = time.perf_counter()
             if index == steps - 1:
-                with op_counter() as counter:
+                with OpCounter() as counter:
                     logps = step()
                 ops = counter.counts
             else:
@@ -264,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer()
-    model = tiny_llama(len(tokenizer))
+    model = tiny_llama(len(tokenizer), max_positions=4096, attn_implementation="sdpa")
     steps, warmup = (1, 1) if args.ops_only else (args.steps, args.warmup)
     results = []
     header = f"{'N':>4} {'prompt':>6} {'ops':>6} {'floor':>6} {'syncs':>5} {'ms':>8} {'host ms':>8} {'floor ms':>8}"

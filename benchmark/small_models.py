@@ -1,6 +1,10 @@
-"""Small random models built from a config, for runs that need a model shape SmolLM2 lacks.
+"""Small random Llamas built from a config, for runs that need no real model or a model
+shape SmolLM2 lacks.
 
-`save_small_llama` writes the Llama that splits over two tensor-parallel workers: used by
+`tiny_llama` builds one in memory: the tiny model of ``bench_host.py`` (a nearly free
+forward, so a step costs what the library does around it) and of the tests that check a
+step's ops and rows (tests/test_hf_step.py, tests/test_checks.py). `save_small_llama`
+writes the Llama that splits over two tensor-parallel workers: used by
 ``tests/test_vllm.py`` (the multi-worker agreement checks) and ``bench_vllm.py`` (the
 multi-worker configuration), so both run the same model.
 """
@@ -9,6 +13,57 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+
+def tiny_llama(
+    vocab_size: int,
+    hidden_size: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    *,
+    layers: int = 2,
+    max_positions: int = 2048,
+    attn_implementation: str | None = None,
+    std: float | None = None,
+    head_std: float | None = None,
+    seed: int = 0,
+    **config: Any,
+) -> Any:
+    """A random ``LlamaForCausalLM`` in float32, in eval mode: ``layers`` layers of width
+    ``hidden_size`` (MLP twice that), ``heads`` query and ``kv_heads`` KV heads of dim
+    ``hidden_size // heads``, an output head of its own.
+
+    Weights come from ``torch.manual_seed(seed)``: transformers' initialisation, or with
+    ``std`` every weight but the norms drawn from N(0, std) (the output head from N(0,
+    ``head_std``) if given), wide enough that rows differ clearly between contexts.
+    ``attn_implementation``: None for transformers' default (sdpa); ``config``: more
+    `LlamaConfig` fields.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama_config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+        **config,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config).float().eval()
+    if std is not None:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "norm" not in name:
+                    lm_head = head_std is not None and name.startswith("lm_head")
+                    parameter.normal_(0.0, head_std if lm_head else std)
+    return model
 
 
 def save_small_llama(tokenizer: Any, path: str | Path) -> str:
@@ -20,29 +75,19 @@ def save_small_llama(tokenizer: Any, path: str | Path) -> str:
     ~7 nats); the output head at std 0.05, as at 0.2 the logits span ~40 nats and float32
     sum-order differences reach 2.3e-4 from transformers (seen). Saved in float32.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
+    model = tiny_llama(
+        len(tokenizer),
+        512,
+        8,
+        2,
+        layers=3,
+        max_positions=1024,
+        std=0.2,
+        head_std=0.05,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" not in name:
-                parameter.normal_(0.0, 0.05 if name.startswith("lm_head") else 0.2)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

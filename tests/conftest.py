@@ -3,6 +3,7 @@ the guard against deprecated calls from our code (tests/deprecations.py); a temp
 Hugging Face cache for adapters by hub id."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ from deprecations import DeprecationGuard
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The benchmarks' modules (the op counter, the small random models, the GPU command...)
+# serve the tests too: importable by their own names, as the benchmark scripts import them.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 
 DEPRECATION_GUARD = DeprecationGuard()
 SUMMARY = pytest.StashKey[list]()

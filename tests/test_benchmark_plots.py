@@ -1,13 +1,9 @@
 """benchmark/plots.py: result JSON -> plots and Markdown tables."""
 
 import json
-import sys
-from pathlib import Path
 
+import plots
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
-import plots  # noqa: E402
 
 RESULT = {
     "setup": {"model": "tiny", "threads": 1, "nested": {"skipped": True}},

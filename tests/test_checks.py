@@ -363,20 +363,11 @@ def make_lm(kind, tokenizer):
 
         return FakeLM(tokenizer)
     if kind == "hf":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from small_models import tiny_llama
 
         from genlm.backend.llm.hf import AsyncTransformer
 
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-        return AsyncTransformer(LlamaForCausalLM(config), tokenizer)
+        return AsyncTransformer(tiny_llama(len(tokenizer), 16, 2, 1), tokenizer)
     from test_mlx import tiny_llama
 
     return mlx_class()(tiny_llama(len(tokenizer), ["full_attention"]), tokenizer)

@@ -8,20 +8,16 @@ a plain forward of the whole prefix, on the CPU where it says so, or a brute-for
 """
 
 import asyncio
-import sys
-from pathlib import Path
 
+import gpu
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
-import gpu  # noqa: E402
-
-from genlm.backend.cache import OutputCache  # noqa: E402
-from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
-from genlm.backend.tokenization import Token  # noqa: E402
-from genlm.backend.trie import (  # noqa: E402
+from genlm.backend.cache import OutputCache
+from genlm.backend.llm.hf import AsyncTransformer
+from genlm.backend.tokenization import Token
+from genlm.backend.trie import (
     AsyncTokenCharacterTrie,
     ParallelTokenCharacterTrie,
     TokenCharacterTrie,

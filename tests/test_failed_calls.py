@@ -309,15 +309,3 @@ def test_from_name_checks_its_options_before_loading(monkeypatch, kwargs, error,
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     with pytest.raises(error, match=needle):
         AsyncTransformer.from_name("someone/any", **kwargs)
-
-
-@pytest.mark.slow
-async def test_code_that_resets_queries_as_a_list_keeps_working(hf_lm, hf_model):
-    """The reference design's ``llm.queries`` is the list of queued prefixes."""
-    hf_lm.queries = []  # as the reference's own tests do
-    assert await hf_lm.batch_sample([[1, 2], [3]], 2, [], seed=0)
-    prompt = hf_lm.tokenizer.encode("Queued prefixes")
-    assert hf_lm.add_query(prompt) == 0 and len(hf_lm.queries) == 1
-    (row,) = hf_lm.batch_evaluate_queries()
-    assert hf_lm.queries == []
-    assert (row - plain(hf_model, prompt)).abs().max() <= 1e-4

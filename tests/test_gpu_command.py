@@ -13,16 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench_lm
+import gpu
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmark"))
-import bench_lm  # noqa: E402
-import gpu  # noqa: E402
+from genlm.backend.llm.hf import AsyncTransformer
+from genlm.backend.tokenization import decode_vocab
 
-from genlm.backend.llm.hf import AsyncTransformer  # noqa: E402
-from genlm.backend.tokenization import decode_vocab  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CUDA = pytest.param(
     "cuda",

@@ -3,58 +3,25 @@ aten op count and host syncs do not grow with the particles or the context, and 
 stay exact (against a plain transformers forward of each whole context)."""
 
 import threading
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from op_count import OpCounter
+from small_models import tiny_llama
 
-from genlm.backend.kv.pool import KVLayout
-from genlm.backend.kv.store import BlockCopy
+from genlm.backend.kv.pool import BlockCopy, KVLayout
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf import AsyncTransformer
 
 TOL = 1e-4  # float32 rows: batched / KV-reused / cascade vs one plain forward
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops its thread runs while it is entered."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def tiny_llama(vocab_size, attn_implementation="sdpa"):
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        attn_implementation=attn_implementation,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():  # wide weights: rows differ clearly between contexts
-        for name, parameter in model.named_parameters():
-            if "norm" not in name:
-                parameter.normal_(0.0, 0.3)
-    return model
+# Hidden 32 (4 query / 2 KV heads of dim 8), weights wide enough that rows differ clearly
+# between contexts.
+MODEL = {"hidden_size": 32, "std": 0.3}
 
 
 @pytest.fixture(scope="module")
 def tiny_model(smollm2_tokenizer):
-    return tiny_llama(len(smollm2_tokenizer))
+    return tiny_llama(len(smollm2_tokenizer), attn_implementation="sdpa", **MODEL)
 
 
 def expected(model, vocab_size, ids):
@@ -96,7 +63,7 @@ def particles(n, prompt):
 def test_a_steps_op_count_does_not_grow_with_particles_or_context(
     smollm2_tokenizer, attn_implementation, prompt_tokens
 ):
-    model = tiny_llama(len(smollm2_tokenizer), attn_implementation)
+    model = tiny_llama(len(smollm2_tokenizer), attn_implementation=attn_implementation, **MODEL)
 
     def step_ops(n, context):
         lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=n)
@@ -126,7 +93,7 @@ def test_a_step_makes_no_host_sync_per_particle(tiny_model, smollm2_tokenizer):
 async def test_rows_of_forks_and_mixed_lengths_are_the_plain_forwards(
     smollm2_tokenizer, attn_implementation
 ):
-    model = tiny_llama(len(smollm2_tokenizer), attn_implementation)
+    model = tiny_llama(len(smollm2_tokenizer), attn_implementation=attn_implementation, **MODEL)
     lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=16)
     vocab = lm.vocab_size
     prompt = [(13 * j) % 700 + 2 for j in range(70)]  # 4 full blocks shared, then a partial one

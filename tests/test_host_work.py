@@ -53,11 +53,11 @@ class NullLM(PrefixCachedLM):
     def _load_adapter(self, lora_path, lora_name):
         pass
 
-    def _delete_adapter(self, lora_name):
+    def _unload_adapter(self, lora_name):
         pass
 
-    def _run_rows(self, rows):
-        return [torch.zeros(2) for _ in rows]
+    def _run_plans(self, plans):
+        return [torch.zeros(2) for _ in plans]
 
 
 def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=3):

@@ -100,25 +100,25 @@ class FakeLM(PrefixCachedLM):
     def _load_adapter(self, lora_path, lora_name):
         self.adapters.add(lora_name)
 
-    def _delete_adapter(self, lora_name):
+    def _unload_adapter(self, lora_name):
         self.adapters.discard(lora_name)
 
-    def _run_rows(self, rows):
+    def _run_plans(self, plans):
         if self.fail:
             self.fail -= 1
             raise RuntimeError("forward failed on purpose")
-        self.fed.append(sum(row.new_tokens for row in rows))
+        self.fed.append(sum(plan.new_tokens for plan in plans))
         results = []
-        for row in rows:
-            assert row.lora is None or row.lora in self.adapters
+        for plan in plans:
+            assert plan.lora is None or plan.lora in self.adapters
             if self._pool is None:
-                assert row.start == 0
-                entries = fake_entries(row.ids, row.lora)
+                assert plan.start == 0
+                entries = fake_entries(plan.ids, plan.lora)
             else:
-                entries = self._pool.read(row.chain, row.start)
-                new = fake_entries(row.ids, row.lora)[row.start :]
+                entries = self._pool.read(plan.chain, plan.start)
+                new = fake_entries(plan.ids, plan.lora)[plan.start :]
                 for slot, entry in zip(
-                    self._pool.slots(row.chain, len(row.ids))[row.start :], new, strict=True
+                    self._pool.slots(plan.chain, len(plan.ids))[plan.start :], new, strict=True
                 ):
                     self._pool.data[slot] = entry
                 entries += new
@@ -629,6 +629,9 @@ def test_add_query_and_batch_evaluate_queries(backend, prompt):
     for ids, got in zip(queries, results, strict=True):
         backend.assert_exact(lm, ids, got)
     assert lm.batch_evaluate_queries() == []
+    lm.add_query(prompt)
+    lm.reset_async_queries()  # empties the queue too
+    assert lm.batch_evaluate_queries() == []
     batch = lm.batch_next_token_logprobs_sync([prompt[:4], prompt[:5]])
     assert batch.shape == (2, lm.vocab_size)
     backend.assert_exact(lm, prompt[:5], batch[1])
@@ -655,7 +658,7 @@ async def test_bad_input_fails_before_any_model_work(backend):
         with pytest.raises(error, match=needle):
             lm.batch_next_token_logprobs_sync([[1, 2], bad])
     assert backend.fed() == 0 and len(lm.batcher.batch_sizes) == batches
-    assert lm.queries == [] and not lm.cache.children
+    assert lm.batch_evaluate_queries() == [] and not lm.cache.children
 
 
 async def test_a_failed_batch_reaches_every_caller_and_leaves_nothing_behind(backend, prompt):

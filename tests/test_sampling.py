@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from test_hf_step import OpCounter
+from op_count import OpCounter
 
 from genlm.backend.sampling import TokenSampler, sample_rows
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from genlm.backend.batching import AutoBatcher, BatchResults
@@ -25,13 +26,11 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class _Row:
     """One caller's row; hashed by identity, so equal rows are still two draws."""
 
-    __slots__ = ("logprobs",)
-
-    def __init__(self, logprobs: torch.Tensor):
-        self.logprobs = logprobs
+    logprobs: torch.Tensor
 
 
 class TokenSampler:

@@ -3,8 +3,8 @@
 The request plan, the cache calls, input validation and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, with the same meanings as for
 `AsyncTransformer`, the paged KV from `genlm.backend.kv` (an `MlxBlockPool`: a keys and a
-values ``mx.array`` per layer); this module is the forward over planned rows (each a
-block chain and new tokens), per adapter:
+values ``mx.array`` per layer); this module is the forward over query plans (each a
+block chain and new tokens, one row of the batch), per adapter:
 
 1. prefills each row's new tokens but the last (rows with as many such tokens together,
    in steps of ``prefill_step_size``), then runs every row's last token in one forward.
@@ -55,7 +55,7 @@ from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.llm.base import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM, Row, run_grouped
+from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, run_grouped
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
@@ -89,7 +89,7 @@ def _hf_tokenizer(tokenizer: Any) -> Any:
 def _share_weights_copy(model: Any) -> Any:
     """A copy of an mlx-lm model's modules that holds the very same arrays (none is copied).
 
-    Adapter layers can then be swapped into the copy without touching the original.
+    Adapter layers can then be loaded into the copy without touching the original.
     """
     mx = _import_mlx()
     shared = {}
@@ -100,7 +100,7 @@ def _share_weights_copy(model: Any) -> Any:
     return copy.deepcopy(model, shared)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Step:
     """One forward over the pool, shared by every layer's `_PagedCache`.
 
@@ -135,9 +135,9 @@ class _PagedCache:
         rows, heads, new, dim = keys.shape
         step = self.step
         fetched = []
-        for pool, states in ((self.pool.keys, keys), (self.pool.values, values)):
+        for layers, states in ((self.pool.keys, keys), (self.pool.values, values)):
             # Gathered after the write, so the scatter can reuse the pool's buffer.
-            layer = pool[self.layer]
+            layer = layers[self.layer]
             layer[step.write] = states.transpose(0, 2, 1, 3).reshape(rows * new, heads, dim)
             fetched.append(layer[step.read].transpose(0, 2, 1, 3))
         return fetched[0], fetched[1]
@@ -274,7 +274,7 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         mx.eval(model.parameters())
         self._adapters[lora_name] = model
 
-    def _delete_adapter(self, lora_name: str) -> None:
+    def _unload_adapter(self, lora_name: str) -> None:
         del self._adapters[lora_name]
 
     def _model(self, lora: str | None) -> Any:
@@ -283,46 +283,46 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _run_rows(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+    def _run_plans(self, plans: Sequence[QueryPlan]) -> list[torch.Tensor]:
         """One forward per adapter (without KV reuse: per adapter and prefix length)."""
         pool = self._pool
         if pool is None:
-            return run_grouped(rows, lambda row: (row.lora, len(row.ids)), self._run_without_kv)
-        return run_grouped(rows, lambda row: row.lora, lambda same: self._run_paged(pool, same))
+            return run_grouped(plans, lambda plan: (plan.lora, len(plan.ids)), self._run_without_kv)
+        return run_grouped(plans, lambda plan: plan.lora, lambda same: self._run_paged(pool, same))
 
-    def _run_paged(self, pool: MlxBlockPool, rows: list[Row]) -> list[torch.Tensor]:
+    def _run_paged(self, pool: MlxBlockPool, plans: list[QueryPlan]) -> list[torch.Tensor]:
         """Rows of one adapter through the block pool: a prefill of their new tokens but the
-        last (rows with as many together), then one forward over every row's last token."""
+        last (plans with as many together), then one forward over every plan's last token."""
         mx = _import_mlx()
-        model = self._model(rows[0].lora)
-        by_head: dict[int, list[Row]] = {}
-        for row in rows:
-            by_head.setdefault(row.new_tokens - 1, []).append(row)
+        model = self._model(plans[0].lora)
+        by_head: dict[int, list[QueryPlan]] = {}
+        for plan in plans:
+            by_head.setdefault(plan.new_tokens - 1, []).append(plan)
         for head, same in by_head.items():
             for begin in range(0, head, self.prefill_step_size):
                 tokens = min(self.prefill_step_size, head - begin)
-                firsts = [row.start + begin for row in same]
+                firsts = [plan.start + begin for plan in same]
                 inputs, cache = self._paged_inputs(pool, same, firsts, tokens)
                 model(inputs, cache=cache)
                 mx.eval(pool.keys, pool.values)
-        firsts = [len(row.ids) - 1 for row in rows]
-        inputs, cache = self._paged_inputs(pool, rows, firsts, 1)
+        firsts = [len(plan.ids) - 1 for plan in plans]
+        inputs, cache = self._paged_inputs(pool, plans, firsts, 1)
         logprobs = self._logprobs(model(inputs, cache=cache))
         mx.eval(logprobs, pool.keys, pool.values)
         return _torch_rows(logprobs)
 
     def _paged_inputs(
-        self, pool: MlxBlockPool, rows: list[Row], firsts: list[int], tokens: int
+        self, pool: MlxBlockPool, plans: list[QueryPlan], firsts: list[int], tokens: int
     ) -> tuple[Any, list[_PagedCache]]:
-        """The model's inputs to run ``row.ids[first : first + tokens]`` of each row: the
-        token ids and a `_PagedCache` per layer (every row's chain is set)."""
+        """The model's inputs to run ``plan.ids[first : first + tokens]`` of each plan: the
+        token ids and a `_PagedCache` per layer (every plan's chain is set)."""
         mx = _import_mlx()
         ends = [first + tokens for first in firsts]
         width = max(ends)
-        read = np.zeros((len(rows), width), dtype=np.int32)
+        read = np.zeros((len(plans), width), dtype=np.int32)
         write = []
-        for i, (row, first, end) in enumerate(zip(rows, firsts, ends, strict=True)):
-            slots = pool.slots(row.chain, end)
+        for i, (plan, first, end) in enumerate(zip(plans, firsts, ends, strict=True)):
+            slots = pool.slots(plan.chain, end)
             read[i, width - end :] = slots
             write.append(slots[first:])
         padding = [width - end for end in ends]
@@ -334,19 +334,19 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
             width=width,
         )
         inputs = mx.array(
-            [row.ids[first:end] for row, first, end in zip(rows, firsts, ends, strict=True)]
+            [plan.ids[first:end] for plan, first, end in zip(plans, firsts, ends, strict=True)]
         )
         return inputs, [_PagedCache(pool, layer, step) for layer in range(len(pool.keys))]
 
-    def _run_without_kv(self, rows: list[Row]) -> list[torch.Tensor]:
+    def _run_without_kv(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
         """Whole prefixes of one length and adapter through a fresh mlx-lm cache."""
         from mlx_lm.models.cache import make_prompt_cache
 
         mx = _import_mlx()
-        model = self._model(rows[0].lora)
-        length = len(rows[0].ids)
+        model = self._model(plans[0].lora)
+        length = len(plans[0].ids)
         cache = make_prompt_cache(self.model)
-        tokens = mx.array([row.ids for row in rows])
+        tokens = mx.array([plan.ids for plan in plans])
         for begin in range(0, length - 1, self.prefill_step_size):
             end = min(length - 1, begin + self.prefill_step_size)
             model(tokens[:, begin:end], cache=cache)

@@ -1,11 +1,11 @@
 """`PrefixCachedLM`: the shared half of every backend whose KV lives in a `PrefixKVStore`.
 
-It owns the batcher, the request plan (deepest cached KV, each row's own chain, the
+It owns the batcher, the request plan (deepest cached KV, each plan's own chain, the
 copy-on-write copies applied to the pool), the logprobs and KV bookkeeping after a
 forward, and the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
 `clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with
-one meaning for every backend. A backend implements only the forward, `_run_rows`: it
-reads the planned (frozen) rows, writes their new tokens' KV into their chains and
+one meaning for every backend. A backend implements only the forward, `_run_plans`: it
+reads the (frozen) query plans, writes their new tokens' KV into their chains and
 returns their logprobs; it never calls the store or back up into this class.
 """
 
@@ -28,11 +28,11 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
-    """One planned request: run ``ids[start:]`` on top of the KV of ``ids[:start]``, held
+class QueryPlan:
+    """How a query of a batch runs: ``ids[start:]`` on top of the KV of ``ids[:start]``, held
     in the chain of node ``source``, which evictions leave alone while the batch runs;
-    ``chain``, the row's own chain for ``ids`` whole (with KV reuse, once allocated),
-    holds that KV and gets the new tokens'."""
+    ``chain``, the plan's own chain for ``ids`` whole (with KV reuse, once allocated),
+    holds that KV and gets the new tokens'. Each plan is one row of the forward's batch."""
 
     slot: int  # the position of its query in the batch
     ids: tuple[int, ...]
@@ -79,7 +79,7 @@ def _describe(past: Any) -> str:
 class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     """An auto-batched LM with a prefix tree of cached logprobs and paged KV (`store`).
 
-    Subclasses call `_init_prefix_cache` and implement `_run_rows`; ``Past`` is the type
+    Subclasses call `_init_prefix_cache` and implement `_run_plans`; ``Past`` is the type
     of the KV copies `walk_cache` returns (`_read_past`).
     """
 
@@ -97,18 +97,16 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         self.store = store
         self.kv_reuse = kv_reuse
         self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
-        # Prefixes queued by `add_query` (the reference design's public list: code that
-        # resets it with ``llm.queries = []`` keeps working).
-        self.queries: list[Query] = []
+        self._queries: list[Query] = []  # prefixes queued by `add_query`
 
     # -- backend hooks (worker thread) ---------------------------------------------------------
 
     @abstractmethod
-    def _run_rows(self, rows: Sequence[Row]) -> torch.Tensor | list[torch.Tensor]:
-        """Each row's next-token logprobs, in order: a ``[rows, vocab]`` batch (the base
+    def _run_plans(self, plans: Sequence[QueryPlan]) -> torch.Tensor | list[torch.Tensor]:
+        """Each plan's next-token logprobs, in order: a ``[rows, vocab]`` batch (the base
         copies its rows out in one op before the next call, so a backend may reuse its
-        memory) or a list of tensors of their own. With KV reuse a
-        row's chain is allocated and its copies applied: read its first ``row.start``
+        memory) or a list of rows of their own. With KV reuse a
+        plan's chain is allocated and its copies applied: read its first ``plan.start``
         tokens' KV from the chain and write ``ids[start:]``'s into it; without, run the
         whole prefix."""
 
@@ -122,23 +120,23 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         once it has loaded (a failure leaves the model as it was)."""
 
     @abstractmethod
-    def _delete_adapter(self, lora_name: str) -> None:
+    def _unload_adapter(self, lora_name: str) -> None:
         """Free a loaded adapter."""
 
     # -- LoRA wiring: the model work on the worker, then that adapter's tree dropped ----------
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
-        self.batcher.run_sync(self._swap_adapter, lora_path, lora_name)
+        self.batcher.run_sync(self._load_on_worker, lora_path, lora_name)
 
     def _unload_lora(self, lora_name: str) -> None:
-        self.batcher.run_sync(self._drop_adapter, lora_name)
+        self.batcher.run_sync(self._unload_on_worker, lora_name)
 
-    def _swap_adapter(self, lora_path: str, lora_name: str) -> None:
+    def _load_on_worker(self, lora_path: str, lora_name: str) -> None:
         self._load_adapter(lora_path, lora_name)
         self.store.drop_root(lora_name)
 
-    def _drop_adapter(self, lora_name: str) -> None:
-        self._delete_adapter(lora_name)
+    def _unload_on_worker(self, lora_name: str) -> None:
+        self._unload_adapter(lora_name)
         self.store.drop_root(lora_name)
 
     # -- public API ----------------------------------------------------------------------------
@@ -176,13 +174,13 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
         """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
-        self.queries.append(self._query(token_ids, lora_name))
-        return len(self.queries) - 1
+        self._queries.append(self._query(token_ids, lora_name))
+        return len(self._queries) - 1
 
     def batch_evaluate_queries(self) -> list[torch.Tensor]:
         """Evaluate every queued prefix in one batch (blocking); empties the queue."""
         self._check_open()
-        queries, self.queries = self.queries, []
+        queries, self._queries = self._queries, []
         return self._run_batch(queries) if queries else []
 
     def clear_cache(self) -> None:
@@ -198,7 +196,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def reset_async_queries(self) -> None:
         """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
         super().reset_async_queries()
-        self.queries = []
+        self._queries = []
 
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
@@ -209,8 +207,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def _shared_rows(self, keys: list[Query]) -> list[torch.Tensor]:
         """The rows of ``keys``, as the tree holds them (not to be edited)."""
         results: dict[int, torch.Tensor] = {}
-        planned: list[Row] = []
-        chains: dict[int, Chain] = {}  # by slot: each row's own chain until a node takes it
+        planned: list[QueryPlan] = []
+        chains: dict[int, Chain] = {}  # by slot: each plan's own chain until a node takes it
         try:
             for slot, (ids, lora) in enumerate(keys):
                 node, depth = self.store.find(lora, ids)
@@ -220,54 +218,56 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                 else:
                     planned.append(self._plan(slot, ids, lora, node))
             if planned:
-                rows = self._allocate(planned, chains)
-                for row, logprobs in zip(rows, _own_rows(self._run_rows(rows)), strict=True):
-                    self._store_row(row, logprobs, chains)
-                    results[row.slot] = logprobs
+                allocated = self._allocate(planned, chains)
+                rows = _own_rows(self._run_plans(allocated))
+                for plan, logprobs in zip(allocated, rows, strict=True):
+                    self._store(plan, logprobs, chains)
+                    results[plan.slot] = logprobs
         finally:
             self._finish(planned, chains)
         return [results[slot] for slot in range(len(keys))]
 
-    def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> Row:
+    def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> QueryPlan:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
         the path of ``ids`` in the tree of adapter ``lora``)."""
         source = self.store.kv_source(node) if self.kv_reuse else None
         if source is None or source.chain is None:
-            return Row(slot, ids, lora, node, 0)
+            return QueryPlan(slot, ids, lora, node, 0)
         start = min(source.depth, node.depth, len(ids) - 1)
         self.store.touch(source)
         self.store.protect(source)
-        return Row(slot, ids, lora, node, start, source)
+        return QueryPlan(slot, ids, lora, node, start, source)
 
-    def _allocate(self, rows: Sequence[Row], chains: dict[int, Chain]) -> list[Row]:
-        """With KV reuse, the rows with their own chains (room made in the pool first; each
+    def _allocate(self, planned: Sequence[QueryPlan], chains: dict[int, Chain]) -> list[QueryPlan]:
+        """With KV reuse, the plans with their own chains (room made in the pool first; each
         chain recorded in ``chains`` as it is made), the copy-on-write copies applied."""
         if not self.kv_reuse:
-            return list(rows)
-        self.store.reserve([(_chain_of(row.source), row.start, len(row.ids)) for row in rows])
+            return list(planned)
+        needs = [(_chain_of(plan.source), plan.start, len(plan.ids)) for plan in planned]
+        self.store.reserve(needs)
         allocated, copies = [], []
-        for row in rows:
-            chain, row_copies = self.store.extend(_chain_of(row.source), row.start, len(row.ids))
-            chains[row.slot] = chain
-            copies += row_copies
-            allocated.append(replace(row, chain=chain))
+        for plan, (source, start, end) in zip(planned, needs, strict=True):
+            chain, plan_copies = self.store.extend(source, start, end)
+            chains[plan.slot] = chain
+            copies += plan_copies
+            allocated.append(replace(plan, chain=chain))
         self.store.pool.copy(copies)
         return allocated
 
-    def _store_row(self, row: Row, logprobs: torch.Tensor, chains: dict[int, Chain]) -> None:
-        """Cache a row's logprobs (a value of its own: no batch storage pinned) and give its
+    def _store(self, plan: QueryPlan, logprobs: torch.Tensor, chains: dict[int, Chain]) -> None:
+        """Cache a plan's logprobs (a value of its own: no batch storage pinned) and give its
         chain to its node (unless the node holds a pinned chain), out of ``chains``."""
-        node = self.store.node_for(row.lora, row.node, row.ids)
+        node = self.store.node_for(plan.lora, plan.node, plan.ids)
         self.store.set_logprobs(node, logprobs)
-        if row.chain and not node.pinned:
-            self.store.set_chain(node, chains.pop(row.slot))
+        if plan.chain and not node.pinned:
+            self.store.set_chain(node, chains.pop(plan.slot))
 
-    def _finish(self, planned: Sequence[Row], chains: dict[int, Chain]) -> None:
-        """Let evictions take the rows' sources again, let go of the chains no node took,
+    def _finish(self, planned: Sequence[QueryPlan], chains: dict[int, Chain]) -> None:
+        """Let evictions take the plans' sources again, let go of the chains no node took,
         bring KV back within budget, shrink a mostly free pool, prune the trees."""
-        for row in planned:
-            if row.source is not None:
-                self.store.unprotect(row.source)
+        for plan in planned:
+            if plan.source is not None:
+                self.store.unprotect(plan.source)
         for chain in chains.values():
             self.store.release(chain)
         self.store.evict()
@@ -286,8 +286,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         planned = [self._plan(0, ids, lora, node)]
         chains: dict[int, Chain] = {}
         try:
-            rows = self._allocate(planned, chains)
-            self._store_row(rows[0], _own_rows(self._run_rows(rows))[0], chains)
+            allocated = self._allocate(planned, chains)
+            self._store(allocated[0], _own_rows(self._run_plans(allocated))[0], chains)
             self.store.pin(self.store.node_for(lora, node, ids))
         finally:
             self._finish(planned, chains)
@@ -321,16 +321,16 @@ def _chain_of(source: KVNode | None) -> Chain | None:
 
 
 def run_grouped(
-    rows: Sequence[Row],
-    key: Callable[[Row], Hashable],
-    run: Callable[[list[Row]], Sequence[R]],
+    plans: Sequence[QueryPlan],
+    key: Callable[[QueryPlan], Hashable],
+    run: Callable[[list[QueryPlan]], Sequence[R]],
 ) -> list[R]:
-    """``run`` (one result per row) over the rows grouped by ``key``, the results in the
-    order of ``rows``."""
+    """``run`` (one result per plan) over the plans grouped by ``key``, the results in the
+    order of ``plans``."""
     groups: dict[Hashable, list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault(key(row), []).append(index)
+    for index, plan in enumerate(plans):
+        groups.setdefault(key(plan), []).append(index)
     results: dict[int, R] = {}
     for indices in groups.values():
-        results.update(zip(indices, run([rows[i] for i in indices]), strict=True))
-    return [results[index] for index in range(len(rows))]
+        results.update(zip(indices, run([plans[i] for i in indices]), strict=True))
+    return [results[index] for index in range(len(plans))]

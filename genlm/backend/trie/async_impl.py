@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,13 +28,11 @@ from genlm.backend.trie.base import TokenCharacterTrie, as_weights, check_weight
 _BACKENDS = ("sequential", "parallel")
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class _Request:
     """One caller's weights; hashed by identity, since arrays are not hashable by value."""
 
-    __slots__ = ("ws",)
-
-    def __init__(self, ws: Any):
-        self.ws = ws
+    ws: Any
 
 
 class AsyncTokenCharacterTrie:

@@ -3,9 +3,9 @@
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
 tokens. The request plan, the cache calls and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
-`TorchBlockPool`: one tensor per layer); this module is the forward over planned rows
-(each a block chain and new tokens), per group of rows with the same number ``t`` of
-new tokens:
+`TorchBlockPool`: one tensor per layer); this module is the forward over query plans
+(each a block chain and new tokens, one row of the batch), per group of plans with the
+same number ``t`` of new tokens:
 
 1. builds the group's inputs (ids, positions, write and read slots) on the host as ONE
    tensor that reaches the device in one copy (`genlm.backend.llm.hf.paged`), and runs
@@ -75,7 +75,7 @@ from genlm.backend.llm.hf.paged import (
     shared_blocks,
     step_inputs,
 )
-from genlm.backend.llm.prefix import PrefixCachedLM, Row
+from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -249,19 +249,19 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 self._peft.load_adapter(str(path), adapter_name=peft_name)
                 self._peft.eval()
         except Exception:
-            self._discard_adapter(peft_name)
+            self._unload_partial_peft_adapter(peft_name)
             raise
         replaced = self._peft_names.get(lora_name)
         self._peft_names[lora_name] = peft_name
         if replaced is not None:
-            self._delete_peft_adapter(replaced)
+            self._unload_peft_adapter(replaced)
 
-    def _discard_adapter(self, peft_name: str) -> None:
-        """Undo a failed load of ``peft_name``: delete what peft added of it, or, if the
+    def _unload_partial_peft_adapter(self, peft_name: str) -> None:
+        """Undo a failed load of ``peft_name``: unload what peft added of it, or, if the
         model had no adapter before, put every layer peft wrapped back to its base layer."""
         if self._peft is not None:  # it serves other adapters: remove only this one
             if peft_name in self._peft.peft_config:
-                self._delete_peft_adapter(peft_name)
+                self._unload_peft_adapter(peft_name)
             return
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -272,10 +272,10 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         if hasattr(self.model, "peft_config"):  # peft marks the models it wraps
             del self.model.peft_config
 
-    def _delete_adapter(self, lora_name: str) -> None:
-        self._delete_peft_adapter(self._peft_names.pop(lora_name))
+    def _unload_adapter(self, lora_name: str) -> None:
+        self._unload_peft_adapter(self._peft_names.pop(lora_name))
 
-    def _delete_peft_adapter(self, peft_name: str) -> None:
+    def _unload_peft_adapter(self, peft_name: str) -> None:
         if not set(self._peft_names.values()) - {peft_name}:
             # peft cannot serve with no adapter left: restore the plain model (in place).
             self._peft.unload()
@@ -300,29 +300,29 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _run_rows(self, rows: Sequence[Row]) -> torch.Tensor:
-        """The rows' logprobs as one ``[rows, vocab]`` batch, in order (valid until the next
-        call: see `_rows_buffer`). Rows with the same number of new tokens (and adapter,
+    def _run_plans(self, plans: Sequence[QueryPlan]) -> torch.Tensor:
+        """The plans' logprobs as one ``[rows, vocab]`` batch, in order (valid until the next
+        call: see `_rows_buffer`). Plans with the same number of new tokens (and adapter,
         with ``lora_batching="grouped"``) run in one forward each, split to respect
-        ``max_batch_tokens``; without KV reuse, rows of one length together."""
+        ``max_batch_tokens``; without KV reuse, plans of one length together."""
         pool = self._pool
         with torch.inference_mode():
-            out = self._rows_buffer(len(rows))
+            out = self._rows_buffer(len(plans))
             if pool is None:
-                return _grouped_batch(rows, lambda row: len(row.ids), self._run_without_kv, out)
+                return _grouped_batch(plans, lambda plan: len(plan.ids), self._run_without_kv, out)
             grouped = self.lora_batching == "grouped"
 
-            def run(same: list[Row], out: torch.Tensor) -> None:
+            def run(same: list[QueryPlan], out: torch.Tensor) -> None:
                 step = max(1, self.max_batch_tokens // same[0].new_tokens)
                 for i in range(0, len(same), step):
                     self._run_group(pool, same[i : i + step], out[i : i + step])
 
             return _grouped_batch(
-                rows, lambda row: (row.new_tokens, grouped and row.lora), run, out
+                plans, lambda plan: (plan.new_tokens, grouped and plan.lora), run, out
             )
 
     def _rows_buffer(self, rows: int) -> torch.Tensor:
-        """A ``[rows, vocab]`` float32 batch for `_run_rows`' logprobs, the same memory
+        """A ``[rows, vocab]`` float32 batch for `_run_plans`' logprobs, the same memory
         from step to step (on a CPU a fresh one is page-faulted in at every step: ~4,000
         faults for 128 rows of 49k tokens). The base copies the rows out before the next
         batch runs."""
@@ -333,15 +333,15 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             self._rows_out = buffer
         return buffer[:rows]
 
-    def _run_group(self, pool: TorchBlockPool, rows: list[Row], out: torch.Tensor) -> None:
-        """One forward for rows sharing their number of new tokens: their logprobs into
+    def _run_group(self, pool: TorchBlockPool, plans: list[QueryPlan], out: torch.Tensor) -> None:
+        """One forward for plans sharing their number of new tokens: their logprobs into
         ``out``, and their new tokens' KV written into their chains. Its inputs reach the
-        device as one tensor (`step_inputs`), so its ops do not grow with the rows or their
+        device as one tensor (`step_inputs`), so its ops do not grow with the plans or their
         context."""
-        new_tokens = rows[0].new_tokens
-        skip = self._shared_blocks(rows) if new_tokens <= self.max_batch_tokens else 0
-        step = step_inputs(rows, pool.block_size, skip, self._input_device)
-        loras = [row.lora for row in rows]
+        new_tokens = plans[0].new_tokens
+        skip = self._shared_blocks(plans) if new_tokens <= self.max_batch_tokens else 0
+        step = step_inputs(plans, pool.block_size, skip, self._input_device)
+        loras = [plan.lora for plan in plans]
         if skip:
             # Cascade: the shared prefix is read once per layer; each row reads only its own
             # tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword).
@@ -358,7 +358,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             ).logits
             self._logprobs(logits[:, -1], out)
             return
-        # A prefix longer than max_batch_tokens (a single row) is prefilled in chunks.
+        # A prefix longer than max_batch_tokens (a single plan) is prefilled in chunks.
         for chunk in range(0, new_tokens, self.max_batch_tokens):
             end = min(new_tokens, chunk + self.max_batch_tokens)
             past = step.past + chunk
@@ -382,21 +382,21 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             ).logits
         self._logprobs(logits[:, -1], out)
 
-    def _shared_blocks(self, rows: list[Row]) -> int:
-        """Blocks at the start of every row's chain and inside every row's past: cascade
-        attention reads them once (0: no cascade, too few rows or shared tokens)."""
-        if not self._cascade or len(rows) < 2:
+    def _shared_blocks(self, plans: list[QueryPlan]) -> int:
+        """Blocks at the start of every plan's chain and inside every plan's past: cascade
+        attention reads them once (0: no cascade, too few plans or shared tokens)."""
+        if not self._cascade or len(plans) < 2:
             return 0
         assert self._pool is not None  # cascade goes with KV reuse
         size = self._pool.block_size
-        blocks = shared_blocks(rows, size)
+        blocks = shared_blocks(plans, size)
         return blocks if blocks * size >= CASCADE_MIN_SHARED else 0
 
-    def _run_without_kv(self, rows: list[Row], out: torch.Tensor) -> None:
+    def _run_without_kv(self, plans: list[QueryPlan], out: torch.Tensor) -> None:
         """Fallback for models without reusable KV: one plain forward of whole prefixes of
         one length, their logprobs into ``out``."""
-        input_ids = torch.tensor([row.ids for row in rows], device=self._input_device)
-        loras = [row.lora for row in rows]
+        input_ids = torch.tensor([plan.ids for plan in plans], device=self._input_device)
+        loras = [plan.lora for plan in plans]
         logits = self._forward(loras, input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
         self._logprobs(logits[:, -1], out)
 
@@ -444,23 +444,23 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
 
 def _grouped_batch(
-    rows: Sequence[Row],
-    key: Callable[[Row], Hashable],
-    run: Callable[[list[Row], torch.Tensor], None],
+    plans: Sequence[QueryPlan],
+    key: Callable[[QueryPlan], Hashable],
+    run: Callable[[list[QueryPlan], torch.Tensor], None],
     out: torch.Tensor,
 ) -> torch.Tensor:
     """``run`` (writing a group's ``[rows, vocab]`` batch into the slice of ``out`` it is
-    given) over the rows grouped by ``key``; the batch in the order of ``rows`` (one
+    given) over the plans grouped by ``key``; the batch in the order of ``plans`` (one
     group, the usual step: ``out`` itself)."""
     groups: dict[Hashable, list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault(key(row), []).append(index)
+    for index, plan in enumerate(plans):
+        groups.setdefault(key(plan), []).append(index)
     if len(groups) == 1:
-        run(list(rows), out)
+        run(list(plans), out)
         return out
     offset = 0
     for indices in groups.values():
-        run([rows[i] for i in indices], out[offset : offset + len(indices)])
+        run([plans[i] for i in indices], out[offset : offset + len(indices)])
         offset += len(indices)
     order = [index for indices in groups.values() for index in indices]
     inverse = [0] * len(order)

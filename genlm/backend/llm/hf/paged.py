@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.prefix import Row
+from genlm.backend.llm.prefix import QueryPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -51,26 +51,26 @@ class StepInputs:
     padded: bool  # some row has fewer past tokens than ``past``
 
 
-def shared_blocks(rows: Sequence[Row], block_size: int) -> int:
-    """Blocks at the start of every row's chain that all rows share, within every row's
+def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
+    """Blocks at the start of every plan's chain that all plans share, within every plan's
     past: the common prefix of the lexicographically first and last chains (so one pass
-    over one chain, not over every row's)."""
-    limit = min(row.start for row in rows) // block_size
-    cut = [row.chain[:limit] for row in rows]
+    over one chain, not over every plan's)."""
+    limit = min(plan.start for plan in plans) // block_size
+    cut = [plan.chain[:limit] for plan in plans]
     low, high = min(cut), max(cut)
     return next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
 
 
 def step_inputs(
-    rows: Sequence[Row], block_size: int, skip_blocks: int, device: torch.device
+    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, device: torch.device
 ) -> StepInputs:
-    """Build a group's inputs on the host (numpy over each row's own blocks: the shared
+    """Build a group's inputs on the host (numpy over each plan's own blocks: the shared
     ``skip_blocks`` are sent once) and move them to ``device`` in one copy."""
-    count, new = len(rows), rows[0].new_tokens
+    count, new = len(plans), plans[0].new_tokens
     skip = skip_blocks * block_size
-    starts = np.fromiter((row.start for row in rows), np.int64, count)
+    starts = np.fromiter((plan.start for plan in plans), np.int64, count)
     past = int(starts.max()) - skip
-    own = [row.chain[skip_blocks:] for row in rows]
+    own = [plan.chain[skip_blocks:] for plan in plans]
     lengths = np.fromiter(map(len, own), np.int64, count)
     table = np.zeros((count, int(lengths.max())), np.int64)
     table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
@@ -81,7 +81,7 @@ def step_inputs(
     host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
     ids, positions, write, read, first, shared = np.split(host.numpy(), np.cumsum(sizes)[:-1])
     ids[:] = np.fromiter(
-        itertools.chain.from_iterable(row.ids[row.start :] for row in rows), np.int64, len(ids)
+        itertools.chain.from_iterable(plan.ids[plan.start :] for plan in plans), np.int64, len(ids)
     )
     by_row = np.arange(count)[:, None]
     token = starts[:, None] + np.arange(new)
@@ -97,7 +97,7 @@ def step_inputs(
     read[:] = slots.ravel()
     first[:] = pad
     shared[:] = (
-        np.asarray(rows[0].chain[:skip_blocks], np.int64)[:, None] * block_size
+        np.asarray(plans[0].chain[:skip_blocks], np.int64)[:, None] * block_size
         + np.arange(block_size)
     ).ravel()
     moved = host.to(device, non_blocking=True)
