@@ -12,7 +12,7 @@ per token):
 - ``ops``: aten ops of one step, counted with `op_count.OpCounter` (every op that
   reaches the dispatcher below autograd, views included; on a GPU each non-view op is a
   kernel launch). Deterministic. The library's count covers the caller's thread (the
-  rows stacked) and the batcher's worker (``_process_batch``: plan, forward, rows out).
+  rows stacked) and the batcher's worker (``_serve_batch``: plan, forward, rows out).
 - ``ms``: wall time per step (median over the timed steps).
 - ``host_ms``: wall time per step outside the model's forward (hooks around
   ``model.forward``): the index building, the prefix tree, the rows' copies, ...
@@ -92,11 +92,11 @@ def library_steps(
     lm = AsyncTransformer(model, tokenizer, batch_size=n)
     clock = ForwardClock(model)
     worker_counts: list[Counter[str]] = []
-    process = lm._process_batch
+    serve = lm._serve_batch
 
-    def counted(keys: Any) -> Any:
+    def counted(*args: Any) -> Any:
         with OpCounter() as counter:
-            rows = process(keys)
+            rows = serve(*args)
         worker_counts.append(counter.counts)
         return rows
 
@@ -109,7 +109,7 @@ def library_steps(
     for step in range(steps):
         last = count_ops and step == steps - 1
         if last:
-            lm._process_batch = counted  # type: ignore[method-assign]
+            lm._serve_batch = counted  # type: ignore[method-assign]
         clock.seconds = 0.0
         start = time.perf_counter()
         if last:

@@ -33,19 +33,19 @@ def expected(model, vocab_size, ids):
 
 def counted_steps(lm, contexts, steps):
     """Run ``steps`` decode steps (each particle appends a token of its own) and return
-    each step's aten op counts, taken in the batcher's worker (`_process_batch`: plan,
+    each step's aten op counts, taken in the batcher's worker (`_serve_batch`: plan,
     forward, rows out)."""
     counts = []
-    process = lm._process_batch
+    serve = lm._serve_batch
 
-    def counted(keys):
+    def counted(*args):
         assert threading.current_thread() is not threading.main_thread()
         with OpCounter() as counter:
-            rows = process(keys)
+            rows = serve(*args)
         counts.append(counter.counts)
         return rows
 
-    lm._process_batch = counted
+    lm._serve_batch = counted
     for step in range(steps):
         lm.batch_next_token_logprobs_sync(contexts)
         contexts = [c + [(7 * i + 11 * step) % 1000 + 1] for i, c in enumerate(contexts)]
@@ -125,6 +125,24 @@ async def test_every_row_has_storage_of_its_own(tiny_model, smollm2_tokenizer):
     lm.batch_next_token_logprobs_sync(contexts).fill_(0.0)
     again = await lm.next_token_logprobs(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
+
+
+def test_rows_of_earlier_batches_stay_theirs_when_the_next_batches_run(
+    tiny_model, smollm2_tokenizer
+):
+    """A batch's logprobs are written into one buffer that every batch reuses: the rows a
+    caller holds and those the tree serves again stay the rows of their own contexts."""
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    vocab = lm.vocab_size
+    prompt = list(range(3, 40))
+    first = particles(4, prompt)
+    held = lm.batch_next_token_logprobs_sync(first)
+    held_one = lm.next_token_logprobs_sync(first[0] + [5])
+    lm.batch_next_token_logprobs_sync([c + [9] for c in first] + [prompt[:10]])  # two groups
+    for ids, row in zip(first, held, strict=True):
+        assert torch.allclose(row, expected(tiny_model, vocab, ids), atol=TOL)
+    assert torch.allclose(held_one, expected(tiny_model, vocab, first[0] + [5]), atol=TOL)
+    assert torch.equal(lm.batch_next_token_logprobs_sync(first), held)  # from the tree
 
 
 def test_block_copies_copy_each_tokens_slot_and_nothing_else():

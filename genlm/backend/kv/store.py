@@ -54,9 +54,10 @@ ZERO_BLOCK = 0
 INITIAL_BLOCKS = 64
 
 
-@dataclass(eq=False, repr=False)
+@dataclass(eq=False, repr=False, slots=True)
 class KVNode:
-    """One token prefix: its children, cached next-token logprobs and KV chain (plain data)."""
+    """One token prefix: its children, cached next-token logprobs and KV chain (plain data;
+    slotted: a tree holds a node per token of every cached prefix)."""
 
     parent: KVNode | None = None
     token: int | None = None

@@ -20,7 +20,7 @@ import math
 import operator
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import numpy as np
@@ -47,6 +47,24 @@ def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
             f"The tokenizer has {tokenizer_vocab} tokens but the model's output layer "
             f"{model_vocab}: they do not belong together (pass the model's own tokenizer)"
         )
+
+
+class TokenIds(tuple[int, ...]):
+    """A validated prefix: exact ints in the vocabulary, with its hash computed once.
+
+    A request's prefix is a dict key several times a step (the batch's distinct requests,
+    the validated prefixes, the prefix tree's recent nodes); a tuple's hash costs
+    O(length) every time, this one O(1) after construction."""
+
+    _hash: int
+
+    def __new__(cls, ids: tuple[int, ...]) -> TokenIds:
+        self = super().__new__(cls, ids)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 class ValidatedPrefixes:
@@ -82,7 +100,8 @@ class ValidatedPrefixes:
 
 
 class Query(NamedTuple):
-    """One next-token request: a validated prefix and the adapter that serves it."""
+    """One next-token request: a validated prefix (a `TokenIds` where it was validated
+    here) and the adapter that serves it."""
 
     token_ids: tuple[int, ...]
     lora: str | None = None
@@ -136,7 +155,7 @@ class AsyncLM(ABC):
         """Longest prefix the model accepts (``None``: no known limit)."""
         return None
 
-    def validate_token_ids(self, token_ids: Any) -> tuple[int, ...]:
+    def validate_token_ids(self, token_ids: Any) -> TokenIds:
         """Check a token-id prefix before any model work and return it as a tuple of ints.
 
         Raises ``ValueError`` for an empty prefix, an id outside ``[0, vocab_size)`` or a
@@ -170,10 +189,10 @@ class AsyncLM(ABC):
             )
         return self._checked_ids(ids)
 
-    def _checked_ids(self, ids: tuple[Any, ...]) -> tuple[int, ...]:
+    def _checked_ids(self, ids: tuple[Any, ...]) -> TokenIds:
         """``ids`` as exact ints, each in ``[0, vocab_size)``, checked by C loops (type
         count, min, max), and for a prefix that extends a validated one by a token, only
-        that token; a bad id is then found and named by `_checked_id`."""
+        that token's range; a bad id is then found and named by `_checked_id`."""
         if operator.countOf(map(type, ids), int) != len(ids):
             if not all(
                 issubclass(kind, int | np.integer) and kind is not bool
@@ -187,8 +206,9 @@ class AsyncLM(ABC):
             valid = 0 <= min(ids) and max(ids) < self.vocab_size
         if not valid:
             self._raise_for_bad_id(ids)
-        self._validated.add(ids)
-        return ids
+        checked = TokenIds(ids)
+        self._validated.add(checked)
+        return checked
 
     def _raise_for_bad_id(self, ids: tuple[Any, ...]) -> NoReturn:
         """Raise `_checked_id`'s error for the first bad id of ``ids`` (which has one)."""
@@ -553,26 +573,42 @@ class BatchedAsyncLM(AsyncLM):
         """Blocking `next_token_logprobs` (a batch of one)."""
         return self._run_batch([self._query(token_ids, lora_name)])[0]
 
-    def _rows_sync(self, queries: list[Query]) -> list[torch.Tensor]:
-        return self._run_batch(queries)
+    def _shared_rows(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
+        """`_process_batch`'s answers, which may be tensors a cache holds: for a caller
+        that copies them (`batch_next_token_logprobs_sync` stacks them) and edits none."""
+        return self._process_batch(keys)
 
-    def _serve_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
-        """`_process_batch` on the keys whose adapter is still registered; the others get
-        the unknown-adapter `ValueError` as their result (the batcher fails only them)."""
+    def _rows_sync(self, queries: list[Query]) -> list[torch.Tensor]:
+        return self._run_batch(queries, self._shared_rows)
+
+    def _serve_batch(
+        self,
+        keys: list[Query],
+        process: Callable[[list[Query]], BatchResults[torch.Tensor]] | None = None,
+    ) -> BatchResults[torch.Tensor]:
+        """``process`` (default: `_process_batch`) on the keys whose adapter is still
+        registered; the others get the unknown-adapter `ValueError` as their result (the
+        batcher fails only them)."""
+        process = process or self._process_batch
         gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]
         if not any(gone):
-            return self._process_batch(keys)
-        kept = iter(self._process_batch([key for key, g in zip(keys, gone, strict=True) if not g]))
+            return process(keys)
+        kept = iter(process([key for key, g in zip(keys, gone, strict=True) if not g]))
         answers: list[Any] = [  # an exception is its caller's answer
             self._unknown_lora(key.lora) if g else next(kept)
             for key, g in zip(keys, gone, strict=True)
         ]
         return answers
 
-    def _run_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        """`_serve_batch` on the distinct ``keys`` (worker thread, blocking), in ``keys`` order."""
+    def _run_batch(
+        self,
+        keys: list[Query],
+        process: Callable[[list[Query]], BatchResults[torch.Tensor]] | None = None,
+    ) -> list[torch.Tensor]:
+        """`_serve_batch` with ``process`` (default: `_process_batch`) on the distinct
+        ``keys`` (worker thread, blocking), in ``keys`` order."""
         distinct = list(dict.fromkeys(keys))
-        results = self.batcher.run_sync(self._serve_batch, distinct)
+        results = self.batcher.run_sync(self._serve_batch, distinct, process)
         by_key = dict(zip(distinct, results, strict=True))
         for result in by_key.values():
             if isinstance(result, BaseException):

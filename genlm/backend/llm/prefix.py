@@ -103,8 +103,9 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     @abstractmethod
     def _run_plans(self, plans: Sequence[QueryPlan]) -> torch.Tensor | list[torch.Tensor]:
-        """Each plan's next-token logprobs, in order: a ``[rows, vocab]`` batch (the
-        base copies its rows out in one op) or a list of rows of their own. With KV reuse a
+        """Each plan's next-token logprobs, in order: a ``[rows, vocab]`` batch (the base
+        copies its rows out in one op before the next call, so a backend may reuse its
+        memory) or a list of rows of their own. With KV reuse a
         plan's chain is allocated and its copies applied: read its first ``plan.start``
         tokens' KV from the chain and write ``ids[start:]``'s into it; without, run the
         whole prefix."""
@@ -200,6 +201,11 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
     def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
+        # Callers get copies: a row edited in place must not change what the tree holds.
+        return _copies(self._shared_rows(keys))
+
+    def _shared_rows(self, keys: list[Query]) -> list[torch.Tensor]:
+        """The rows of ``keys``, as the tree holds them (not to be edited)."""
         results: dict[int, torch.Tensor] = {}
         planned: list[QueryPlan] = []
         chains: dict[int, Chain] = {}  # by slot: each plan's own chain until a node takes it
@@ -219,8 +225,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                     results[plan.slot] = logprobs
         finally:
             self._finish(planned, chains)
-        # Callers get copies: a row edited in place must not change what the tree holds.
-        return _copies([results[slot] for slot in range(len(keys))])
+        return [results[slot] for slot in range(len(keys))]
 
     def _plan(self, slot: int, ids: tuple[int, ...], lora: str | None, node: KVNode) -> QueryPlan:
         """Find the deepest usable KV for ``ids`` and hold it (``node``: the deepest node on
