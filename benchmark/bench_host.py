@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -90,6 +91,7 @@ def library_steps(
     from genlm.backend.llm.hf import AsyncTransformer
 
     lm = AsyncTransformer(model, tokenizer, batch_size=n)
+    gc.collect()  # the earlier configurations' garbage and this LM's construction, not the steps'
     clock = ForwardClock(model)
     worker_counts: list[Counter[str]] = []
     serve = lm._serve_batch
@@ -138,6 +140,7 @@ def floor_steps(model: Any, prompt: list[int], n: int, steps: int) -> dict[str, 
     from genlm.backend.llm.hf import cache_keyword
 
     keyword = cache_keyword(model)
+    gc.collect()  # as for the library: the steps start from a collected heap
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     cache = DynamicCache(config=model.config)
