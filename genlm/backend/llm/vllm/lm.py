@@ -336,7 +336,7 @@ class AsyncVirtualLM(EngineLM):
         directory = self._check_adapter(lora_path)
         if lora_name in self.lora_paths:
             self.batcher.run_sync(self._unload_engine_lora, lora_name)
-        self._forget_lora_results(lora_name)
+        self._clear_lora_results(lora_name)
         self._adapter_dirs[lora_name] = str(directory)
 
     def _check_adapter(self, lora_path: str) -> Path:
@@ -394,7 +394,7 @@ class AsyncVirtualLM(EngineLM):
     def _unload_lora(self, lora_name: str) -> None:
         self._adapter_dirs.pop(lora_name, None)
         self.batcher.run_sync(self._unload_engine_lora, lora_name)
-        self._forget_lora_results(lora_name)
+        self._clear_lora_results(lora_name)
 
     def _unload_engine_lora(self, lora_name: str) -> None:
         """Close the adapter's sessions, unload its weights, and drop vLLM's prefix cache
