@@ -100,7 +100,7 @@ class EngineLM(BatchedAsyncLM):
         if self.output_cache is not None:
             self.output_cache.clear()
 
-    def _forget_lora_results(self, lora_name: str) -> None:
+    def _clear_lora_results(self, lora_name: str) -> None:
         """Drop the cached results of one adapter (its weights were replaced or removed)."""
         if self.output_cache is not None:
             self.output_cache.discard(lambda query: query.lora == lora_name)

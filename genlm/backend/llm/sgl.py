@@ -154,7 +154,7 @@ class AsyncSGLTransformer(EngineLM):
 
     def _unload_lora(self, lora_name: str) -> None:
         self.batcher.run_sync(lambda: self.sgl_model.unload_lora_adapter(lora_name=lora_name))
-        self._forget_lora_results(lora_name)
+        self._clear_lora_results(lora_name)
 
     def clear_kv_cache(self) -> None:
         """Empty SGLang's prefix (radix) KV cache."""

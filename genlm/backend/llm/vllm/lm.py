@@ -18,13 +18,13 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
-from genlm.backend.checks import dict_option
+from genlm.backend.checks import OptionCheck, check_options, dict_option
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
@@ -51,29 +51,23 @@ def hash_to_int(value: str) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1) + 1
 
 
-def check_stall_timeout(stall_timeout: Any) -> None:
-    """Raise ``ValueError`` unless ``stall_timeout`` is a finite number of seconds > 0."""
-    if isinstance(stall_timeout, bool) or not (
-        isinstance(stall_timeout, int | float) and 0 < stall_timeout < math.inf
-    ):
-        raise ValueError(
-            f"stall_timeout must be a finite number of seconds > 0, got {stall_timeout!r}"
-        )
+def check_stall_timeout(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number of seconds > 0."""
+    if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < math.inf):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
 
 
-def check_cache_opts(cache_opts: Any) -> None:
-    """Raise unless ``cache_opts`` is None or a dict of `OutputCache` options with valid
-    values (``TypeError`` naming the option and the ones there are)."""
-    dict_option("cache_opts", cache_opts)
-    if cache_opts is None:
+def check_cache_opts(name: str, value: Any) -> None:
+    """Raise unless ``value`` is None or a dict of `OutputCache` options with valid values
+    (``TypeError`` naming the option and the ones there are)."""
+    dict_option(name, value)
+    if value is None:
         return
-    allowed = [name for name in inspect.signature(OutputCache).parameters if name != "maxsize"]
-    for name in cache_opts:
-        if name not in allowed:
-            raise TypeError(
-                f"cache_opts: OutputCache takes no option {name!r}; it takes: {allowed}"
-            )
-    OutputCache(0, **cache_opts)  # checks the values, naming the option
+    allowed = [key for key in inspect.signature(OutputCache).parameters if key != "maxsize"]
+    for key in value:
+        if key not in allowed:
+            raise TypeError(f"{name}: OutputCache takes no option {key!r}; it takes: {allowed}")
+    OutputCache(0, **value)  # checks the values, naming the option
 
 
 @dataclass(frozen=True)
@@ -134,6 +128,11 @@ class AsyncVirtualLM(EngineLM):
     (`genlm.backend.llm.vllm.loop.engine_handle`); `from_name` has no such limit.
     """
 
+    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
+        **EngineLM.OPTION_CHECKS,
+        "cache_opts": check_cache_opts,
+        "stall_timeout": check_stall_timeout,
+    }
     # Wider than the base class's (queries alone): samples share the queries' steps.
     batcher: AutoBatcher[_StepKey, _StepAnswer]  # type: ignore[assignment]
 
@@ -147,8 +146,9 @@ class AsyncVirtualLM(EngineLM):
         timeout: float | None = 0.02,
         stall_timeout: float = STALL_TIMEOUT,
     ):
-        check_stall_timeout(stall_timeout)
-        check_cache_opts(cache_opts)
+        check_options(
+            self.OPTION_CHECKS, {"stall_timeout": stall_timeout, "cache_opts": cache_opts}
+        )
         self.llm_engine: Any = llm_engine  # None once closed
         self.logprobs_capture = logprobs_capture
         self.stall_timeout = float(stall_timeout)
@@ -215,13 +215,6 @@ class AsyncVirtualLM(EngineLM):
             lm.close()
             raise
         return lm
-
-    @classmethod
-    def check_constructor_options(cls, options: Mapping[str, Any]) -> None:
-        """The base checks, and ``stall_timeout`` and ``cache_opts`` (see `from_name`)."""
-        super().check_constructor_options(options)
-        check_stall_timeout(options.get("stall_timeout", STALL_TIMEOUT))
-        check_cache_opts(options.get("cache_opts"))
 
     def _check_capture(self) -> None:
         """Send one probe request through the logits processor capture: where its row does
@@ -343,7 +336,7 @@ class AsyncVirtualLM(EngineLM):
         directory = self._check_adapter(lora_path)
         if lora_name in self.lora_paths:
             self.batcher.run_sync(self._unload_engine_lora, lora_name)
-        self._forget_lora_results(lora_name)
+        self._clear_lora_results(lora_name)
         self._adapter_dirs[lora_name] = str(directory)
 
     def _check_adapter(self, lora_path: str) -> Path:
@@ -401,7 +394,7 @@ class AsyncVirtualLM(EngineLM):
     def _unload_lora(self, lora_name: str) -> None:
         self._adapter_dirs.pop(lora_name, None)
         self.batcher.run_sync(self._unload_engine_lora, lora_name)
-        self._forget_lora_results(lora_name)
+        self._clear_lora_results(lora_name)
 
     def _unload_engine_lora(self, lora_name: str) -> None:
         """Close the adapter's sessions, unload its weights, and drop vLLM's prefix cache

@@ -5,23 +5,16 @@ async generator of ``StreamingInput`` chunks): each chunk appends prompt tokens 
 request, whose KV blocks stay in place. A particle's next context (its context plus one
 token) is therefore one more chunk: no new request, no re-hash or recompute of its prefix.
 
-`Sessions` maps each live session to its context (and adapter) and runs one step of
-requests at a time:
+`Sessions` runs one step of requests at a time. A request equal to a live session's
+context plus one token continues it (one per session per step: other forks open new
+sessions, which hit vLLM's prefix cache). Sessions a step does not extend stay paused,
+so a particle whose batch comes round again finds its own, within a budget
+(`Sessions._budget`) that always leaves a request slot free: room for a new session is
+made by closing paused ones, least recently used first, and a request that does not fit
+even then runs as an ordinary one-shot request in that slot, so paused sessions can
+never deadlock it.
 
-- a request equal to a live session's context plus one token continues that session
-  (at most one request per session per step: the others, forks after resampling, open
-  new sessions, which hit vLLM's prefix cache on the full blocks);
-- sessions (running or paused) hold at most ``max_num_seqs - 1`` request slots and half
-  of the engine's KV blocks; a session that a step does not extend stays paused only
-  while that budget allows: when a new session needs room, paused sessions are closed,
-  least recently used first (their full blocks stay in vLLM's prefix cache). So paused
-  sessions never crowd out the requests that run, and a particle whose batch comes
-  round again (``batch_size`` smaller than the number of particles) finds its session;
-- a request that does not fit even after closing every paused session runs as an
-  ordinary one-shot request; one slot is always left for these, so they cannot
-  deadlock against paused sessions.
-
-`Sessions` runs on the engine's loop (`genlm.backend.llm.vllm.loop.EngineLoop`). A step
+They run on the engine's loop (`genlm.backend.llm.vllm.loop.EngineLoop`). A step
 that stops making progress (no output for any of its requests for ``stall_timeout``
 seconds: sessions waiting on each other for KV blocks, a request the engine dropped) fails
 its callers with `StepStalledError` instead of waiting forever, and so does a step of an
