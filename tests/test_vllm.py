@@ -827,21 +827,28 @@ def untidy_exit_lines(stderr):
     return [line for line in stderr.splitlines() if any(n in line for n in needles)]
 
 
+def run_script(path, text, *args, timeout):
+    """Write ``text`` to ``path`` and run it with this checkout on the path."""
+    path.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(path), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=os.getcwd(),
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+
+
 def test_lms_built_inside_a_running_loop_or_in_a_thread_serve_and_exit_cleanly(
     small_llama_dir, small_llama, tmp_path
 ):
     """The notebook case (vLLM's output handler would start on the caller's loop), and an
     LM built in a thread and never closed: every row right, the process ends in time,
     tidily. On the small Llama: the engines start faster than SmolLM2's."""
-    script, out = tmp_path / "where_built.py", tmp_path / "rows.pt"
-    script.write_text(WHERE_BUILT_SCRIPT)
-    run = subprocess.run(
-        [sys.executable, str(script), small_llama_dir, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=os.getcwd(),
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    out = tmp_path / "rows.pt"
+    run = run_script(
+        tmp_path / "where_built.py", WHERE_BUILT_SCRIPT, small_llama_dir, out, timeout=900
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert untidy_exit_lines(run.stderr) == []
@@ -897,15 +904,8 @@ def test_an_lm_left_open_on_an_engine_that_died_exits_cleanly(small_llama_dir, t
     EngineDeadError, and the exit (the backend's exit hook closing the LM) prints no
     traceback and no "leaked shared_memory objects" (the dead worker's ring buffer and
     semaphore, which only its own exit would have removed). On the small Llama."""
-    script = tmp_path / "dead_engine.py"
-    script.write_text(DEAD_ENGINE_SCRIPT)
-    run = subprocess.run(
-        [sys.executable, str(script), small_llama_dir, EXIT_MARKER],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=os.getcwd(),
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    run = run_script(
+        tmp_path / "dead_engine.py", DEAD_ENGINE_SCRIPT, small_llama_dir, EXIT_MARKER, timeout=600
     )
     assert run.returncode == 0, run.stderr[-3000:]
     before, marker, at_exit = run.stderr.partition(EXIT_MARKER)
