@@ -116,6 +116,22 @@ def test_sync_batch_and_cache(engine):
     assert len(engine.calls) == 3
 
 
+@pytest.mark.parametrize(
+    ("cache_opts", "message"),
+    [
+        (3, "cache_opts must be a dict .* got int: 3"),
+        ({"bogus": 1}, "no option 'bogus'; it takes: .'move_to_cpu'"),
+        ({"move_to_cpu": "yes"}, "move_to_cpu must be a bool"),
+    ],
+)
+def test_bad_cache_opts_are_refused_before_the_engine_is_used(engine, cache_opts, message):
+    with pytest.raises(TypeError, match=message):
+        AsyncSGLTransformer(engine, cache_size=4, cache_opts=cache_opts)
+    with pytest.raises(TypeError, match=message):  # from_name: before sglang is imported
+        AsyncSGLTransformer.from_name("some/model", cache_opts=cache_opts)
+    assert engine.calls == []
+
+
 def test_renormalizes_over_the_tokenizer_vocabulary(engine):
     engine.vocab_size += 64  # a model whose output layer is padded beyond the tokenizer
     lm = AsyncSGLTransformer(engine)

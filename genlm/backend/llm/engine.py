@@ -8,6 +8,7 @@ every call raises `RuntimeError`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -17,6 +18,19 @@ from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.checks import OptionCheck, check_options, dict_option, int_option
 from genlm.backend.llm.base import BatchedAsyncLM, Query
+
+
+def check_cache_opts(name: str, value: Any) -> None:
+    """Raise unless ``value`` is None or a dict of `OutputCache` options with valid values
+    (``TypeError`` naming the option and the ones there are)."""
+    dict_option(name, value)
+    if value is None:
+        return
+    allowed = [key for key in inspect.signature(OutputCache).parameters if key != "maxsize"]
+    for key in value:
+        if key not in allowed:
+            raise TypeError(f"{name}: OutputCache takes no option {key!r}; it takes: {allowed}")
+    OutputCache(0, **value)  # checks the values, naming the option
 
 
 class EngineLM(BatchedAsyncLM):
@@ -37,7 +51,7 @@ class EngineLM(BatchedAsyncLM):
     OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
         **BatchedAsyncLM.OPTION_CHECKS,
         "cache_size": int_option(minimum=0),
-        "cache_opts": dict_option,
+        "cache_opts": check_cache_opts,
     }
 
     def __init__(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import inspect
 import itertools
 import logging
 import math
@@ -23,8 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.cache import OutputCache
-from genlm.backend.checks import OptionCheck, check_options, dict_option
+from genlm.backend.checks import OptionCheck, check_options
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
@@ -55,19 +53,6 @@ def check_stall_timeout(name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is a finite number of seconds > 0."""
     if isinstance(value, bool) or not (isinstance(value, int | float) and 0 < value < math.inf):
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-
-
-def check_cache_opts(name: str, value: Any) -> None:
-    """Raise unless ``value`` is None or a dict of `OutputCache` options with valid values
-    (``TypeError`` naming the option and the ones there are)."""
-    dict_option(name, value)
-    if value is None:
-        return
-    allowed = [key for key in inspect.signature(OutputCache).parameters if key != "maxsize"]
-    for key in value:
-        if key not in allowed:
-            raise TypeError(f"{name}: OutputCache takes no option {key!r}; it takes: {allowed}")
-    OutputCache(0, **value)  # checks the values, naming the option
 
 
 @dataclass(frozen=True)
@@ -130,7 +115,6 @@ class AsyncVirtualLM(EngineLM):
 
     OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
         **EngineLM.OPTION_CHECKS,
-        "cache_opts": check_cache_opts,
         "stall_timeout": check_stall_timeout,
     }
     # Wider than the base class's (queries alone): samples share the queries' steps.
