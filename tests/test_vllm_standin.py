@@ -922,6 +922,7 @@ async def test_a_step_without_output_fails_its_callers_and_the_next_is_served(st
         timeout=10,
     )
     assert all(isinstance(r, StepStalledError) for r in results), results
+    assert isinstance(results[0], RuntimeError)  # SPEC: every step error is a RuntimeError
     assert "0.3 s" in str(results[0]) and "stall_timeout" in str(results[0])
     assert asyncio.get_running_loop().time() - started < 5
     assert lm._handle.sessions.live == {}  # the failed step's sessions are closed

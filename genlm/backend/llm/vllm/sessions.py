@@ -46,8 +46,9 @@ HEALTH_CHECK_INTERVAL = 1.0
 RELEASE_TIMEOUT = 10.0
 
 
-class StepStalledError(TimeoutError):
-    """A step got no output from the engine for ``stall_timeout`` seconds."""
+class StepStalledError(TimeoutError, RuntimeError):
+    """A step got no output from the engine for ``stall_timeout`` seconds (a
+    ``RuntimeError`` like the other step errors, and a ``TimeoutError``)."""
 
 
 class RequestEndedError(RuntimeError):
