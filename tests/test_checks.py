@@ -9,6 +9,7 @@ sentinel. Closed LMs get every public method and must raise without starting a t
 """
 
 import inspect
+import weakref
 
 import pytest
 import torch
@@ -403,3 +404,37 @@ async def test_every_method_of_a_closed_lm_raises_and_starts_no_thread(closed_lm
         if inspect.iscoroutine(result):
             await result
     assert not has_worker(lm.batcher)
+
+
+def pool_memory(kind, pool):
+    """What holds a prefix-caching LM's KV memory: the fake's list of slots, HF's layer
+    tensors (on CPU, each over a memory map of its own), MLX's keys and values arrays."""
+    return {"fake": lambda: pool.data, "hf": lambda: pool.layers}.get(
+        kind, lambda: pool.keys + pool.values
+    )()
+
+
+@pytest.mark.parametrize("kind", ["fake", "hf", pytest.param("mlx", marks=pytest.mark.mlx)])
+async def test_close_frees_the_trees_logprobs_and_kv_memory_the_lm_still_holds(
+    kind, smollm2_tokenizer
+):
+    """A closed LM kept alive (a reference, a cycle) holds no cache: `close` lets go of the
+    trees (a root kept from before is empty), the logprobs, every KV block and the pool's
+    memory itself (the layers are gone, not shrunk), HF's logprobs buffer and the
+    `add_query` queue. `kv_nbytes` is then 0 and `cache` an empty root."""
+    lm = make_lm(kind, smollm2_tokenizer)
+    lm.cache_kv([1, 2, 3])  # a pinned prompt, outside the budget
+    await lm.batch_next_token_logprobs([[1, 2, 3, 4], [5, 6]])
+    lm.add_query([7])
+    root, store, pool = lm.cache, lm.store, lm._pool
+    assert root.children and store.held_blocks and lm.kv_nbytes and store.logprobs_nbytes
+    arrays = [] if kind == "fake" else [weakref.ref(array) for array in pool_memory(kind, pool)]
+    assert pool_memory(kind, pool) and all(ref() is not None for ref in arrays)
+    assert kind != "hf" or lm._rows_out is not None
+    lm.close()
+    lm.close()  # idempotent
+    assert pool_memory(kind, pool) == [] and all(ref() is None for ref in arrays)
+    assert store.held_blocks == 0 and store.logprobs_nbytes == 0 and store.roots == {}
+    assert not root.children and lm._queries == []
+    assert kind != "hf" or lm._rows_out is None
+    assert lm.kv_nbytes == 0 and not lm.cache.children and lm.cache.logprobs is None

@@ -29,6 +29,10 @@ class FakePool:
         self.sizes.append(blocks)
         self.slots = (self.slots + [None] * blocks * BLOCK)[: blocks * BLOCK]
 
+    def free(self) -> None:
+        self.sizes.append(0)
+        self.slots = []
+
     def copy(self, copies) -> None:
         for copy in copies:
             for j in range(copy.tokens):
@@ -246,6 +250,31 @@ def test_without_a_budget_the_pool_doubles_and_clears_shrink_it():
     run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
     store.reset()
     assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
+
+
+def test_free_empties_every_tree_and_the_pool_and_the_store_serves_again():
+    store, pool = make_store()
+    prompt, _ = run(store, pool, list(range(10)))
+    store.pin(prompt)
+    run(store, pool, list(range(7)) + [50, 51])
+    run(store, pool, [1, 2, 3], key="a")
+    store.set_logprobs(prompt, "xyz")
+    nodes = [  # every node of the trees (roots included): each prefix's, walked to
+        store.walk(store.roots[key], ids[:k])[0]
+        for key, ids in ((None, list(range(10))), (None, [*range(7), 50, 51]), ("a", [1, 2, 3]))
+        for k in range(len(ids) + 1)
+    ]
+    assert store.held_blocks and store.logprobs_nbytes
+    store.free()
+    assert pool.slots == [] and pool.sizes[-1] == 0  # all the memory, not INITIAL_BLOCKS
+    assert store.capacity == 1 and store.held_blocks == 0 and store.kv_nbytes == 0
+    assert store.roots == {} and store.logprobs_nbytes == 0
+    # a node a caller kept (a root, say) holds nothing, nor links to the rest of its tree
+    for node in nodes:
+        assert (node.children, node.chain, node.logprobs, node.pinned) == ({}, None, None, False)
+    node, start = run(store, pool, list(range(10)))
+    assert start == 0 and store.capacity == pool.sizes[-1] == len(pool.slots) // BLOCK > 1
+    check_invariants(store, pool)
 
 
 def particle_steps(store, pool, particles, steps, prompt):

@@ -65,6 +65,9 @@ class FakePool:
     def resize(self, blocks):
         self.data = (self.data + [None] * (blocks * FAKE_BLOCK))[: blocks * FAKE_BLOCK]
 
+    def free(self):
+        self.data = []
+
     def copy(self, copies):
         for copy in copies:
             for j in range(copy.tokens):

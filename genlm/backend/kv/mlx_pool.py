@@ -49,6 +49,10 @@ class MlxBlockPool:
                 mx.eval(pool[layer])
                 del old
 
+    def free(self) -> None:
+        """Drop every layer's keys and values; the next `resize` allocates afresh."""
+        self.keys, self.values = [], []
+
     def slots(self, chain: Chain, tokens: int) -> np.ndarray:
         """Pool positions of a chain's first ``tokens`` tokens."""
         blocks = np.asarray(chain, dtype=np.int32)[:, None] * self.block_size

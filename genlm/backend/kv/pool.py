@@ -45,6 +45,10 @@ class BlockPool(Protocol):
         """Hold ``blocks`` blocks (the first call allocates), keeping the contents of the
         blocks both sizes have; block 0 stays all zeros."""
 
+    def free(self) -> None:
+        """Let go of every block's memory: the pool holds nothing until the next `resize`,
+        which allocates afresh (block 0 zeroed)."""
+
     def copy(self, copies: Sequence[BlockCopy]) -> None:
         """Apply copy-on-write copies (no target is another's source)."""
 
@@ -103,6 +107,9 @@ class NoKVPool:
 
     def resize(self, blocks: int) -> None:
         """Nothing to hold."""
+
+    def free(self) -> None:
+        """Nothing held."""
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
         raise NotImplementedError("KV reuse is off for this model")

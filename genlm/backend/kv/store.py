@@ -27,7 +27,8 @@ decides what they hold.
   `INITIAL_BLOCKS`) but never past what the budget allows (plus pinned blocks) or, when
   the rows need more, past what they need; `reset` and `clear_kv` shrink the pool back
   to `INITIAL_BLOCKS`, and `trim` halves it between batches while three quarters of it
-  are free. Without a byte budget the pool doubles.
+  are free. Without a byte budget the pool doubles. `free` (a closed LM) lets go of all
+  of it.
 
 The caller applies the copies `extend` asks for (`BlockPool.copy`); a backend's forward
 then reads a row's chain and writes its new tokens' KV into the blocks `extend` returned.
@@ -118,6 +119,25 @@ class PrefixKVStore:
 
     def reset(self) -> None:
         """Forget every tree, chain and logprob; the pool goes back to `INITIAL_BLOCKS`."""
+        self._forget()
+        self._resize(INITIAL_BLOCKS)
+
+    def free(self) -> None:
+        """Forget every tree, chain and logprob, and let go of all the pool's memory
+        (`BlockPool.free`), not just shrink it (a closed LM's store). The trees' nodes are
+        emptied too, so that one a caller still holds (an old root) keeps no tree alive.
+        Block 0 alone is left (`capacity` 1, no free block), so the store stays consistent:
+        the next `reserve` or `extend` grows the pool again, allocating it afresh."""
+        for root in self.roots.values():
+            for node in _subtree(root):
+                node.children.clear()
+                node.logprobs = node.chain = None
+                node.pinned = False
+        self._forget()
+        self.pool.free()
+
+    def _forget(self) -> None:
+        """Empty state: no tree, no chain, no logprob; block 0 alone, held (`capacity` 1)."""
         self.roots: dict[Hashable, KVNode] = {}
         self._refs: list[int] = [1]  # block 0 (ZERO_BLOCK) is held forever
         self._pins: list[int] = [1]
@@ -131,7 +151,6 @@ class PrefixKVStore:
         self._emptied: list[KVNode] = []
         self._recent = RecentNodes()
         self._protected: set[int] = set()  # ids of nodes `protect` keeps from eviction
-        self._resize(INITIAL_BLOCKS)
 
     @property
     def capacity(self) -> int:

@@ -47,6 +47,11 @@ class TorchBlockPool:
             self.layers[index] = layer
             del old, layer  # the old layer goes before the next one is allocated
 
+    def free(self) -> None:
+        """Drop every layer (on CPU its memory map goes back to the system once no tensor
+        uses it); the next `resize` allocates afresh."""
+        self.layers = []
+
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost
         memory once written and go back to the system when it is freed (the C allocator

@@ -143,12 +143,14 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     @property
     def cache(self) -> KVNode:
-        """The root of the base model's prefix tree (each adapter has its own, in `store`)."""
+        """The root of the base model's prefix tree (each adapter has its own, in `store`);
+        after `close`, an empty root."""
         return self.store.root(None)
 
     @property
     def kv_nbytes(self) -> int:
-        """Bytes of the KV blocks held by unpinned prefixes (pinned prompts are outside it)."""
+        """Bytes of the KV blocks held by unpinned prefixes (pinned prompts are outside it);
+        0 after `close`."""
         return self.store.kv_nbytes
 
     def cache_kv(self, prompt_tokens: Sequence[int], *, lora_name: str | None = None) -> None:
@@ -196,6 +198,13 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def reset_async_queries(self) -> None:
         """Drop queued requests after an aborted run (their callers get ``CancelledError``)."""
         super().reset_async_queries()
+        self._queries = []
+
+    def _close(self) -> None:
+        """Stop the worker, which waits for a running batch, then free the trees, their
+        logprobs, the KV pool's memory (`PrefixKVStore.free`) and the `add_query` queue."""
+        super()._close()
+        self.store.free()
         self._queries = []
 
     # -- batch evaluation (worker thread) ------------------------------------------------------

@@ -221,6 +221,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         ids, lora = self._query(token_ids, lora_name)
         return self.batcher.run_sync(self._uncached, ids, lora)
 
+    def _close(self) -> None:
+        """The base's close, then the logprobs buffer of `_rows_buffer` let go."""
+        super()._close()
+        self._rows_out = None
+
     # -- LoRA ----------------------------------------------------------------------------------
 
     def _load_adapter(self, lora_path: str, lora_name: str) -> None:
