@@ -59,7 +59,7 @@ def plain_head(model: PreTrainedModel, vocab_size: int, device: torch.device) ->
     the forward must return the head's output itself, unchanged (a model that scales,
     caps or converts its logits returns another tensor)."""
     head = model.get_output_embeddings()
-    base = model.base_model
+    base = getattr(model, "base_model", model)  # a bare nn.Module has none
     if (
         type(head) is not torch.nn.Linear
         or base is model
