@@ -17,8 +17,9 @@ For each run the script measures
 - ``wall``: the workload's wall time;
 - ``backend``: the wall time during which at least one client call awaits the LM
   (``next_token_logprobs`` / ``batch_next_token_logprobs``): what the client waits for;
-- ``forward``: the time inside the model's own forward calls during the run (the library's
-  KV reads and writes happen inside them);
+- ``forward``: the time inside the model's forward calls during the run (its transformer
+  body and LM head, which the library may apply itself; the library's KV reads and writes
+  happen inside them);
 - ``bare``: the same forwards (same rows, new tokens and context lengths) on the bare
   model with no library, each replayed right after the library's (so both see the same
   load on the machine; the replay is left out of ``backend``): a transformers
@@ -116,11 +117,17 @@ class Probe:
         for name in ("next_token_logprobs", "batch_next_token_logprobs"):
             setattr(lm, name, self._awaited(getattr(lm, name)))
         model_forward = lm.model.forward
+        body = lm.model.base_model  # run by the model's forward or before the library's head
+        body_forward = body.forward
         generator = torch.Generator().manual_seed(0)
+        replaying = False
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            nonlocal replaying
+            if replaying:  # the bare model's own forward runs its body: not the library's
+                return body_forward(*args, **kwargs)
             started, started_cpu = time.perf_counter(), time.thread_time()
-            output = model_forward(*args, **kwargs)
+            output = body_forward(*args, **kwargs)
             finished = time.perf_counter()
             self.forward += finished - started
             self.forward_cpu += time.thread_time() - started_cpu
@@ -128,19 +135,40 @@ class Probe:
             past = 0 if positions is None else int(positions[:, 0].max())
             step = Forward(*input_ids.shape, past)
             self.forwards.append(step)
-            wall, cpu = bare_forward(lm.model, model_forward, step, self.cache_keyword, generator)
+            replaying = True
+            try:
+                wall, cpu = bare_forward(
+                    lm.model, model_forward, step, self.cache_keyword, generator
+                )
+            finally:
+                replaying = False
             self.bare += wall
             self.bare_cpu += cpu
             self._replaying += time.perf_counter() - finished
             return output
 
-        lm.model.forward = forward
+        body.forward = forward
+        head = lm._head
+        if head is not None:  # the library's LM head is part of its forward
+            logits = head.logits
+
+            def head_logits(hidden: Any) -> Any:
+                started, started_cpu = time.perf_counter(), time.thread_time()
+                try:
+                    return logits(hidden)
+                finally:
+                    self.forward += time.perf_counter() - started
+                    self.forward_cpu += time.thread_time() - started_cpu
+
+            head.logits = head_logits
 
     @staticmethod
     def detach(lm: Any) -> None:
         for name in ("next_token_logprobs", "batch_next_token_logprobs"):
             delattr(lm, name)
-        del lm.model.forward
+        del lm.model.base_model.forward
+        if lm._head is not None:
+            del lm._head.logits
 
     def _awaited(self, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def call(*args: Any, **kwargs: Any) -> Any:

@@ -548,7 +548,8 @@ def smc(args: argparse.Namespace) -> dict[str, Any]:
         nonlocal forwarded
         forwarded += kwargs["input_ids"].numel()
 
-    hook = lm.model.register_forward_pre_hook(count, with_kwargs=True)
+    # the transformer body: run by the model's forward or before the library's own head
+    hook = lm.model.base_model.register_forward_pre_hook(count, with_kwargs=True)
     requested: set[tuple[int, ...]] = set()
     generator = torch.Generator().manual_seed(0)
     max_held = 0

@@ -50,28 +50,6 @@ def assert_close(lm, ids, got):
     assert diff <= TOL, f"max abs diff {diff} for a prefix of {len(ids)} tokens"
 
 
-class ForwardLog:
-    """Wraps a model's forward to record the shape of every ``input_ids``."""
-
-    def __init__(self, model, monkeypatch, fail_times=0):
-        self.shapes = []
-        self.fail_times = fail_times
-        inner = model.forward
-
-        def forward(*args, **kwargs):
-            self.shapes.append(tuple(kwargs["input_ids"].shape))
-            if self.fail_times:
-                self.fail_times -= 1
-                raise RuntimeError("forward failed on purpose")
-            return inner(*args, **kwargs)
-
-        monkeypatch.setattr(model, "forward", forward)
-
-    @property
-    def tokens(self):
-        return sum(rows * length for rows, length in self.shapes)
-
-
 @pytest.mark.slow
 def test_cache_keyword_is_the_model_class_own_under_an_instance_wrapper(hf_model, monkeypatch):
     """A profiler's ``forward(**kwargs)`` set on the instance, or a wrapper class taking

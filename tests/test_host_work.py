@@ -161,3 +161,15 @@ def test_numpy_integers_in_a_list_are_accepted_as_ints(mock):
     expected = mock.next_token_logprobs_sync([4, 5, 6])
     assert torch.equal(mock.next_token_logprobs_sync(list(np.array([4, 5, 6]))), expected)
     assert torch.equal(mock.next_token_logprobs_sync(torch.tensor([4, 5, 6])), expected)
+
+
+def test_a_validated_prefix_keeps_its_parent_and_no_older_one(mock):
+    """The prefix tree finds a particle's node through the previous step's prefix object
+    (O(1) as a key); that link goes one step back only, so no chain of old prefixes stays."""
+    prompt = list(range(3, 60))
+    first = mock._query(prompt).token_ids
+    second = mock._query(prompt + [7]).token_ids
+    assert second.parent is first
+    third = mock._query(prompt + [7, 8]).token_ids
+    assert third.parent is second and second.parent is None
+    assert mock._query([9, 9, 9]).token_ids.parent is None  # nothing validated before it

@@ -222,17 +222,21 @@ class HFHarness(ModelHarness):
         self.adapted = {}
         self.shapes = []
         self.fail = 0
-        inner = model.forward
+        self.recording = True  # off while a reference runs: its forward is not counted
+        # The transformer body: the library's forward runs it through the model's forward
+        # or, with the model's plain LM head, directly (`OutputHead`).
+        body = model.base_model
+        inner = body.forward
 
         def forward(*args, **kwargs):
-            self.shapes.append(tuple(kwargs["input_ids"].shape))
-            if self.fail:
-                self.fail -= 1
-                raise RuntimeError("forward failed on purpose")
+            if self.recording:
+                self.shapes.append(tuple(kwargs["input_ids"].shape))
+                if self.fail:
+                    self.fail -= 1
+                    raise RuntimeError("forward failed on purpose")
             return inner(*args, **kwargs)
 
-        monkeypatch.setattr(model, "forward", forward)
-        self.plain_forward = inner  # the references' forwards are not counted
+        monkeypatch.setattr(body, "forward", forward)
 
     def make(self, **options):
         from genlm.backend.llm.hf import AsyncTransformer
@@ -250,9 +254,13 @@ class HFHarness(ModelHarness):
         key = (ids, lora)
         references = HF_REFERENCES if lora is None else self.references
         if key not in references:
-            forward = self.plain_forward if lora is None else self.adapted[lora]
-            with torch.inference_mode():
-                logits = forward(input_ids=torch.tensor([list(ids)])).logits[0, -1]
+            forward = self.model if lora is None else self.adapted[lora]
+            self.recording = False
+            try:
+                with torch.inference_mode():
+                    logits = forward(input_ids=torch.tensor([list(ids)])).logits[0, -1]
+            finally:
+                self.recording = True
             references[key] = torch.log_softmax(logits[: lm.vocab_size].float(), -1)
         return references[key]
 

@@ -201,11 +201,17 @@ class PrefixKVStore:
             node = child
         return node, len(ids)
 
-    def find(self, key: Hashable, ids: tuple[int, ...]) -> tuple[KVNode, int]:
+    def find(
+        self, key: Hashable, ids: tuple[int, ...], parent: tuple[int, ...] | None = None
+    ) -> tuple[KVNode, int]:
         """`walk` in the tree of ``key``, from the node of ``ids[:-1]`` or of ``ids`` when
         `node_for` made it recently (a decode step extends the previous step's prefixes):
-        O(new tokens) rather than O(len(ids))."""
-        node = self._recent.get(key, ids[:-1]) if len(ids) > 1 else None
+        O(new tokens) rather than O(len(ids)). ``parent``: ``ids[:-1]`` as an object the
+        caller already holds (the prefix `node_for` was given, with its hash cached), so
+        that no slice of ``ids`` is made, hashed and compared."""
+        if parent is None and len(ids) > 1:
+            parent = ids[:-1]
+        node = None if parent is None else self._recent.get(key, parent)
         if node is None:
             node = self._recent.get(key, ids)
         return self.walk(self.root(key) if node is None else node, ids)

@@ -54,13 +54,21 @@ class TokenIds(tuple[int, ...]):
 
     A request's prefix is a dict key several times a step (the batch's distinct requests,
     the validated prefixes, the prefix tree's recent nodes); a tuple's hash costs
-    O(length) every time, this one O(1) after construction."""
+    O(length) every time, this one O(1) after construction. ``parent`` is the validated
+    prefix equal to ``self[:-1]`` when validation found one (a decode step extends the
+    previous step's prefix): as a key it is found in O(1), where the slice would be hashed
+    and compared in O(length). It is cleared once this prefix becomes another's parent,
+    so that no chain of earlier prefixes stays alive."""
 
     _hash: int
+    parent: TokenIds | None
 
-    def __new__(cls, ids: tuple[int, ...]) -> TokenIds:
+    def __new__(cls, ids: tuple[int, ...], parent: TokenIds | None = None) -> TokenIds:
         self = super().__new__(cls, ids)
         self._hash = tuple.__hash__(self)
+        self.parent = parent
+        if parent is not None:
+            parent.parent = None
         return self
 
     def __hash__(self) -> int:
@@ -79,24 +87,25 @@ class ValidatedPrefixes:
 
     def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._current: set[tuple[int, ...]] = set()
-        self._previous: set[tuple[int, ...]] = set()
+        self._current: dict[tuple[int, ...], TokenIds] = {}
+        self._previous: dict[tuple[int, ...], TokenIds] = {}
         self._tokens = 0
 
-    def __contains__(self, ids: tuple[int, ...]) -> bool:
-        if ids in self._current:
-            return True
-        if ids in self._previous:
-            self.add(ids)
-            return True
-        return False
+    def find(self, ids: tuple[int, ...]) -> TokenIds | None:
+        """The validated prefix equal to ``ids``, or None."""
+        found = self._current.get(ids)
+        if found is None:
+            found = self._previous.get(ids)
+            if found is not None:
+                self.add(found)
+        return found
 
-    def add(self, ids: tuple[int, ...]) -> None:
-        """Remember ``ids``, a validated prefix of exact ints."""
+    def add(self, ids: TokenIds) -> None:
+        """Remember ``ids``, a validated prefix."""
         self._tokens += len(ids)
         if self._tokens > self.budget:
-            self._previous, self._current, self._tokens = self._current, set(), len(ids)
-        self._current.add(ids)
+            self._previous, self._current, self._tokens = self._current, {}, len(ids)
+        self._current[ids] = ids
 
 
 class Query(NamedTuple):
@@ -200,13 +209,14 @@ class AsyncLM(ABC):
             ):
                 self._raise_for_bad_id(ids)
             ids = tuple(map(int, ids))
-        if len(ids) > 1 and ids[:-1] in self._validated:
+        parent = self._validated.find(TokenIds(ids[:-1])) if len(ids) > 1 else None
+        if parent is not None:
             valid = 0 <= ids[-1] < self.vocab_size
         else:
             valid = 0 <= min(ids) and max(ids) < self.vocab_size
         if not valid:
             self._raise_for_bad_id(ids)
-        checked = TokenIds(ids)
+        checked = TokenIds(ids, parent)
         self._validated.add(checked)
         return checked
 

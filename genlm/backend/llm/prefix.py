@@ -21,7 +21,7 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import KVNode, PrefixKVStore
-from genlm.backend.llm.base import BatchedAsyncLM, Query
+from genlm.backend.llm.base import BatchedAsyncLM, Query, TokenIds
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
 R = TypeVar("R")
@@ -220,7 +220,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         chains: dict[int, Chain] = {}  # by slot: each plan's own chain until a node takes it
         try:
             for slot, (ids, lora) in enumerate(keys):
-                node, depth = self.store.find(lora, ids)
+                node, depth = self.store.find(lora, ids, _parent(ids))
                 if depth == len(ids) and node.logprobs is not None:
                     self.store.touch(node)
                     results[slot] = node.logprobs
@@ -323,6 +323,11 @@ def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     a fused kernel on CUDA): not N clones, and unlike one batched clone cut into views, a
     caller keeping one row does not keep the whole batch alive."""
     return list(torch._foreach_clone(rows)) if rows else []
+
+
+def _parent(ids: tuple[int, ...]) -> TokenIds | None:
+    """The validated prefix equal to ``ids[:-1]`` that validation found for ``ids``, if any."""
+    return ids.parent if isinstance(ids, TokenIds) else None
 
 
 def _chain_of(source: KVNode | None) -> Chain | None:

@@ -61,6 +61,7 @@ from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.base import check_vocab_fits
+from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import (
     bitsandbytes_config,
     cache_keyword,
@@ -156,6 +157,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._cache_keyword = cache_keyword(self.model)
         layout, reason = self._probe_kv_layout()
         self._pool = None if layout is None else TorchBlockPool(layout)
+        self._head = plain_head(self.model, self.vocab_size, self._input_device)
         self._cascade = self._pool is not None and register_cascade(
             self.model, self._pool.layout.num_layers
         )
@@ -351,17 +353,16 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             # Cascade: the shared prefix is read once per layer; each row reads only its own
             # tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword).
             cache = paged_cache(pool, step.write.flatten(), step.read, step.past, step.shared)
-            logits = self._forward(
+            self._forward_logprobs(
                 loras,
+                out,
+                cache,
                 input_ids=step.input_ids,
                 attention_mask=attention_mask(step.first, step.past, new_tokens),
                 position_ids=step.position_ids,
-                cache=cache,
                 genlm_cache=cache,
                 use_cache=True,
-                logits_to_keep=1,
-            ).logits
-            self._logprobs(logits[:, -1], out)
+            )
             return
         # A prefix longer than max_batch_tokens (a single plan) is prefilled in chunks.
         for chunk in range(0, new_tokens, self.max_batch_tokens):
@@ -376,16 +377,15 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 step.read[:, : step.past + end],
                 past,
             )
-            logits = self._forward(
+            self._forward_logprobs(
                 loras,
+                out,
+                cache,
                 input_ids=step.input_ids[:, chunk:end],
                 attention_mask=mask,
                 position_ids=step.position_ids[:, chunk:end],
-                cache=cache,
                 use_cache=True,
-                logits_to_keep=1,
-            ).logits
-        self._logprobs(logits[:, -1], out)
+            )
 
     def _shared_blocks(self, plans: list[QueryPlan]) -> int:
         """Blocks at the start of every plan's chain and inside every plan's past: cascade
@@ -401,9 +401,28 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         """Fallback for models without reusable KV: one plain forward of whole prefixes of
         one length, their logprobs into ``out``."""
         input_ids = torch.tensor([plan.ids for plan in plans], device=self._input_device)
-        loras = [plan.lora for plan in plans]
-        logits = self._forward(loras, input_ids=input_ids, use_cache=False, logits_to_keep=1).logits
-        self._logprobs(logits[:, -1], out)
+        self._forward_logprobs(
+            [plan.lora for plan in plans], out, input_ids=input_ids, use_cache=False
+        )
+
+    def _forward_logprobs(
+        self,
+        loras: Sequence[str | None],
+        out: torch.Tensor,
+        cache: Cache | None = None,
+        **inputs: Any,
+    ) -> None:
+        """The forward's logprobs at each row's last position, into ``out``: the base model
+        and our `OutputHead` (logits in reused memory) where `plain_head` found the model's
+        logits to be its head's and no adapter is loaded, else the model's own forward."""
+        if self._head is None or self._peft is not None:
+            logits = self._forward(loras, cache, logits_to_keep=1, **inputs).logits
+            self._logprobs(logits[:, -1], out)
+            return
+        if cache is not None:
+            inputs[self._cache_keyword] = cache
+        hidden = self.model.base_model(**inputs).last_hidden_state
+        self._head.logprobs(hidden[:, -1], out)
 
     def _additive_or_boolean(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` as the model's attention wants it: boolean for sdpa, additive for eager."""
