@@ -43,6 +43,10 @@ class OutputHead:
             return torch.mm(hidden, weight.t(), out=logits)
         return torch.addmm(self.linear.bias[: self.vocab_size], hidden, weight.t(), out=logits)
 
+    def free(self) -> None:
+        """Let the logits buffer go (the next call makes a new one)."""
+        self._logits = None
+
     def _buffer(self, rows: int, weight: torch.Tensor) -> torch.Tensor:
         buffer = self._logits
         if buffer is None or buffer.shape[0] < rows or buffer.dtype != weight.dtype:

@@ -224,9 +224,12 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         return self.batcher.run_sync(self._uncached, ids, lora)
 
     def _close(self) -> None:
-        """The base's close, then the logprobs buffer of `_rows_buffer` let go."""
+        """The base's close, then the logprobs buffer of `_rows_buffer` and the head's logits
+        buffer let go."""
         super()._close()
         self._rows_out = None
+        if self._head is not None:
+            self._head.free()
 
     # -- LoRA ----------------------------------------------------------------------------------
 
