@@ -110,14 +110,28 @@ async def test_rows_of_forks_and_mixed_lengths_are_the_plain_forwards(
         contexts = [c + [(17 * i + step) % 500 + 1] for i, c in enumerate(contexts)]
 
 
-async def test_every_row_has_storage_of_its_own(tiny_model, smollm2_tokenizer):
+async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
+    tiny_model, smollm2_tokenizer
+):
+    """A caller's row has storage of its own (keeping it keeps no batch alive, editing it
+    changes nothing cached); the tree keeps views of each forward's batch, whose memory
+    the logprobs budget counts once, until the batch's last row goes."""
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
     prompt = list(range(3, 70))
     contexts = particles(8, prompt)
     rows = [await lm.next_token_logprobs(prompt), *lm._run_batch([lm._query(c) for c in contexts])]
-    node = lm.store.walk(lm.cache, tuple(contexts[2]))[0]
-    for row in [*rows, node.logprobs]:
+    for row in rows:
         assert row.untyped_storage().nbytes() == row.nbytes  # no batch pinned
+    cached = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
+    assert len({row.untyped_storage().data_ptr() for row in cached}) == 1  # one batch
+    row_bytes = 4 * lm.vocab_size
+    assert lm.store.logprobs_nbytes == 9 * row_bytes  # the prompt's row and the batch of 8
+    for context in contexts[:7]:  # all but one row of the batch go: its memory stays
+        node = lm.store.walk(lm.cache, tuple(context))[0]
+        lm.store.set_logprobs(node, None)
+    assert lm.store.logprobs_nbytes == 9 * row_bytes
+    lm.store.set_logprobs(lm.store.walk(lm.cache, tuple(contexts[7]))[0], None)
+    assert lm.store.logprobs_nbytes == row_bytes
     rows[3].fill_(0.0)  # a caller's edit does not reach the tree
     again = lm.next_token_logprobs_sync(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
@@ -125,6 +139,25 @@ async def test_every_row_has_storage_of_its_own(tiny_model, smollm2_tokenizer):
     lm.batch_next_token_logprobs_sync(contexts).fill_(0.0)
     again = await lm.next_token_logprobs(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
+
+
+def test_a_batch_larger_than_the_logprobs_budget_keeps_the_rows_that_fit(
+    tiny_model, smollm2_tokenizer
+):
+    """Rows of a batch the budget cannot hold whole are copied apart: the most recent
+    rows that fit stay cached (views would pin the batch, which does not fit)."""
+    row_bytes = 4 * len(smollm2_tokenizer)
+    lm = AsyncTransformer(
+        tiny_model, smollm2_tokenizer, batch_size=8, max_logprobs_bytes=3 * row_bytes
+    )
+    contexts = particles(8, list(range(3, 40)))
+    lm.batch_next_token_logprobs_sync(contexts)
+    kept = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
+    assert [row is not None for row in kept] == [False] * 5 + [True] * 3
+    assert lm.store.logprobs_nbytes == 3 * row_bytes
+    for context, row in zip(contexts[5:], kept[5:], strict=True):
+        assert row.untyped_storage().nbytes() == row_bytes
+        assert torch.allclose(row, expected(tiny_model, lm.vocab_size, context), atol=TOL)
 
 
 def test_rows_of_earlier_batches_stay_theirs_when_the_next_batches_run(

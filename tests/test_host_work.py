@@ -32,6 +32,9 @@ class NullPool:
     def resize(self, blocks):
         pass
 
+    def free(self):
+        pass
+
     def copy(self, copies):
         pass
 

@@ -8,7 +8,7 @@ unpinned chains counted by brute force.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm.backend.kv.store import INITIAL_BLOCKS, ZERO_BLOCK, PrefixKVStore
+from genlm.backend.kv.store import INITIAL_BLOCKS, ZERO_BLOCK, PrefixKVStore, memory_nbytes
 
 BLOCK = 4
 BLOCK_BYTES = 10
@@ -404,3 +404,37 @@ def test_find_never_starts_from_a_node_no_longer_in_the_tree():
     run(store, pool, ids[:-1], key="a")
     store.drop_root("a")  # a new tree for "a": nothing remembered from the old one
     assert store.find("a", ids) == (store.root("a"), 0)
+
+
+def test_rows_sharing_a_batch_count_its_memory_once_until_the_last_goes():
+    import torch
+
+    store, _ = make_store()
+    store._nbytes = memory_nbytes  # the default (make_store counts strings by length)
+    root = store.root(None)
+    batch = torch.zeros(4, 10)  # 160 bytes
+    nodes = [store.node_at(root, [t]) for t in range(4)]
+    for node, row in zip(nodes, batch.unbind(), strict=True):
+        store.set_logprobs(node, row)
+    alone = torch.zeros(10)
+    store.set_logprobs(store.node_at(root, [9]), alone)
+    assert store.logprobs_nbytes == 160 + 40
+    for node in nodes[:3]:
+        store.set_logprobs(node, None)
+    assert store.logprobs_nbytes == 200  # one row still holds the batch
+    store.set_logprobs(nodes[3], None)
+    assert store.logprobs_nbytes == 40
+
+
+def test_making_room_for_a_batch_evicts_the_least_recently_used_first():
+    store, _ = make_store(max_logprobs_bytes=10)
+    root = store.root(None)
+    nodes = [store.node_at(root, [t]) for t in range(4)]
+    for node, value in zip(nodes, ["ab", "cd", "ef", "gh"], strict=True):
+        store.set_logprobs(node, value)
+    store.touch(nodes[0])
+    store.make_room_for_logprobs(5, 2)  # 8 held: 3 must go, the oldest first (nodes[1], [2])
+    assert [node.logprobs for node in nodes] == ["ab", None, None, "gh"]
+    assert store.logprobs_nbytes == 4
+    store.make_room_for_logprobs(10, 1)  # the whole budget
+    assert store.logprobs_nbytes == 0

@@ -20,7 +20,8 @@ decides what they hold.
   many such chains there are); least recently used chains are released first. Pinned
   chains (`pin`) are outside the budget.
 - Next-token log-probabilities cached at the nodes have their own LRU budget (bytes,
-  optionally also entries).
+  optionally also entries). The bytes are those of the memory the values occupy: rows
+  that are views of one batch (`memory_key`) count their batch once while any is cached.
 - The pool's size (`capacity`) follows what is held: the lowest free block is handed
   out first, so held blocks stay at the low end; before a batch `reserve` evicts for the
   blocks its rows will allocate and grows the pool once, in steps of a quarter (at least
@@ -86,7 +87,8 @@ class PrefixKVStore:
             (`BlockPool.resize`) only when every block past the new size is free.
         max_kv_bytes: budget for blocks held by unpinned chains (None: unbounded).
         max_logprobs_bytes: budget for cached logprobs (None: unbounded).
-        nbytes: size of a logprobs value.
+        nbytes: bytes of the memory a logprobs value occupies (default `memory_nbytes`:
+            a torch tensor's storage, counted once for the values sharing it).
         max_kv_entries: most unpinned chains kept (None: unbounded).
         max_logprobs_entries: most logprobs values kept (None: unbounded).
     """
@@ -96,7 +98,7 @@ class PrefixKVStore:
         pool: BlockPool,
         max_kv_bytes: int | None = None,
         max_logprobs_bytes: int | None = None,
-        nbytes: Callable[[Any], int] = lambda value: int(value.nbytes),
+        nbytes: Callable[[Any], int] | None = None,
         max_kv_entries: int | None = None,
         max_logprobs_entries: int | None = None,
     ):
@@ -112,7 +114,7 @@ class PrefixKVStore:
         self.max_logprobs_bytes = max_logprobs_bytes
         self.max_kv_entries = max_kv_entries
         self.max_logprobs_entries = max_logprobs_entries
-        self._nbytes = nbytes
+        self._nbytes = memory_nbytes if nbytes is None else nbytes
         self.reset()
 
     # -- state -------------------------------------------------------------------------------
@@ -147,6 +149,7 @@ class PrefixKVStore:
         self._pinned = 0  # blocks held by some pinned chain
         self._kv_lru: OrderedDict[int, KVNode] = OrderedDict()
         self._logprobs_lru: OrderedDict[int, KVNode] = OrderedDict()
+        self._memories: dict[Hashable, int] = {}  # cached values per memory (`memory_key`)
         self.logprobs_nbytes = 0
         self._emptied: list[KVNode] = []
         self._recent = RecentNodes()
@@ -389,18 +392,46 @@ class PrefixKVStore:
     def set_logprobs(self, node: KVNode, logprobs: Any) -> None:
         """Cache ``node``'s next-token logprobs (None: drop them), evicting LRU ones over budget."""
         if node.logprobs is not None:
-            self.logprobs_nbytes -= self._nbytes(node.logprobs)
+            self._uncharge(node.logprobs)
             self._logprobs_lru.pop(id(node), None)
         node.logprobs = logprobs
         if logprobs is None:
             return
-        self.logprobs_nbytes += self._nbytes(logprobs)
+        self._charge(logprobs)
         self._logprobs_lru[id(node)] = node
-        lru, limit = self._logprobs_lru, self.max_logprobs_bytes
-        while lru and _over(self.logprobs_nbytes, limit, len(lru), self.max_logprobs_entries):
+        self._evict_logprobs(self.max_logprobs_bytes, self.max_logprobs_entries)
+
+    def make_room_for_logprobs(self, nbytes: int, entries: int) -> None:
+        """Evict least recently used logprobs so that ``entries`` more values in ``nbytes``
+        bytes of memory fit the budgets: a batch about to run then reuses the memory its
+        predecessors free (a budget smaller than the batch is emptied)."""
+        limit, most = self.max_logprobs_bytes, self.max_logprobs_entries
+        self._evict_logprobs(
+            None if limit is None else limit - nbytes, None if most is None else most - entries
+        )
+
+    def _evict_logprobs(self, limit: int | None, entries: int | None) -> None:
+        lru = self._logprobs_lru
+        while lru and _over(self.logprobs_nbytes, limit, len(lru), entries):
             oldest = next(iter(lru.values()))
             self.set_logprobs(oldest, None)
             self._emptied.append(oldest)
+
+    def _charge(self, value: Any) -> None:
+        """Count a value's memory, once for all the cached values that share it."""
+        key = memory_key(value)
+        held = self._memories.get(key, 0)
+        if not held:
+            self.logprobs_nbytes += self._nbytes(value)
+        self._memories[key] = held + 1
+
+    def _uncharge(self, value: Any) -> None:
+        key = memory_key(value)
+        held = self._memories.pop(key) - 1
+        if held:
+            self._memories[key] = held
+        else:
+            self.logprobs_nbytes -= self._nbytes(value)
 
     def prune(self) -> None:
         """Detach the nodes evictions left with no value and no children (call between
@@ -521,6 +552,20 @@ class RecentNodes:
         if self._tokens > self.budget:
             self._previous, self._current, self._tokens = self._current, {}, len(ids)
         self._current[key, ids] = node
+
+
+def memory_key(value: Any) -> Hashable:
+    """What names the memory a cached value occupies: a torch tensor's storage (the rows
+    of one batch, views of it, share it), else the value itself."""
+    storage = getattr(value, "untyped_storage", None)
+    return id(value) if storage is None else ("storage", storage().data_ptr())
+
+
+def memory_nbytes(value: Any) -> int:
+    """Bytes of the memory a cached value occupies (`memory_key`): a torch tensor's whole
+    storage, else ``value.nbytes``."""
+    storage = getattr(value, "untyped_storage", None)
+    return int(value.nbytes) if storage is None else storage().nbytes()
 
 
 def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:

@@ -171,23 +171,10 @@ class AsyncLM(ABC):
         prefix longer than the model's context; ``TypeError`` for a non-integer id or an
         unordered collection (a set or a dict); the message names the offending value.
         """
-        if isinstance(token_ids, torch.Tensor | np.ndarray):
-            if token_ids.ndim != 1:
-                raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-            token_ids = token_ids.tolist()
-        if isinstance(token_ids, str | bytes):
-            raise TypeError("token_ids must be a sequence of integer token ids, not a string")
-        if isinstance(token_ids, Set | Mapping):
-            raise TypeError(
-                f"token_ids must be an ordered sequence of token ids, got a "
-                f"{type(token_ids).__name__} (its order is arbitrary): pass a list"
-            )
-        try:
+        if type(token_ids) is list or type(token_ids) is tuple:  # the usual case, checked first
             ids = tuple(token_ids)
-        except TypeError:
-            raise TypeError(
-                f"token_ids must be a sequence of integer token ids, got {type(token_ids).__name__}"
-            ) from None
+        else:
+            ids = self._tuple_of_ids(token_ids)
         if not ids:
             raise ValueError("token_ids is empty: the model needs at least one token of context")
         limit = self.max_context_length
@@ -197,6 +184,27 @@ class AsyncLM(ABC):
                 f"{limit} tokens: shorten the prefix"
             )
         return self._checked_ids(ids)
+
+    @staticmethod
+    def _tuple_of_ids(token_ids: Any) -> tuple[Any, ...]:
+        """A prefix given as anything but a list or tuple, as a tuple (not yet checked)."""
+        if isinstance(token_ids, torch.Tensor | np.ndarray):
+            if token_ids.ndim != 1:
+                raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+            return tuple(token_ids.tolist())
+        if isinstance(token_ids, str | bytes):
+            raise TypeError("token_ids must be a sequence of integer token ids, not a string")
+        if isinstance(token_ids, Set | Mapping):
+            raise TypeError(
+                f"token_ids must be an ordered sequence of token ids, got a "
+                f"{type(token_ids).__name__} (its order is arbitrary): pass a list"
+            )
+        try:
+            return tuple(token_ids)
+        except TypeError:
+            raise TypeError(
+                f"token_ids must be a sequence of integer token ids, got {type(token_ids).__name__}"
+            ) from None
 
     def _checked_ids(self, ids: tuple[Any, ...]) -> TokenIds:
         """``ids`` as exact ints, each in ``[0, vocab_size)``, checked by C loops (type
@@ -209,7 +217,7 @@ class AsyncLM(ABC):
             ):
                 self._raise_for_bad_id(ids)
             ids = tuple(map(int, ids))
-        parent = self._validated.find(TokenIds(ids[:-1])) if len(ids) > 1 else None
+        parent = self._validated.find(ids[:-1]) if len(ids) > 1 else None
         if parent is not None:
             valid = 0 <= ids[-1] < self.vocab_size
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -45,6 +45,11 @@ class QueryPlan:
     @property
     def new_tokens(self) -> int:
         return len(self.ids) - self.start
+
+    def with_chain(self, chain: Chain) -> QueryPlan:
+        """This plan with its own chain (built directly: `dataclasses.replace` costs ~3 us,
+        once per particle per step)."""
+        return QueryPlan(self.slot, self.ids, self.lora, self.node, self.start, self.source, chain)
 
 
 class CacheWalk(NamedTuple):
@@ -103,9 +108,9 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     @abstractmethod
     def _run_plans(self, plans: Sequence[QueryPlan]) -> torch.Tensor | list[torch.Tensor]:
-        """Each plan's next-token logprobs, in order: a ``[rows, vocab]`` batch (the base
-        copies its rows out in one op before the next call, so a backend may reuse its
-        memory) or a list of rows of their own. With KV reuse a
+        """Each plan's next-token logprobs (float32), in order: a ``[rows, vocab]`` batch of
+        its own (the tree keeps views of its rows: no copy) or a list of rows of their
+        own. With KV reuse a
         plan's chain is allocated and its copies applied: read its first ``plan.start``
         tokens' KV from the chain and write ``ids[start:]``'s into it; without, run the
         whole prefix."""
@@ -228,7 +233,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                     planned.append(self._plan(slot, ids, lora, node))
             if planned:
                 allocated = self._allocate(planned, chains)
-                rows = _own_rows(self._run_plans(allocated))
+                rows = self._computed_rows(allocated)
                 for plan, logprobs in zip(allocated, rows, strict=True):
                     self._store(plan, logprobs, chains)
                     results[plan.slot] = logprobs
@@ -259,9 +264,25 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
             chain, plan_copies = self.store.extend(source, start, end)
             chains[plan.slot] = chain
             copies += plan_copies
-            allocated.append(replace(plan, chain=chain))
+            allocated.append(plan.with_chain(chain))
         self.store.pool.copy(copies)
         return allocated
+
+    def _computed_rows(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
+        """The plans' rows from the forward, after room is made in the logprobs budget (so
+        the batch reuses the memory of the rows it pushes out). The tree keeps views of a
+        batch that fits the budget whole (its memory is counted once, until its last row
+        goes); a larger batch's rows are copied apart, so that as many as fit are kept."""
+        batch_bytes = len(plans) * 4 * self.vocab_size  # float32 rows
+        budget = self.store.max_logprobs_bytes
+        self.store.make_room_for_logprobs(
+            batch_bytes if budget is None else min(batch_bytes, budget), len(plans)
+        )
+        computed = self._run_plans(plans)
+        if not isinstance(computed, torch.Tensor):
+            return computed
+        rows = list(computed.unbind())
+        return rows if budget is None or computed.nbytes <= budget else _copies(rows)
 
     def _store(self, plan: QueryPlan, logprobs: torch.Tensor, chains: dict[int, Chain]) -> None:
         """Cache a plan's logprobs (a value of its own: no batch storage pinned) and give its
@@ -296,7 +317,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         chains: dict[int, Chain] = {}
         try:
             allocated = self._allocate(planned, chains)
-            self._store(allocated[0], _own_rows(self._run_plans(allocated))[0], chains)
+            self._store(allocated[0], self._computed_rows(allocated)[0], chains)
             self.store.pin(self.store.node_for(lora, node, ids))
         finally:
             self._finish(planned, chains)
@@ -309,13 +330,6 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         if source is None or source.chain is None or not start:
             return CacheWalk(root, 0, None, 0)
         return CacheWalk(source, start, self._read_past(source.chain, start), source.depth)
-
-
-def _own_rows(computed: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-    """A forward's rows as tensors of their own: the tree holds each row alone, so that an
-    evicted row frees its memory and the logprobs budget counts what is held (views of
-    the batch would pin all of it while any row is cached)."""
-    return _copies(list(computed.unbind())) if isinstance(computed, torch.Tensor) else computed
 
 
 def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -153,7 +153,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._peft_names: dict[str, str] = {}  # adapter name -> its name inside peft
         self._adapter_ids = itertools.count()
         self._input_device = self.model.get_input_embeddings().weight.device
-        self._rows_out: torch.Tensor | None = None  # see _rows_buffer
         self._cache_keyword = cache_keyword(self.model)
         layout, reason = self._probe_kv_layout()
         self._pool = None if layout is None else TorchBlockPool(layout)
@@ -224,10 +223,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         return self.batcher.run_sync(self._uncached, ids, lora)
 
     def _close(self) -> None:
-        """The base's close, then the logprobs buffer of `_rows_buffer` and the head's logits
-        buffer let go."""
+        """The base's close, then the head's logits buffer let go."""
         super()._close()
-        self._rows_out = None
         if self._head is not None:
             self._head.free()
 
@@ -311,13 +308,14 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
     def _run_plans(self, plans: Sequence[QueryPlan]) -> torch.Tensor:
-        """The plans' logprobs as one ``[rows, vocab]`` batch, in order (valid until the next
-        call: see `_rows_buffer`). Plans with the same number of new tokens (and adapter,
+        """The plans' logprobs as one ``[rows, vocab]`` batch of its own, in order (the tree
+        keeps views of its rows). Plans with the same number of new tokens (and adapter,
         with ``lora_batching="grouped"``) run in one forward each, split to respect
         ``max_batch_tokens``; without KV reuse, plans of one length together."""
         pool = self._pool
         with torch.inference_mode():
-            out = self._rows_buffer(len(plans))
+            device = self.model.get_output_embeddings().weight.device
+            out = torch.empty((len(plans), self.vocab_size), dtype=torch.float32, device=device)
             if pool is None:
                 return _grouped_batch(plans, lambda plan: len(plan.ids), self._run_without_kv, out)
             grouped = self.lora_batching == "grouped"
@@ -330,18 +328,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             return _grouped_batch(
                 plans, lambda plan: (plan.new_tokens, grouped and plan.lora), run, out
             )
-
-    def _rows_buffer(self, rows: int) -> torch.Tensor:
-        """A ``[rows, vocab]`` float32 batch for `_run_plans`' logprobs, the same memory
-        from step to step (on a CPU a fresh one is page-faulted in at every step: ~4,000
-        faults for 128 rows of 49k tokens). The base copies the rows out before the next
-        batch runs."""
-        buffer = self._rows_out
-        if buffer is None or buffer.shape[0] < rows:
-            device = self.model.get_output_embeddings().weight.device
-            buffer = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=device)
-            self._rows_out = buffer
-        return buffer[:rows]
 
     def _run_group(self, pool: TorchBlockPool, plans: list[QueryPlan], out: torch.Tensor) -> None:
         """One forward for plans sharing their number of new tokens: their logprobs into
