@@ -348,6 +348,16 @@ def _chain_of(source: KVNode | None) -> Chain | None:
     return None if source is None else source.chain
 
 
+def plan_groups(
+    plans: Sequence[QueryPlan], key: Callable[[QueryPlan], Hashable]
+) -> list[list[int]]:
+    """The positions of ``plans`` grouped by ``key``, groups in order of first appearance."""
+    groups: dict[Hashable, list[int]] = {}
+    for index, plan in enumerate(plans):
+        groups.setdefault(key(plan), []).append(index)
+    return list(groups.values())
+
+
 def run_grouped(
     plans: Sequence[QueryPlan],
     key: Callable[[QueryPlan], Hashable],
@@ -355,10 +365,7 @@ def run_grouped(
 ) -> list[R]:
     """``run`` (one result per plan) over the plans grouped by ``key``, the results in the
     order of ``plans``."""
-    groups: dict[Hashable, list[int]] = {}
-    for index, plan in enumerate(plans):
-        groups.setdefault(key(plan), []).append(index)
     results: dict[int, R] = {}
-    for indices in groups.values():
+    for indices in plan_groups(plans, key):
         results.update(zip(indices, run([plans[i] for i in indices]), strict=True))
     return [results[index] for index in range(len(plans))]

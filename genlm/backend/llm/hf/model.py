@@ -76,7 +76,7 @@ from genlm.backend.llm.hf.paged import (
     shared_blocks,
     step_inputs,
 )
-from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan
+from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, plan_groups
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -465,17 +465,15 @@ def _grouped_batch(
     """``run`` (writing a group's ``[rows, vocab]`` batch into the slice of ``out`` it is
     given) over the plans grouped by ``key``; the batch in the order of ``plans`` (one
     group, the usual step: ``out`` itself)."""
-    groups: dict[Hashable, list[int]] = {}
-    for index, plan in enumerate(plans):
-        groups.setdefault(key(plan), []).append(index)
+    groups = plan_groups(plans, key)
     if len(groups) == 1:
         run(list(plans), out)
         return out
     offset = 0
-    for indices in groups.values():
+    for indices in groups:
         run([plans[i] for i in indices], out[offset : offset + len(indices)])
         offset += len(indices)
-    order = [index for indices in groups.values() for index in indices]
+    order = [index for indices in groups for index in indices]
     inverse = [0] * len(order)
     for position, index in enumerate(order):
         inverse[index] = position
