@@ -176,3 +176,20 @@ def test_a_validated_prefix_keeps_its_parent_and_no_older_one(mock):
     third = mock._query(prompt + [7, 8]).token_ids
     assert third.parent is second and second.parent is None
     assert mock._query([9, 9, 9]).token_ids.parent is None  # nothing validated before it
+
+
+def test_a_prefix_one_id_longer_hashes_as_the_tuple_does():
+    """`TokenIds.extended` continues its parent's hash in O(1): the value must be exactly
+    ``tuple``'s (a dict mixes both kinds of key), checked here against ``hash`` itself."""
+    from genlm.backend.llm.base import INCREMENTAL_HASH, TokenIds
+
+    assert INCREMENTAL_HASH  # CPython's tuple hash: else every hash is computed whole
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = tuple(rng.randrange(300_000) for _ in range(rng.randrange(60)))
+        parent = TokenIds(ids)
+        for token in (rng.randrange(300_000), 0, 2**40):
+            longer = TokenIds.extended(parent, token)
+            assert longer == ids + (token,) and hash(longer) == hash(ids + (token,))
+            assert longer.parent is parent
+        assert {ids + (token,): 1}[longer] == 1

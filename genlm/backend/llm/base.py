@@ -19,8 +19,9 @@ import inspect
 import math
 import operator
 import os
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import numpy as np
@@ -49,63 +50,136 @@ def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
         )
 
 
+# CPython's tuple hash (xxHash-based, Objects/tupleobject.c): an accumulator folded over
+# the items' hashes, then mixed with the length. `TokenIds.extended` continues a prefix's
+# accumulator by one id in O(1); `INCREMENTAL_HASH` says whether this interpreter's tuple
+# hash is that one (checked against ``hash`` at import), else every hash is computed whole.
+_XXPRIME_1, _XXPRIME_2 = 11400714785074694791, 14029467366897019727
+_XXPRIME_5, _MASK64 = 2870177450012600261, (1 << 64) - 1
+_LENGTH_MIX = _XXPRIME_5 ^ 3527539
+_MINUS_ONE_HASH = 1546275796  # what a tuple hash of -1 becomes
+
+
+def _fold(accumulator: int, token: int) -> int:
+    """The tuple hash's accumulator after one more item, a non-negative int below 2**61 - 1
+    (its own hash)."""
+    accumulator = (accumulator + token * _XXPRIME_2) & _MASK64
+    accumulator = ((accumulator << 31) | (accumulator >> 33)) & _MASK64
+    return (accumulator * _XXPRIME_1) & _MASK64
+
+
+def _finish(accumulator: int, length: int) -> int:
+    """The tuple hash from its accumulator and length."""
+    value = (accumulator + (length ^ _LENGTH_MIX)) & _MASK64
+    if value == _MASK64:
+        return _MINUS_ONE_HASH
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _accumulator(hash_value: int, length: int) -> int | None:
+    """The accumulator behind a tuple's hash (None when the -1 rule makes it ambiguous)."""
+    if hash_value == _MINUS_ONE_HASH:
+        return None
+    return (hash_value - (length ^ _LENGTH_MIX)) & _MASK64
+
+
+def _same_tuple_hash() -> bool:
+    samples = [(), (0,), (5, 1, 7), tuple(range(49_000, 49_300)), (2**40, 3) * 9]
+    for sample in samples:
+        accumulator = _XXPRIME_5
+        for token in sample:
+            accumulator = _fold(accumulator, token)
+        if _finish(accumulator, len(sample)) != hash(sample):
+            return False
+    return sys.hash_info.width == 64
+
+
+INCREMENTAL_HASH = _same_tuple_hash()
+
+
 class TokenIds(tuple[int, ...]):
     """A validated prefix: exact ints in the vocabulary, with its hash computed once.
 
     A request's prefix is a dict key several times a step (the batch's distinct requests,
-    the validated prefixes, the prefix tree's recent nodes); a tuple's hash costs
-    O(length) every time, this one O(1) after construction. ``parent`` is the validated
-    prefix equal to ``self[:-1]`` when validation found one (a decode step extends the
+    the prefix tree's recent nodes); a tuple's hash costs O(length) every time, this one
+    O(1) after construction, and a prefix one id longer than a validated one (`extended`)
+    is hashed in O(1) too, from its parent's hash state (the same value as ``tuple``'s).
+    ``parent`` is that validated prefix, equal to ``self[:-1]`` (a decode step extends the
     previous step's prefix): as a key it is found in O(1), where the slice would be hashed
     and compared in O(length). It is cleared once this prefix becomes another's parent,
     so that no chain of earlier prefixes stays alive."""
 
     _hash: int
+    _accumulator: int | None
     parent: TokenIds | None
 
-    def __new__(cls, ids: tuple[int, ...], parent: TokenIds | None = None) -> TokenIds:
+    def __new__(cls, ids: Iterable[int]) -> TokenIds:
         self = super().__new__(cls, ids)
         self._hash = tuple.__hash__(self)
+        self._accumulator = _accumulator(self._hash, len(self)) if INCREMENTAL_HASH else None
+        self.parent = None
+        return self
+
+    @classmethod
+    def extended(cls, parent: TokenIds, token: int) -> TokenIds:
+        """``parent + (token,)`` (``token``: an id of the vocabulary), whose ``parent`` it is."""
+        if parent._accumulator is None:
+            self = cls(parent + (token,))
+        else:
+            self = super().__new__(cls, parent + (token,))
+            self._accumulator = _fold(parent._accumulator, token)
+            self._hash = _finish(self._accumulator, len(self))
         self.parent = parent
-        if parent is not None:
-            parent.parent = None
+        parent.parent = None
         return self
 
     def __hash__(self) -> int:
         return self._hash
 
 
+# Ids at the end of a validated prefix that index it with its length (`ValidatedPrefixes`).
+TAIL_IDS = 8
+
+
 class ValidatedPrefixes:
     """Token-id prefixes already validated, so that a request extending one by a token has
     only that token checked (a decode step's requests extend the previous step's).
 
-    Validity is a pure function of the ids and the vocabulary size fixed at construction,
-    so an entry never goes stale. Two generations of about ``budget`` tokens each are kept
-    (a hit in the older one moves to the newer). Callers on several threads may race: the
-    worst outcome is a lost entry, which only means a prefix is checked again.
+    A prefix is indexed by its length and last `TAIL_IDS` ids, made in O(1); a match is
+    then compared whole with the request's prefix, a pointer check per id when the ids are
+    the same int objects (a context built as ``previous + [token]``): nothing of the
+    prefix is hashed again. Validity is a pure function of the ids and the vocabulary size
+    fixed at construction, so an entry never goes stale. Two generations of about
+    ``budget`` tokens each are kept (a hit in the older one moves to the newer). Callers
+    on several threads may race: the worst outcome is a lost entry, which only means a
+    prefix is checked again.
     """
 
     def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._current: dict[tuple[int, ...], TokenIds] = {}
-        self._previous: dict[tuple[int, ...], TokenIds] = {}
+        self._current: dict[tuple[int, tuple[int, ...]], TokenIds] = {}
+        self._previous: dict[tuple[int, tuple[int, ...]], TokenIds] = {}
         self._tokens = 0
 
-    def find(self, ids: tuple[int, ...]) -> TokenIds | None:
-        """The validated prefix equal to ``ids``, or None."""
-        found = self._current.get(ids)
+    def parent_of(self, ids: Sequence[int]) -> TokenIds | None:
+        """The validated prefix equal to ``ids[:-1]``, or None."""
+        length = len(ids) - 1
+        key = (length, tuple(ids[max(0, length - TAIL_IDS) : length]))
+        found = self._current.get(key)
         if found is None:
-            found = self._previous.get(ids)
-            if found is not None:
-                self.add(found)
-        return found
+            found = self._previous.get(key)
+            if found is None:
+                return None
+            self.add(found)
+        prefix = ids[:-1]
+        return found if found == (prefix if type(prefix) is tuple else tuple(prefix)) else None
 
     def add(self, ids: TokenIds) -> None:
         """Remember ``ids``, a validated prefix."""
         self._tokens += len(ids)
         if self._tokens > self.budget:
             self._previous, self._current, self._tokens = self._current, {}, len(ids)
-        self._current[ids] = ids
+        self._current[len(ids), ids[-TAIL_IDS:]] = ids
 
 
 class Query(NamedTuple):
@@ -172,7 +246,7 @@ class AsyncLM(ABC):
         unordered collection (a set or a dict); the message names the offending value.
         """
         if type(token_ids) is list or type(token_ids) is tuple:  # the usual case, checked first
-            ids = tuple(token_ids)
+            ids = token_ids
         else:
             ids = self._tuple_of_ids(token_ids)
         if not ids:
@@ -206,7 +280,7 @@ class AsyncLM(ABC):
                 f"token_ids must be a sequence of integer token ids, got {type(token_ids).__name__}"
             ) from None
 
-    def _checked_ids(self, ids: tuple[Any, ...]) -> TokenIds:
+    def _checked_ids(self, ids: Sequence[Any]) -> TokenIds:
         """``ids`` as exact ints, each in ``[0, vocab_size)``, checked by C loops (type
         count, min, max), and for a prefix that extends a validated one by a token, only
         that token's range; a bad id is then found and named by `_checked_id`."""
@@ -217,18 +291,18 @@ class AsyncLM(ABC):
             ):
                 self._raise_for_bad_id(ids)
             ids = tuple(map(int, ids))
-        parent = self._validated.find(ids[:-1]) if len(ids) > 1 else None
+        parent = self._validated.parent_of(ids) if len(ids) > 1 else None
         if parent is not None:
             valid = 0 <= ids[-1] < self.vocab_size
         else:
             valid = 0 <= min(ids) and max(ids) < self.vocab_size
         if not valid:
             self._raise_for_bad_id(ids)
-        checked = TokenIds(ids, parent)
+        checked = TokenIds(ids) if parent is None else TokenIds.extended(parent, ids[-1])
         self._validated.add(checked)
         return checked
 
-    def _raise_for_bad_id(self, ids: tuple[Any, ...]) -> NoReturn:
+    def _raise_for_bad_id(self, ids: Sequence[Any]) -> NoReturn:
         """Raise `_checked_id`'s error for the first bad id of ``ids`` (which has one)."""
         for position, token_id in enumerate(ids):
             self._checked_id(token_id, "token id", f" at position {position}")
