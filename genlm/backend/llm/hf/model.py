@@ -15,10 +15,13 @@ same number ``t`` of new tokens:
    longest past with an all-zero block; the padding is masked). When the rows share a
    prefix of at least ``CASCADE_MIN_SHARED`` tokens, `cascade_attention` reads the shared
    blocks once per layer for all rows and only each row's own tokens through its chain;
-2. applies the LM head at the last position only (``logits_to_keep=1``), keeps the
-   tokenizer's ``len(byte_vocab)`` columns and ``log_softmax``es them (float32), and
-   returns the ``[rows, vocab]`` batch; the base copies each row out (one batched op)
-   and stores the rows and the chains at the requests' nodes.
+2. applies the LM head at the last position only, over the tokenizer's
+   ``len(byte_vocab)`` columns, and ``log_softmax``es them (float32) into a fresh
+   ``[rows, vocab]`` batch: for a model whose logits are its plain head's output
+   (`genlm.backend.llm.hf.head.plain_head`), the base model runs and `OutputHead`
+   projects into a reused logits buffer; any other model runs its own forward
+   (``logits_to_keep=1``). The base stores views of the batch's rows and the chains at
+   the requests' nodes (the batch's memory counted once in the logprobs budget).
 
 A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
 context length (tests/test_hf_step.py, benchmark/bench_host.py).
