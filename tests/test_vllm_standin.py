@@ -889,11 +889,10 @@ async def _built_in_a_coroutine():
 
 async def test_an_engine_the_caller_built_inside_a_running_loop_is_refused(smollm2_tokenizer):
     engine = OutputHandlerEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
-    loops = {thread for thread in threading.enumerate() if thread.name == "genlm-vllm-engine"}
+    loops = engine_loops()
     with pytest.raises(ValueError, match="AsyncVirtualLM.from_name"):
         AsyncVirtualLM(engine, LogitsProcessorCapture())
-    # refused before any loop starts for it: nothing left running, nothing to stop
-    assert {t for t in threading.enumerate() if t.name == "genlm-vllm-engine"} <= loops
+    assert engine_loops() <= loops  # refused before a loop starts: nothing left to stop
     engine.output_handler.cancel()
 
 
@@ -1041,6 +1040,31 @@ async def test_an_aborted_request_fails_its_step_at_once_and_the_next_is_served(
 def test_stall_timeout_must_be_a_positive_finite_number(engine, bad):
     with pytest.raises(ValueError, match="stall_timeout must be a finite number of seconds > 0"):
         AsyncVirtualLM(engine, LogitsProcessorCapture(), stall_timeout=bad)
+
+
+def engine_loops():
+    """The threads of the engine loops now running (`EngineLoop`'s default name)."""
+    return {thread for thread in threading.enumerate() if thread.name == "genlm-vllm-engine"}
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"cache_size": -1}, ValueError, "cache_size must be >= 0, got -1"),
+        ({"cache_opts": {"bogus": 1}}, TypeError, "no option 'bogus'; it takes: .'move_to_cpu'"),
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1, got 0"),
+        ({"timeout": -1}, ValueError, "timeout must be a finite number of seconds >= 0"),
+        ({"stall_timeout": 0}, ValueError, "stall_timeout must be .* > 0, got 0"),
+    ],
+    ids=lambda value: str(value)[:30],
+)
+def test_the_constructor_checks_every_option_before_it_starts_a_loop(
+    engine, options, error, message
+):
+    loops = engine_loops()
+    with pytest.raises(error, match=message):
+        AsyncVirtualLM(engine, LogitsProcessorCapture(), **options)
+    assert engine_loops() <= loops
 
 
 def test_the_engine_loop_never_waits_on_a_stopped_loop_and_keeps_its_time_limit():
