@@ -193,3 +193,23 @@ def test_the_graph_reads_the_package():
     assert "genlm.backend.trie._draw" in graph["genlm.backend.trie.base"]
     assert "genlm.backend.kv.store" not in graph["genlm.backend.kv.pool"]
     assert "genlm.backend.trie.base" not in graph["genlm.backend.trie._draw"]
+
+
+def test_the_vllm_package_gives_type_checkers_every_name_it_exports_lazily():
+    """Each name of ``genlm.backend.llm.vllm``'s ``__all__`` resolves lazily and is imported,
+    from the same module, under ``if TYPE_CHECKING:`` (else mypy sees it as ``Any``)."""
+    path = ROOT / "genlm" / "backend" / "llm" / "vllm" / "__init__.py"
+    tree = ast.parse(path.read_text(), str(path))
+    exported, lazy, typed = set(), {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__":
+            exported = set(ast.literal_eval(node.value))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
+            lazy = ast.literal_eval(node.args[1])
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            for imported_from in node.body:
+                assert isinstance(imported_from, ast.ImportFrom)
+                module = "." * imported_from.level + (imported_from.module or "")
+                typed.update({alias.name: module for alias in imported_from.names})
+    assert exported and set(lazy) == exported
+    assert typed == lazy

@@ -8,6 +8,7 @@ log-probabilities come from the stand-in's own logits function, not from the bac
 """
 
 import asyncio
+import gc
 import hashlib
 import os
 import random
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -36,7 +38,7 @@ from genlm.backend.llm.vllm import (
 )
 from genlm.backend.llm.vllm import api as api_module
 from genlm.backend.llm.vllm import loop as vllm_loop
-from genlm.backend.llm.vllm.loop import EngineLoop, EngineLoopClosedError, close_engine_loop
+from genlm.backend.llm.vllm.loop import EngineLoop, EngineLoopClosedError
 from genlm.backend.llm.vllm.sessions import EngineLimits, StepStalledError
 
 
@@ -272,11 +274,18 @@ class HoldingStandInEngine(StandInEngine):
         return await super()._compute(kind, context, params, lora)
 
 
+def stop_left_running(engine):
+    """Teardown: stop the engine's handle if an LM left it running (none once it closed)."""
+    handle = vllm_loop._HANDLES.get(engine)
+    if handle is not None:
+        handle.stop()
+
+
 @pytest.fixture
 def engine(smollm2_tokenizer):
     engine = StandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
     yield engine
-    close_engine_loop(engine)
+    stop_left_running(engine)
 
 
 @pytest.fixture
@@ -571,6 +580,18 @@ async def test_context_managers_clean_up(engine):
     assert engine.shutdowns == 2
 
 
+def test_a_closed_lm_leaves_its_engine_to_the_garbage_collector(smollm2_tokenizer):
+    """Closing drops the engine's handle from the registry, which would keep it alive."""
+    engine = StandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    lm = AsyncVirtualLM(engine, LogitsProcessorCapture(), timeout=0.01)
+    lm.next_token_logprobs_sync([1, 2])
+    lm.close()
+    collected = weakref.ref(engine)
+    del lm, engine
+    gc.collect()
+    assert collected() is None
+
+
 def test_engine_options_defaults_overrides_and_scale_out():
     opts = engine_options(None, LogitsProcessorCapture())
     assert opts == {
@@ -711,7 +732,6 @@ async def test_a_step_holds_the_scheduler_until_all_its_chunks_are_in(smollm2_to
     await step(lm, engine, [[9, 9]])  # a step of one request is not held
     assert held_steps(engine).endswith(")xxxcx")
     lm.close()
-    close_engine_loop(engine)
 
 
 async def test_a_failing_held_step_still_resumes_the_engine(smollm2_tokenizer):
@@ -724,7 +744,6 @@ async def test_a_failing_held_step_still_resumes_the_engine(smollm2_tokenizer):
     engine.fail_with = None
     assert await step(lm, engine, [[1, 2, 5], [3, 4, 6]]) == ["open", "open"]
     lm.close()
-    close_engine_loop(engine)
 
 
 async def test_an_engine_that_cannot_pause_is_no_longer_held(smollm2_tokenizer):
@@ -740,7 +759,6 @@ async def test_an_engine_that_cannot_pause_is_no_longer_held(smollm2_tokenizer):
         contexts = [c + [token] for c in contexts]
     assert "(" not in held_steps(engine) and held_steps(engine).count(")") == 1
     lm.close()
-    close_engine_loop(engine)
 
 
 def test_logging_is_left_to_callers_who_configure_it(monkeypatch):
@@ -769,7 +787,6 @@ async def test_a_failed_resume_fails_the_step_instead_of_hanging(smollm2_tokeniz
     engine.resume_error = None
     assert await step(lm, engine, [c + [5] for c in contexts]) == ["open", "open"]
     lm.close()
-    close_engine_loop(engine)
 
 
 class OutputHandlerEngine(StandInEngine):
@@ -872,9 +889,10 @@ async def _built_in_a_coroutine():
 
 async def test_an_engine_the_caller_built_inside_a_running_loop_is_refused(smollm2_tokenizer):
     engine = OutputHandlerEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
+    loops = engine_loops()
     with pytest.raises(ValueError, match="AsyncVirtualLM.from_name"):
         AsyncVirtualLM(engine, LogitsProcessorCapture())
-    close_engine_loop(engine)
+    assert engine_loops() <= loops  # refused before a loop starts: nothing left to stop
     engine.output_handler.cancel()
 
 
@@ -910,7 +928,7 @@ class StallingStandInEngine(StandInEngine):
 def stalling(smollm2_tokenizer):
     engine = StallingStandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()))
     yield engine
-    close_engine_loop(engine)
+    stop_left_running(engine)
 
 
 async def test_a_step_without_output_fails_its_callers_and_the_next_is_served(stalling):
@@ -1016,13 +1034,37 @@ async def test_an_aborted_request_fails_its_step_at_once_and_the_next_is_served(
     with pytest.raises(RequestEndedError, match="abort"):
         await asyncio.wait_for(lm.sample([9, 9], max_tokens=3, eos_token_ids=[]), timeout=10)
     await asyncio.wait_for(asyncio.to_thread(lm.close), timeout=10)
-    close_engine_loop(engine)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "5"])
 def test_stall_timeout_must_be_a_positive_finite_number(engine, bad):
     with pytest.raises(ValueError, match="stall_timeout must be a finite number of seconds > 0"):
         AsyncVirtualLM(engine, LogitsProcessorCapture(), stall_timeout=bad)
+
+
+def engine_loops():
+    """The threads of the engine loops now running (`EngineLoop`'s default name)."""
+    return {thread for thread in threading.enumerate() if thread.name == "genlm-vllm-engine"}
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"cache_size": -1}, ValueError, "cache_size must be >= 0, got -1"),
+        ({"cache_opts": {"bogus": 1}}, TypeError, "no option 'bogus'; it takes: .'move_to_cpu'"),
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1, got 0"),
+        ({"timeout": -1}, ValueError, "timeout must be a finite number of seconds >= 0"),
+        ({"stall_timeout": 0}, ValueError, "stall_timeout must be .* > 0, got 0"),
+    ],
+    ids=lambda value: str(value)[:30],
+)
+def test_the_constructor_checks_every_option_before_it_starts_a_loop(
+    engine, options, error, message
+):
+    loops = engine_loops()
+    with pytest.raises(error, match=message):
+        AsyncVirtualLM(engine, LogitsProcessorCapture(), **options)
+    assert engine_loops() <= loops
 
 
 def test_the_engine_loop_never_waits_on_a_stopped_loop_and_keeps_its_time_limit():
@@ -1217,7 +1259,6 @@ async def test_lms_with_other_captures_never_continue_each_others_sessions(smoll
         assert len(seen) == 3 and len(set(seen)) == 1
     assert [r.kind for r in engine.requests[-6:]] == ["extend"] * 6
     processor.close()
-    close_engine_loop(engine)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
-from genlm.backend.checks import OptionCheck, check_options, dict_option, int_option
+from genlm.backend.checks import OptionCheck, dict_option, int_option
 from genlm.backend.llm.base import BatchedAsyncLM, Query
 
 
@@ -37,7 +37,8 @@ class EngineLM(BatchedAsyncLM):
     """A `BatchedAsyncLM` over an engine object, with an output cache and `cleanup`.
 
     Subclasses implement `_process_batch` (one engine call per batch) and
-    `_shutdown_engine`.
+    `_shutdown_engine`. Their constructors check all their options (this class's too)
+    against `OPTION_CHECKS` first, before any work of theirs; this one checks none again.
 
     Args:
         tokenizer: the engine's Hugging Face tokenizer.
@@ -63,16 +64,6 @@ class EngineLM(BatchedAsyncLM):
         timeout: float | None,
         name: str,
     ):
-        # every argument is checked before the vocabulary is decoded
-        check_options(
-            self.OPTION_CHECKS,
-            {
-                "cache_size": cache_size,
-                "cache_opts": cache_opts,
-                "batch_size": batch_size,
-                "timeout": timeout,
-            },
-        )
         self.output_cache = (
             OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         )

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from genlm.backend._install import install_hint
+from genlm.backend.checks import check_options
 from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import SGLEngine
@@ -90,6 +91,15 @@ class AsyncSGLTransformer(EngineLM):
         batch_size: int = 20,
         timeout: float | None = 0.02,
     ):
+        check_options(
+            self.OPTION_CHECKS,
+            {
+                "cache_size": cache_size,
+                "cache_opts": cache_opts,
+                "batch_size": batch_size,
+                "timeout": timeout,
+            },
+        )
         self.sgl_model = sgl_model
         give_engine_its_own_loop(sgl_model)
         super().__init__(

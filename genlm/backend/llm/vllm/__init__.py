@@ -1,23 +1,53 @@
 """The vLLM backend: `AsyncVirtualLM` (`lm`), the engine's loop and handle (`loop`), its
 streaming-input `sessions`, the full-vocabulary `capture`, the engine options `from_name`
 sets (`defaults`) and the vLLM names used (`api`). Names resolve on first use: vLLM's
-processes import `capture`, for its logits processor, and nothing else of the client."""
+processes import `capture`, for its logits processor, and nothing else of the client.
+Type checkers read them from the ``TYPE_CHECKING`` imports, which never run."""
+
+from typing import TYPE_CHECKING
 
 from genlm.backend._lazy import lazy_exports
 
+if TYPE_CHECKING:
+    from .capture import (
+        CAPTURE_KEY,
+        CAPTURE_PROCESSOR,
+        EngineLogprobsCapture,
+        LogitsProcessorCapture,
+        MissingRowsError,
+    )
+    from .defaults import engine_options, logging_configured
+    from .lm import AsyncVirtualLM, hash_to_int
+    from .sessions import RequestEndedError, StepStalledError
+
+__all__ = [
+    "AsyncVirtualLM",
+    "LogitsProcessorCapture",
+    "EngineLogprobsCapture",
+    "MissingRowsError",
+    "RequestEndedError",
+    "StepStalledError",
+    "CAPTURE_KEY",
+    "CAPTURE_PROCESSOR",
+    "engine_options",
+    "hash_to_int",
+    "logging_configured",
+]
+
 # Each public name and the module that defines it (imported on first use).
-_EXPORTS = {
-    "AsyncVirtualLM": ".lm",
-    "LogitsProcessorCapture": ".capture",
-    "EngineLogprobsCapture": ".capture",
-    "MissingRowsError": ".capture",
-    "RequestEndedError": ".sessions",
-    "StepStalledError": ".sessions",
-    "CAPTURE_KEY": ".capture",
-    "CAPTURE_PROCESSOR": ".capture",
-    "engine_options": ".defaults",
-    "hash_to_int": ".lm",
-    "logging_configured": ".defaults",
-}
-__all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "AsyncVirtualLM": ".lm",
+        "LogitsProcessorCapture": ".capture",
+        "EngineLogprobsCapture": ".capture",
+        "MissingRowsError": ".capture",
+        "RequestEndedError": ".sessions",
+        "StepStalledError": ".sessions",
+        "CAPTURE_KEY": ".capture",
+        "CAPTURE_PROCESSOR": ".capture",
+        "engine_options": ".defaults",
+        "hash_to_int": ".lm",
+        "logging_configured": ".defaults",
+    },
+)

@@ -131,7 +131,14 @@ class AsyncVirtualLM(EngineLM):
         stall_timeout: float = STALL_TIMEOUT,
     ):
         check_options(
-            self.OPTION_CHECKS, {"stall_timeout": stall_timeout, "cache_opts": cache_opts}
+            self.OPTION_CHECKS,
+            {
+                "cache_size": cache_size,
+                "cache_opts": cache_opts,
+                "batch_size": batch_size,
+                "timeout": timeout,
+                "stall_timeout": stall_timeout,
+            },
         )
         self.llm_engine: Any = llm_engine  # None once closed
         self.logprobs_capture = logprobs_capture

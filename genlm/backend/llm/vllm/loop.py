@@ -161,12 +161,12 @@ class EngineHandle:
         watch_shared_memory(engine)
 
     def stop(self) -> None:
-        """Close the sessions, shut the engine down, then stop the loop, in at most
-        `CLOSE_TIMEOUT` seconds (vLLM kills engine processes still running after
-        `ENGINE_SHUTDOWN_TIMEOUT`). A shutdown call that has not returned by then holds the
-        loop's thread: the loop is abandoned, not waited for. Within the same time, the
-        shared memory of engine processes that died uncleanly is removed once they have
-        all exited (`genlm.backend.llm.vllm.shm`)."""
+        """Close the sessions, shut the engine down, then stop the loop and drop this
+        handle from `engine_handle`'s registry, in at most `CLOSE_TIMEOUT` seconds (vLLM
+        kills engine processes still running after `ENGINE_SHUTDOWN_TIMEOUT`). A shutdown
+        call that has not returned by then holds the loop's thread: the loop is abandoned,
+        not waited for. Within the same time, the shared memory of engine processes that
+        died uncleanly is removed once they have all exited (`genlm.backend.llm.vllm.shm`)."""
         if not self.loop.alive:
             return  # stopped already, through another wrapper of the same engine
         try:
@@ -186,7 +186,11 @@ class EngineHandle:
         except EngineLoopClosedError as error:
             logger.warning("vLLM engine shutdown did not finish: %s", error)
         finally:
-            close_engine_loop(self.engine, abandon=stuck)
+            _forget(self)
+            if stuck:
+                self.loop.abandon()
+            else:
+                self.loop.close()
             remove_left_behind(self.engine, deadline)
 
 
@@ -215,30 +219,31 @@ def start_engine(factory: Callable[[], Any]) -> Any:
 
 def engine_handle(engine: Any) -> EngineHandle:
     """The one `EngineHandle` of ``engine`` (made on first use, and anew once its loop has
-    stopped). Raises ``ValueError`` for an engine (a vLLM ``AsyncLLM``) that handles its
-    outputs on another loop: built inside a running event loop, it would never answer."""
+    stopped). Raises ``ValueError``, before any loop starts, for an engine (a vLLM
+    ``AsyncLLM``) that handles its outputs on another loop: built inside a running event
+    loop, it would never answer."""
     with _HANDLES_LOCK:
         handle = _HANDLES.get(engine)
-        if handle is None or not handle.loop.alive:
+        if handle is not None and not handle.loop.alive:
+            handle = None
+        handler = getattr(engine, "output_handler", None)
+        if isinstance(handler, asyncio.Future) and (
+            handle is None or handler.get_loop() is not handle.loop.loop
+        ):
+            raise ValueError(
+                "This vLLM engine was built while an event loop was running (inside async code "
+                "or a notebook cell), so its output handler runs on that loop and requests from "
+                "AsyncVirtualLM would never be answered. Build it with AsyncVirtualLM.from_name, "
+                "which starts the engine on its own loop, or outside any running event loop."
+            )
+        if handle is None:
             handle = _HANDLES[engine] = EngineHandle(engine, EngineLoop())
-    handler = getattr(engine, "output_handler", None)
-    if isinstance(handler, asyncio.Future) and handler.get_loop() is not handle.loop.loop:
-        raise ValueError(
-            "This vLLM engine was built while an event loop was running (inside async code or "
-            "a notebook cell), so its output handler runs on that loop and requests from "
-            "AsyncVirtualLM would never be answered. Build it with AsyncVirtualLM.from_name, "
-            "which starts the engine on its own loop, or outside any running event loop."
-        )
     return handle
 
 
-def close_engine_loop(engine: Any, abandon: bool = False) -> None:
-    """Stop the loop that drives ``engine``, if there is one (``abandon``: without waiting
-    for it, see `EngineLoop.abandon`)."""
+def _forget(handle: EngineHandle) -> None:
+    """Drop ``handle`` from the registry (stopped: its engine gets a new one if used again;
+    the entry would otherwise keep the engine alive, as the handle refers to it)."""
     with _HANDLES_LOCK:
-        handle = _HANDLES.pop(engine, None)
-    if handle is not None:
-        if abandon:
-            handle.loop.abandon()
-        else:
-            handle.loop.close()
+        if _HANDLES.get(handle.engine) is handle:
+            del _HANDLES[handle.engine]
