@@ -47,6 +47,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -243,6 +244,27 @@ def measure(
     }
 
 
+def measure_here(n: int, prompt_tokens: int, steps: int, warmup: int) -> dict[str, Any]:
+    """`measure` in this process, on the tiny Llama (one torch thread)."""
+    import torch
+    from gpu import load_tokenizer
+
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer()
+    model = tiny_llama(len(tokenizer), max_positions=4096, attn_implementation="sdpa")
+    return measure(model, tokenizer, n, prompt_tokens, steps, warmup)
+
+
+def measure_apart(n: int, prompt_tokens: int, steps: int, warmup: int) -> dict[str, Any]:
+    """`measure` in a fresh Python process: each configuration starts from the same heap
+    (after another configuration's steps, what the C allocator kept of the freed
+    memory made a step's page faults, and its time, depend on the order of the runs)."""
+    command = [sys.executable, __file__, "--one", str(n), str(prompt_tokens)]
+    command += ["--steps", str(steps), "--warmup", str(warmup)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def check_targets(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Issue 28's CPU targets, from the N=8/128 x prompt 64/1,024 results."""
     by = {(r["particles"], r["prompt_tokens"]): r for r in results}
@@ -267,15 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ops-only", action="store_true", help="count ops, skip timing")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "host.json")
+    parser.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)  # N, prompt
     args = parser.parse_args(argv)
-
-    import torch
-    from gpu import load_tokenizer
-
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer()
-    model = tiny_llama(len(tokenizer), max_positions=4096, attn_implementation="sdpa")
     steps, warmup = (1, 1) if args.ops_only else (args.steps, args.warmup)
+    if args.one:
+        print(json.dumps(measure_here(*args.one, steps, warmup)))
+        return
     results = []
     header = (
         f"{'N':>4} {'prompt':>6} {'ops':>6} {'floor':>6} {'syncs':>5} {'ms':>8} {'host ms':>8} "
@@ -284,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     for n in args.particles:
         for prompt_tokens in args.prompt_tokens:
-            r = measure(model, tokenizer, n, prompt_tokens, steps, warmup)
+            r = measure_apart(n, prompt_tokens, steps, warmup)
             results.append(r)
             print(
                 f"{n:>4} {prompt_tokens:>6} {r['ops']:>6} {r['floor_ops']:>6} {r['syncs']:>5} "
@@ -296,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {value:.2f}")
     if args.ops_only:
         return
+    import torch
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
