@@ -720,7 +720,8 @@ class BatchedAsyncLM(AsyncLM):
         ``keys`` order passed to ``combine``; the first failed key's error raised."""
         distinct = list(dict.fromkeys(keys))
         results = self._serve_batch(distinct, process)
-        by_key = {key: results[i] for i, key in enumerate(distinct)}
+        answers = [results[i] for i in range(len(results))]
+        by_key = dict(zip(distinct, answers, strict=True))
         for result in by_key.values():
             if isinstance(result, BaseException):
                 raise result

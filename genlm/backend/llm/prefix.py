@@ -285,8 +285,9 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         return rows if budget is None or computed.nbytes <= budget else _copies(rows)
 
     def _store(self, plan: QueryPlan, logprobs: torch.Tensor, chains: dict[int, Chain]) -> None:
-        """Cache a plan's logprobs (a value of its own: no batch storage pinned) and give its
-        chain to its node (unless the node holds a pinned chain), out of ``chains``."""
+        """Cache a plan's logprobs (a view of its batch, or a row of its own: see
+        `_computed_rows`) and give its chain to its node (unless the node holds a pinned
+        chain), out of ``chains``."""
         node = self.store.node_for(plan.lora, plan.node, plan.ids)
         self.store.set_logprobs(node, logprobs)
         if plan.chain and not node.pinned:

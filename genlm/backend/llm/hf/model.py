@@ -156,6 +156,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._peft_names: dict[str, str] = {}  # adapter name -> its name inside peft
         self._adapter_ids = itertools.count()
         self._input_device = self.model.get_input_embeddings().weight.device
+        self._output_device = self.model.get_output_embeddings().weight.device
         self._cache_keyword = cache_keyword(self.model)
         layout, reason = self._probe_kv_layout()
         self._pool = None if layout is None else TorchBlockPool(layout)
@@ -317,8 +318,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         ``max_batch_tokens``; without KV reuse, plans of one length together."""
         pool = self._pool
         with torch.inference_mode():
-            device = self.model.get_output_embeddings().weight.device
-            out = torch.empty((len(plans), self.vocab_size), dtype=torch.float32, device=device)
+            out = torch.empty(
+                (len(plans), self.vocab_size), dtype=torch.float32, device=self._output_device
+            )
             if pool is None:
                 return _grouped_batch(plans, lambda plan: len(plan.ids), self._run_without_kv, out)
             grouped = self.lora_batching == "grouped"
