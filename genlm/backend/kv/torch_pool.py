@@ -17,6 +17,8 @@ class TorchBlockPool:
     """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
 
     One tensor per layer, so that a resize holds only one layer twice while it copies.
+    ``generation`` counts the times the layers were replaced (what holds their addresses,
+    such as a captured CUDA graph, is stale once it changes).
     """
 
     def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
@@ -24,6 +26,7 @@ class TorchBlockPool:
         self.layout = layout
         self.block_size = block_size
         self.layers: list[torch.Tensor] = []
+        self.generation = 0
 
     @property
     def block_bytes(self) -> int:
@@ -33,6 +36,7 @@ class TorchBlockPool:
         """Hold ``blocks`` blocks, keeping the contents of the blocks both sizes have (block 0
         stays zero), one layer at a time."""
         layout = self.layout
+        self.generation += 1
         slots = blocks * self.block_size
         shape = (2, slots, layout.num_heads, layout.head_dim)
         if not self.layers:
@@ -51,6 +55,7 @@ class TorchBlockPool:
         """Drop every layer (on CPU its memory map goes back to the system once no tensor
         uses it); the next `resize` allocates afresh."""
         self.layers = []
+        self.generation += 1
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost
