@@ -224,3 +224,31 @@ def test_a_capture_that_fails_turns_graphs_off(tiny_model, smollm2_tokenizer, mo
         assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
         contexts = [c + [3] for c in contexts]
     assert lm._graphs.failure == ("RuntimeError: operation not permitted when stream is capturing")
+
+
+def test_a_pool_that_keeps_its_memory_moves_only_to_grow_by_at_least_double():
+    """What CUDA graphs need of the KV pool: a reset or shrink keeps the layers (their
+    addresses and contents), a growth replaces them rarely and keeps every block's KV."""
+    from genlm.backend.kv.pool import KVLayout
+    from genlm.backend.kv.torch_pool import TorchBlockPool
+
+    layout = KVLayout(2, 2, 4, torch.float32, 4, torch.device("cpu"))
+    pool = TorchBlockPool(layout, block_size=4, keep_memory=True)
+    pool.resize(8)
+    for layer in pool.layers:
+        layer[:, 4:].copy_(torch.randn(2, 28, 2, 4))
+    kept = [layer.clone() for layer in pool.layers]
+    addresses = [layer.data_ptr() for layer in pool.layers]
+    generation = pool.generation
+    for blocks in (3, 8, 5):
+        pool.resize(blocks)
+        assert [layer.data_ptr() for layer in pool.layers] == addresses
+    assert pool.generation == generation
+    pool.resize(9)  # a growth: at least double
+    assert pool.generation == generation + 1
+    assert [layer.shape[1] for layer in pool.layers] == [16 * 4] * 2
+    for old, layer in zip(kept, pool.layers, strict=True):
+        assert torch.equal(layer[:, :32], old)
+        assert not layer[:, :4].any()  # block 0 stays zero
+    pool.free()
+    assert pool.layers == [] and pool.generation == generation + 2

@@ -17,14 +17,17 @@ class TorchBlockPool:
     """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
 
     One tensor per layer, so that a resize holds only one layer twice while it copies.
-    ``generation`` counts the times the layers were replaced (what holds their addresses,
-    such as a captured CUDA graph, is stale once it changes).
+    ``generation`` counts the times the layers were replaced: what holds their addresses
+    (a captured CUDA graph) is stale once it changes. With ``keep_memory`` the layers are
+    replaced rarely: a resize that fits the memory held keeps it (a smaller pool only
+    stops using its end), and a larger one at least doubles it.
     """
 
-    def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
+    def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE, keep_memory: bool = False):
         check_int("block_size", block_size, minimum=1)
         self.layout = layout
         self.block_size = block_size
+        self.keep_memory = keep_memory
         self.layers: list[torch.Tensor] = []
         self.generation = 0
 
@@ -36,6 +39,11 @@ class TorchBlockPool:
         """Hold ``blocks`` blocks, keeping the contents of the blocks both sizes have (block 0
         stays zero), one layer at a time."""
         layout = self.layout
+        held = self.layers[0].shape[1] // self.block_size if self.layers else 0
+        if self.keep_memory:
+            if blocks <= held:
+                return
+            blocks = max(blocks, 2 * held)
         self.generation += 1
         slots = blocks * self.block_size
         shape = (2, slots, layout.num_heads, layout.head_dim)

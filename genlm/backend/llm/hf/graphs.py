@@ -149,6 +149,8 @@ class DecodeGraphs:
         self.vocab_size = vocab_size
         self.graphs: OrderedDict[StepShape, _Graph] = OrderedDict()
         self.failure: str | None = None  # why graphs are off for good
+        self.captures = 0
+        self.replays = 0
         self._generation = -1  # the pool's generation the graphs were captured over
         self._out = torch.empty((0, vocab_size), dtype=torch.float32, device=device)
 
@@ -174,6 +176,7 @@ class DecodeGraphs:
                 self.graphs.move_to_end(bucket)
                 graph.inputs.copy_(host, non_blocking=True)
                 graph.replay()
+                self.replays += 1
                 if graph.checks_left:
                     self._check(graph, rows)
         except Exception as error:  # capture refused, or a replay that is not the forward
@@ -203,7 +206,9 @@ class DecodeGraphs:
         self.recorder.run_eagerly(forward)
         eager = graph.out.clone()
         graph.replay = self.recorder.capture(forward)
+        self.captures += 1
         graph.replay()
+        self.replays += 1
         _compare(graph.out, eager)
         self.graphs[bucket] = graph
         if len(self.graphs) > MAX_GRAPHS:

@@ -167,7 +167,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._output_device = self.model.get_output_embeddings().weight.device
         self._cache_keyword = cache_keyword(self.model)
         layout, reason = self._probe_kv_layout()
-        self._pool = None if layout is None else TorchBlockPool(layout)
+        # CUDA graphs hold the pool's addresses: its memory is kept, and grown rarely.
+        keep = cuda_graphs and self._input_device.type == "cuda"
+        self._pool = None if layout is None else TorchBlockPool(layout, keep_memory=keep)
         self._head = plain_head(self.model, self.vocab_size, self._input_device)
         self._cascade = self._pool is not None and register_cascade(
             self.model, self._pool.layout.num_layers
