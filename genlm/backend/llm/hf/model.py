@@ -24,7 +24,9 @@ same number ``t`` of new tokens:
    the requests' nodes (the batch's memory counted once in the logprobs budget).
 
 A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
-context length (tests/test_hf_step.py, benchmark/bench_host.py).
+context length (tests/test_hf_step.py, benchmark/bench_host.py). On CUDA a decode step
+(one new token per row) is a replay of its shape bucket's CUDA graph instead
+(`genlm.backend.llm.hf.graphs`; ``cuda_graphs=False`` turns them off).
 
 Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 
