@@ -152,10 +152,10 @@ class Probe:
         if head is not None:  # the library's LM head is part of its forward
             logits = head.logits
 
-            def head_logits(hidden: Any) -> Any:
+            def head_logits(hidden: Any, *args: Any) -> Any:
                 started, started_cpu = time.perf_counter(), time.thread_time()
                 try:
-                    return logits(hidden)
+                    return logits(hidden, *args)
                 finally:
                     self.forward += time.perf_counter() - started
                     self.forward_cpu += time.thread_time() - started_cpu

@@ -96,10 +96,10 @@ class ForwardClock:
         if head is not None:
             logits = head.logits
 
-            def clocked(hidden: Any) -> Any:
+            def clocked(hidden: Any, *args: Any) -> Any:
                 self._enter()
                 try:
-                    return logits(hidden)
+                    return logits(hidden, *args)
                 finally:
                     self._leave()
 

@@ -357,6 +357,20 @@ def agreement_checks(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
             f"{plan.sis_particles} particles x {plan.sis_tokens} tokens, then 3 tokens at once",
         )
     )
+    if device.startswith("cuda"):
+        graphs = lm._graphs
+        rows.append(
+            _row(
+                f"{name}: decode steps replayed from CUDA graphs (rows above included)",
+                0.0 if graphs is None else float(graphs.replays),
+                None,
+                "graphs off"
+                if graphs is None
+                else f"{graphs.captures} captured, "
+                f"{graphs.replays} steps replayed; failure: {graphs.failure}",
+                passed=graphs is not None and graphs.failure is None and graphs.replays > 0,
+            )
+        )
     everything = batched + [(list(c), a) for c, a in seen]
     rows.append(
         _row(

@@ -97,6 +97,48 @@ def test_bfloat16_model_answers_float32_normalized_rows(tokenizer, prompt):
         assert abs(torch.logsumexp(got, 0).item()) <= TOL
 
 
+def test_decode_steps_replayed_from_cuda_graphs_are_the_plain_forwards(tokenizer, prompt):
+    """Particles forking and extending a shared prompt: every decode step after the first
+    of its bucket is a graph replay, and every row is a CPU forward's."""
+    cpu_model = gpu.build_model("tiny", "cpu")
+    model = gpu.build_model("tiny", "cuda")
+    model.load_state_dict(cpu_model.state_dict())
+    lm = AsyncTransformer(model, tokenizer, batch_size=16)
+    lm.next_token_logprobs_sync(prompt + prompt)
+    contexts = [prompt + prompt + [i + 1] for i in range(9)]  # 9 rows: a padding row
+    for step in range(12):
+        for ids, got in zip(contexts, lm.batch_next_token_logprobs_sync(contexts), strict=True):
+            assert (got.cpu() - reference(cpu_model, ids, lm.vocab_size)).abs().max() <= TOL
+        contexts = [contexts[-1] if i == 0 else c for i, c in enumerate(contexts)]  # a fork
+        contexts = [c + [(7 * i + step) % 300 + 1] for i, c in enumerate(contexts)]
+    graphs = lm._graphs
+    assert graphs is not None and graphs.failure is None, graphs and graphs.failure
+    assert graphs.captures >= 1 and graphs.replays >= 12
+
+
+def test_a_replayed_decode_step_makes_no_host_sync(tokenizer, prompt):
+    import warnings
+
+    model = gpu.build_model("tiny", "cuda")
+    lm = AsyncTransformer(model, tokenizer, batch_size=64)
+    contexts = [prompt + [i + 1] for i in range(64)]
+    for step in range(4):  # capture, two checked replays, one more
+        lm.batch_next_token_logprobs_sync(contexts)
+        contexts = [c + [step + 2] for c in contexts]
+    torch.cuda.synchronize()
+    replays = lm._graphs.replays
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lm.batch_next_token_logprobs_sync(contexts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert lm._graphs.replays == replays + 1
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == []
+
+
 def test_bad_ids_fail_before_the_device(tokenizer, prompt):
     lm = AsyncTransformer(gpu.build_model("tiny", "cuda"), tokenizer)
     vocab = lm.vocab_size

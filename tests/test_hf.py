@@ -256,7 +256,12 @@ def test_cascade_attention_is_softmax_attention_over_shared_plus_own_keys():
     mask = torch.ones(rows, 1, new, own, dtype=torch.bool)
     mask[0, :, :, :2] = False  # row 0 is left-padded by two
     mask[:, :, 0, -1] = False  # causal: the first new token does not see the second
-    layer = SimpleNamespace(shared_kv=lambda: (shared_k, shared_v))
+    # padding shared slots (zero keys and values, as slot 0 reads) hidden by the layer's mask
+    pad = torch.zeros(kv_heads, 3, dim)
+    layer = SimpleNamespace(
+        shared_kv=lambda: (torch.cat([shared_k, pad], 1), torch.cat([shared_v, pad], 1)),
+        shared_mask=torch.arange(shared + 3) < shared,
+    )
     cache = SimpleNamespace(layers=[None, layer])
     module = SimpleNamespace(layer_idx=1)
     got, _ = cascade_attention(module, query, key, value, mask, scaling=0.3, genlm_cache=cache)

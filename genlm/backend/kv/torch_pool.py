@@ -17,13 +17,19 @@ class TorchBlockPool:
     """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
 
     One tensor per layer, so that a resize holds only one layer twice while it copies.
+    ``generation`` counts the times the layers were replaced: what holds their addresses
+    (a captured CUDA graph) is stale once it changes. With ``keep_memory`` the layers are
+    replaced rarely: a resize that fits the memory held keeps it (a smaller pool only
+    stops using its end), and a larger one at least doubles it.
     """
 
-    def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
+    def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE, keep_memory: bool = False):
         check_int("block_size", block_size, minimum=1)
         self.layout = layout
         self.block_size = block_size
+        self.keep_memory = keep_memory
         self.layers: list[torch.Tensor] = []
+        self.generation = 0
 
     @property
     def block_bytes(self) -> int:
@@ -33,6 +39,12 @@ class TorchBlockPool:
         """Hold ``blocks`` blocks, keeping the contents of the blocks both sizes have (block 0
         stays zero), one layer at a time."""
         layout = self.layout
+        held = self.layers[0].shape[1] // self.block_size if self.layers else 0
+        if self.keep_memory:
+            if blocks <= held:
+                return
+            blocks = max(blocks, 2 * held)
+        self.generation += 1
         slots = blocks * self.block_size
         shape = (2, slots, layout.num_heads, layout.head_dim)
         if not self.layers:
@@ -51,6 +63,7 @@ class TorchBlockPool:
         """Drop every layer (on CPU its memory map goes back to the system once no tensor
         uses it); the next `resize` allocates afresh."""
         self.layers = []
+        self.generation += 1
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost

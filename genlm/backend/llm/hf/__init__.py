@@ -1,5 +1,6 @@
 """Hugging Face transformers backend: `AsyncTransformer` (the LM, `model`), its paged KV
-cache layer and attention (`paged`), and its loading options (`options`)."""
+cache layer and attention (`paged`), the CUDA graphs of its decode steps (`graphs`), its
+LM head (`head`) and its loading options (`options`)."""
 
 from genlm.backend.llm.hf.model import (
     BASE_ADAPTER,

@@ -28,17 +28,22 @@ class OutputHead:
         self.vocab_size = vocab_size
         self._logits: torch.Tensor | None = None
 
-    def logprobs(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
+    def logprobs(self, hidden: torch.Tensor, out: torch.Tensor, reuse: bool = True) -> None:
         """``log_softmax(head(hidden))`` over the tokenizer's vocabulary, in float32, into
         ``out`` (``hidden``: ``[rows, hidden_size]``; under ``torch.inference_mode``, as
-        the forward runs)."""
-        torch.log_softmax(self.logits(hidden), dim=-1, dtype=torch.float32, out=out)
+        the forward runs); the logits in the reused buffer, or fresh memory if not ``reuse``."""
+        torch.log_softmax(self.logits(hidden, reuse), dim=-1, dtype=torch.float32, out=out)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, reuse: bool = True) -> torch.Tensor:
         """The head's logits over the tokenizer's vocabulary, in the reused buffer (valid
-        until the next call)."""
+        until the next call) or, if not ``reuse``, in a tensor of their own."""
         weight = self.linear.weight[: self.vocab_size]
-        logits = self._buffer(hidden.shape[0], weight)
+        rows = hidden.shape[0]
+        logits = (
+            self._buffer(rows, weight)
+            if reuse
+            else torch.empty((rows, self.vocab_size), dtype=weight.dtype, device=weight.device)
+        )
         if self.linear.bias is None:
             return torch.mm(hidden, weight.t(), out=logits)
         return torch.addmm(self.linear.bias[: self.vocab_size], hidden, weight.t(), out=logits)

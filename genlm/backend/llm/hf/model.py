@@ -24,7 +24,9 @@ same number ``t`` of new tokens:
    the requests' nodes (the batch's memory counted once in the logprobs budget).
 
 A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
-context length (tests/test_hf_step.py, benchmark/bench_host.py).
+context length (tests/test_hf_step.py, benchmark/bench_host.py). On CUDA a decode step
+(one new token per row) is a replay of its shape bucket's CUDA graph instead
+(`genlm.backend.llm.hf.graphs`; ``cuda_graphs=False`` turns them off).
 
 Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 
@@ -64,6 +66,7 @@ from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.base import check_vocab_fits
+from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import (
     bitsandbytes_config,
@@ -73,10 +76,12 @@ from genlm.backend.llm.hf.options import (
 )
 from genlm.backend.llm.hf.paged import (
     CASCADE_MIN_SHARED,
+    StepInputs,
     attention_mask,
     paged_cache,
     register_cascade,
     shared_blocks,
+    step_cache,
     step_inputs,
 )
 from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, plan_groups
@@ -106,6 +111,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             a longer prefix is prefilled in chunks).
         lora_batching: ``"mixed"`` (rows of several LoRA adapters in one forward) or
             ``"grouped"`` (one forward per adapter).
+        cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs (captured per
+            shape bucket; `genlm.backend.llm.hf.graphs`); no effect elsewhere.
     """
 
     OPTION_CHECKS = {
@@ -114,6 +121,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         "max_logprobs_bytes": check_budget,
         "max_batch_tokens": int_option(minimum=1),
         "lora_batching": choice_option(*LORA_BATCHING),
+        "cuda_graphs": choice_option(True, False),
     }
 
     def __init__(
@@ -127,6 +135,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
         max_batch_tokens: int = 4096,
         lora_batching: str = "mixed",
+        cuda_graphs: bool = True,
     ):
         check_options(
             self.OPTION_CHECKS,
@@ -137,6 +146,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 "max_logprobs_bytes": max_logprobs_bytes,
                 "max_batch_tokens": max_batch_tokens,
                 "lora_batching": lora_batching,
+                "cuda_graphs": cuda_graphs,
             },
         )
         super().__init__(hf_tokenizer)
@@ -159,11 +169,14 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._output_device = self.model.get_output_embeddings().weight.device
         self._cache_keyword = cache_keyword(self.model)
         layout, reason = self._probe_kv_layout()
-        self._pool = None if layout is None else TorchBlockPool(layout)
+        # CUDA graphs hold the pool's addresses: its memory is kept, and grown rarely.
+        keep = cuda_graphs and self._input_device.type == "cuda"
+        self._pool = None if layout is None else TorchBlockPool(layout, keep_memory=keep)
         self._head = plain_head(self.model, self.vocab_size, self._input_device)
         self._cascade = self._pool is not None and register_cascade(
             self.model, self._pool.layout.num_layers
         )
+        self._graphs = self._decode_graphs() if cuda_graphs else None
         store = PrefixKVStore(self._pool or NoKVPool(reason), max_kv_bytes, max_logprobs_bytes)
         self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-hf")
 
@@ -227,10 +240,26 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         return self.batcher.run_sync(self._uncached, ids, lora)
 
     def _close(self) -> None:
-        """The base's close, then the head's logits buffer let go."""
+        """The base's close, then the head's logits buffer and the graphs let go."""
         super()._close()
         if self._head is not None:
             self._head.free()
+        if self._graphs is not None:
+            self._graphs.clear()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps, where they can be captured: cascade attention over
+        the paged KV (the step's shapes are then its bucket's), on a CUDA device, with no
+        quantized weights (their kernels are not checked for capture)."""
+        recorder = recorder_for(self._input_device)
+        if (
+            recorder is None
+            or not self._cascade
+            or self._output_device != self._input_device
+            or getattr(self.model, "hf_quantizer", None) is not None
+        ):
+            return None
+        return DecodeGraphs(self._graph_forward, recorder, self._input_device, self.vocab_size)
 
     # -- LoRA ----------------------------------------------------------------------------------
 
@@ -264,6 +293,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             raise
         replaced = self._peft_names.get(lora_name)
         self._peft_names[lora_name] = peft_name
+        if self._graphs is not None:
+            self._graphs.clear()  # graphs run the plain model, captured over its old modules
         if replaced is not None:
             self._unload_peft_adapter(replaced)
 
@@ -340,23 +371,13 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         device as one tensor (`step_inputs`), so its ops do not grow with the plans or their
         context."""
         new_tokens = plans[0].new_tokens
+        if self._graphs is not None and self._peft is None and self._graphs.run(plans, pool, out):
+            return
         skip = self._shared_blocks(plans) if new_tokens <= self.max_batch_tokens else 0
         step = step_inputs(plans, pool.block_size, skip, self._input_device)
         loras = [plan.lora for plan in plans]
         if skip:
-            # Cascade: the shared prefix is read once per layer; each row reads only its own
-            # tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword).
-            cache = paged_cache(pool, step.write.flatten(), step.read, step.past, step.shared)
-            self._forward_logprobs(
-                loras,
-                out,
-                cache,
-                input_ids=step.input_ids,
-                attention_mask=attention_mask(step.first, step.past, new_tokens),
-                position_ids=step.position_ids,
-                genlm_cache=cache,
-                use_cache=True,
-            )
+            self._cascade_forward(pool, step, loras, out)
             return
         # A prefix longer than max_batch_tokens (a single plan) is prefilled in chunks.
         for chunk in range(0, new_tokens, self.max_batch_tokens):
@@ -381,6 +402,35 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 use_cache=True,
             )
 
+    def _cascade_forward(
+        self,
+        pool: TorchBlockPool,
+        step: StepInputs,
+        loras: Sequence[str | None],
+        out: torch.Tensor,
+        reuse_logits: bool = True,
+    ) -> None:
+        """Cascade attention: the shared prefix is read once per layer; each row reads only
+        its own tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword)."""
+        cache = step_cache(pool, step)
+        self._forward_logprobs(
+            loras,
+            out,
+            cache,
+            reuse_logits,
+            input_ids=step.input_ids,
+            attention_mask=attention_mask(step.first, step.past, step.input_ids.shape[1]),
+            position_ids=step.position_ids,
+            genlm_cache=cache,
+            use_cache=True,
+        )
+
+    def _graph_forward(self, step: StepInputs, out: torch.Tensor) -> None:
+        """A decode step as `DecodeGraphs` captures it: the plain model (no adapter), its
+        logits in memory of the step's own (the head's reused buffer would outlive it)."""
+        assert self._pool is not None  # graphs go with KV reuse
+        self._cascade_forward(self._pool, step, [None] * step.input_ids.shape[0], out, False)
+
     def _shared_blocks(self, plans: list[QueryPlan]) -> int:
         """Blocks at the start of every plan's chain and inside every plan's past: cascade
         attention reads them once (0: no cascade, too few plans or shared tokens)."""
@@ -404,11 +454,13 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         loras: Sequence[str | None],
         out: torch.Tensor,
         cache: Cache | None = None,
+        reuse_logits: bool = True,
         **inputs: Any,
     ) -> None:
         """The forward's logprobs at each row's last position, into ``out``: the base model
-        and our `OutputHead` (logits in reused memory) where `plain_head` found the model's
-        logits to be its head's and no adapter is loaded, else the model's own forward."""
+        and our `OutputHead` (logits in reused memory, unless not ``reuse_logits``) where
+        `plain_head` found the model's logits to be its head's and no adapter is loaded,
+        else the model's own forward."""
         if self._head is None or self._peft is not None:
             logits = self._forward(loras, cache, logits_to_keep=1, **inputs).logits
             self._logprobs(logits[:, -1], out)
@@ -416,7 +468,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         if cache is not None:
             inputs[self._cache_keyword] = cache
         hidden = self.model.base_model(**inputs).last_hidden_state
-        self._head.logprobs(hidden[:, -1], out)
+        self._head.logprobs(hidden[:, -1], out, reuse_logits)
 
     def _additive_or_boolean(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` as the model's attention wants it: boolean for sdpa, additive for eager."""

@@ -31,24 +31,79 @@ if TYPE_CHECKING:
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
 
 
+# Padding rows write their one token's KV here (the last slot of block 0, which no chain
+# uses; slot 0, read for left padding, stays zero: every key read is finite).
+def scratch_slot(block_size: int) -> int:
+    return block_size - 1
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes of a step's inputs: ``rows`` rows of ``new`` tokens, each reading ``past``
+    keys before them through its own slots, after ``shared`` slots every row reads."""
+
+    rows: int
+    new: int
+    past: int
+    shared: int
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Lengths of the fields of the step's one int64 tensor, in order: input ids,
+        positions, write slots, read slots, first keys, shared slots, shared slots in use."""
+        tokens = self.rows * self.new
+        return (
+            tokens,
+            tokens,
+            tokens,
+            self.rows * (self.past + self.new),
+            self.rows,
+            self.shared,
+            1,
+        )
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """A group's forward inputs, all views of one device tensor.
 
-    ``read`` holds each row's tokens after the ``skip`` shared ones, left-padded to
-    ``past + t`` keys with slot 0 (block 0, all zeros); ``first`` is each row's first
-    unpadded key in ``read``; ``shared`` the slots every row reads first (cascade).
+    ``read`` holds each row's tokens after the ``shared`` ones, left-padded to
+    ``past + new`` keys with slot 0 (block 0, all zeros); ``first`` is each row's first
+    unpadded key in ``read``; ``shared`` the slots every row reads first (cascade), of
+    which the first ``shared_used`` are the prefix's (the rest padding, when
+    ``shared_padded``).
     """
 
-    input_ids: torch.Tensor  # [rows, t]
-    position_ids: torch.Tensor  # [rows, t]
-    write: torch.Tensor  # [rows, t]
-    read: torch.Tensor  # [rows, past + t]
+    input_ids: torch.Tensor  # [rows, new]
+    position_ids: torch.Tensor  # [rows, new]
+    write: torch.Tensor  # [rows, new]
+    read: torch.Tensor  # [rows, past + new]
     first: torch.Tensor  # [rows]
-    shared: torch.Tensor  # [skip]
+    shared: torch.Tensor  # [shared]
+    shared_used: torch.Tensor  # [1]
     past: int  # keys before the new tokens in ``read``
-    skip: int
-    padded: bool  # some row has fewer past tokens than ``past``
+    padded: bool  # some row may have fewer past tokens than ``past``
+    shared_padded: bool
+
+    @classmethod
+    def split(
+        cls, flat: torch.Tensor, shape: StepShape, padded: bool, shared_padded: bool
+    ) -> StepInputs:
+        """The views of ``flat``, a tensor laid out as ``shape.sizes``."""
+        ids, positions, write, read, first, shared, used = flat.split(shape.sizes)
+        rows = shape.rows
+        return cls(
+            ids.view(rows, shape.new),
+            positions.view(rows, shape.new),
+            write.view(rows, shape.new),
+            read.view(rows, shape.past + shape.new),
+            first,
+            shared,
+            used,
+            shape.past,
+            padded,
+            shared_padded,
+        )
 
 
 def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
@@ -61,58 +116,74 @@ def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
     return next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
 
 
-def step_inputs(
-    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, device: torch.device
-) -> StepInputs:
-    """Build a group's inputs on the host (numpy over each plan's own blocks: the shared
-    ``skip_blocks`` are sent once) and move them to ``device`` in one copy."""
-    count, new = len(plans), plans[0].new_tokens
+def exact_shape(plans: Sequence[QueryPlan], block_size: int, skip_blocks: int) -> StepShape:
+    """The smallest shape of the plans' step with ``skip_blocks`` shared blocks."""
+    skip = skip_blocks * block_size
+    past = max(plan.start for plan in plans) - skip
+    return StepShape(len(plans), plans[0].new_tokens, past, skip)
+
+
+def host_step(
+    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, shape: StepShape, pin: bool
+) -> torch.Tensor:
+    """The plans' inputs as one host int64 tensor laid out as ``shape`` (at least their
+    `exact_shape`), built with numpy over each plan's own blocks (the shared
+    ``skip_blocks`` once). Rows beyond the plans are padding: token 0 at position 0,
+    writing and reading only the scratch slot; keys beyond a row's are left padding;
+    shared slots beyond the prefix's read slot 0 (masked by ``shared_used``)."""
+    count, new, rows = len(plans), shape.new, shape.rows
     skip = skip_blocks * block_size
     starts = np.fromiter((plan.start for plan in plans), np.int64, count)
-    past = int(starts.max()) - skip
     own = [plan.chain[skip_blocks:] for plan in plans]
     lengths = np.fromiter(map(len, own), np.int64, count)
     table = np.zeros((count, int(lengths.max())), np.int64)
     table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(own), np.int64, int(lengths.sum())
     )
-    width = past + new
-    sizes = (count * new, count * new, count * new, count * width, count, skip)
-    host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-    ids, positions, write, read, first, shared = np.split(host.numpy(), np.cumsum(sizes)[:-1])
-    ids[:] = np.fromiter(
-        itertools.chain.from_iterable(plan.ids[plan.start :] for plan in plans), np.int64, len(ids)
-    )
+    width = shape.past + new
+    host = torch.zeros(sum(shape.sizes), dtype=torch.int64, pin_memory=pin)
+    fields = np.split(host.numpy(), np.cumsum(shape.sizes)[:-1])
+    ids, positions, write = (field.reshape(rows, new) for field in fields[:3])
+    read, first, shared, used = fields[3].reshape(rows, width), fields[4], fields[5], fields[6]
+    ids[:count] = np.fromiter(
+        itertools.chain.from_iterable(plan.ids[plan.start :] for plan in plans),
+        np.int64,
+        count * new,
+    ).reshape(count, new)
     by_row = np.arange(count)[:, None]
     token = starts[:, None] + np.arange(new)
-    positions[:] = token.ravel()
+    positions[:count] = token
     token -= skip
-    write[:] = (table[by_row, token // block_size] * block_size + token % block_size).ravel()
-    pad = past - (starts - skip)
+    write[:count] = table[by_row, token // block_size] * block_size + token % block_size
+    pad = shape.past - (starts - skip)
     key = np.arange(width) - pad[:, None]
     hidden = key < 0
     key[hidden] = 0
     slots = table[by_row, key // block_size] * block_size + key % block_size
     slots[hidden] = 0
-    read[:] = slots.ravel()
-    first[:] = pad
-    shared[:] = (
+    read[:count] = slots
+    first[:count] = pad
+    scratch = scratch_slot(block_size)
+    write[count:] = scratch
+    read[count:, shape.past :] = scratch
+    first[count:] = shape.past
+    shared[:skip] = (
         np.asarray(plans[0].chain[:skip_blocks], np.int64)[:, None] * block_size
         + np.arange(block_size)
     ).ravel()
-    moved = host.to(device, non_blocking=True)
-    ids_t, positions_t, write_t, read_t, first_t, shared_t = moved.split(sizes)
-    return StepInputs(
-        ids_t.view(count, new),
-        positions_t.view(count, new),
-        write_t.view(count, new),
-        read_t.view(count, width),
-        first_t,
-        shared_t,
-        past,
-        skip,
-        bool(pad.any()),
-    )
+    used[0] = skip
+    return host
+
+
+def step_inputs(
+    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, device: torch.device
+) -> StepInputs:
+    """The plans' inputs in their `exact_shape`, moved to ``device`` in one copy (from
+    pinned memory, non-blocking, on CUDA)."""
+    shape = exact_shape(plans, block_size, skip_blocks)
+    host = host_step(plans, block_size, skip_blocks, shape, pin=device.type == "cuda")
+    padded = min(plan.start for plan in plans) - skip_blocks * block_size < shape.past
+    return StepInputs.split(host.to(device, non_blocking=True), shape, padded, False)
 
 
 def attention_mask(first: torch.Tensor, past: int, new: int) -> torch.Tensor:
@@ -135,10 +206,12 @@ class _PagedLayer(DynamicLayer):
         read: torch.Tensor,
         past_length: int,
         shared: torch.Tensor | None = None,
+        shared_mask: torch.Tensor | None = None,
     ):
         super().__init__()
         self.pool_keys, self.pool_values = keys, values
         self.write, self.read, self.shared = write, read, shared
+        self.shared_mask = shared_mask
         self.dtype, self.device = keys.dtype, keys.device
         self.past_length = past_length
         self.is_initialized = True
@@ -174,15 +247,26 @@ def paged_cache(
     read: torch.Tensor,
     past_length: int,
     shared: torch.Tensor | None = None,
+    shared_used: torch.Tensor | None = None,
 ) -> Cache:
     """A transformers `Cache` over ``pool`` whose layers write ``write`` slots and read
-    ``read`` rows (after the ``shared`` slots every row attends to, with cascade attention)."""
+    ``read`` rows (after the ``shared`` slots every row attends to, with cascade attention;
+    of them only the first ``shared_used`` when it is given)."""
+    mask = None
+    if shared is not None and shared_used is not None:
+        mask = torch.arange(shared.shape[0], device=shared.device) < shared_used
     return Cache(
         layers=[
-            _PagedLayer(layer[0], layer[1], write, read, past_length, shared)
+            _PagedLayer(layer[0], layer[1], write, read, past_length, shared, mask)
             for layer in pool.layers
         ]
     )
+
+
+def step_cache(pool: TorchBlockPool, step: StepInputs) -> Cache:
+    """The paged cache of a step whose rows read the shared slots first (cascade)."""
+    used = step.shared_used if step.shared_padded else None
+    return paged_cache(pool, step.write.flatten(), step.read, step.past, step.shared, used)
 
 
 def cascade_attention(
@@ -201,9 +285,11 @@ def cascade_attention(
     queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
     ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
     their running maximum and sums (log-sum-exp). The layer's paged cache comes in
-    ``kwargs["genlm_cache"]`` (see `sdpa_or_cascade_attention`).
+    ``kwargs["genlm_cache"]`` (see `sdpa_or_cascade_attention`); padding shared slots, if
+    any, are hidden by its ``shared_mask``.
     """
-    shared_keys, shared_values = kwargs["genlm_cache"].layers[module.layer_idx].shared_kv()
+    layer = kwargs["genlm_cache"].layers[module.layer_idx]
+    shared_keys, shared_values = layer.shared_kv()
     rows, q_heads, new, dim = query.shape
     kv_heads = key.shape[1]
     groups = q_heads // kv_heads
@@ -212,6 +298,8 @@ def cascade_attention(
     flat = q.transpose(0, 1).reshape(kv_heads, rows * groups * new, dim)
     shared = torch.matmul(flat, shared_keys.transpose(1, 2))
     shared = shared.view(kv_heads, rows, groups * new, -1).transpose(0, 1)
+    if layer.shared_mask is not None:
+        shared = torch.where(layer.shared_mask, shared, float("-inf"))
     own = torch.matmul(q, key.transpose(2, 3)).view(rows, kv_heads, groups, new, -1)
     own = torch.where(attention_mask[:, :, None], own, float("-inf"))
     own = own.view(rows, kv_heads, groups * new, -1)

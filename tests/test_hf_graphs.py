@@ -1,0 +1,254 @@
+"""Decode steps replayed from captured graphs (`genlm.backend.llm.hf.graphs`).
+
+A CPU has no CUDA graphs: these tests give `AsyncTransformer` the `EagerRecorder` (a
+"replay" runs the captured forward again over the bucket's static buffers), so what they
+check is everything around the capture: the shape buckets, the padding rows, keys and
+shared slots, the static buffers reused from step to step, the checks of a replay against
+the eager forward and the fallback when one fails. Every row is compared with a plain
+transformers forward of its whole context. benchmark/gpu.sh runs the CUDA capture itself.
+"""
+
+import logging
+
+import pytest
+import torch
+from small_models import tiny_llama
+
+import genlm.backend.llm.hf.model as hf_model
+from genlm.backend.llm.hf import AsyncTransformer
+from genlm.backend.llm.hf.graphs import (
+    MAX_ROWS,
+    EagerRecorder,
+    bucket_shape,
+    recorder_for,
+    round_up,
+)
+from genlm.backend.llm.hf.paged import StepShape
+
+TOL = 1e-4  # float32 rows vs one plain forward
+MODEL = {"hidden_size": 32, "std": 0.3}
+
+
+class CountingRecorder(EagerRecorder):
+    """The eager stand-in, counting captures and replays."""
+
+    def __init__(self):
+        self.captures = 0
+        self.replays = 0
+
+    def capture(self, forward):
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            forward()
+
+        return replay
+
+
+@pytest.fixture(scope="module")
+def tiny_model(smollm2_tokenizer):
+    return tiny_llama(len(smollm2_tokenizer), attn_implementation="sdpa", **MODEL)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    recorder = CountingRecorder()
+    monkeypatch.setattr(hf_model, "recorder_for", lambda device: recorder)
+    return recorder
+
+
+def expected(model, vocab_size, ids):
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+        return torch.log_softmax(logits[:vocab_size].float(), -1)
+
+
+def assert_rows(model, lm, contexts, rows):
+    for ids, row in zip(contexts, rows, strict=True):
+        assert torch.allclose(row, expected(model, lm.vocab_size, ids), atol=TOL), len(ids)
+
+
+def test_buckets_round_up_by_at_most_a_quarter_and_widths_by_powers_of_four():
+    for n in range(1, 5000):
+        rounded = round_up(n, 1)
+        assert n <= rounded <= max(n, 1.25 * n)
+        assert round_up(rounded, 1) == rounded  # a bucket is its own bucket
+    assert round_up(3, 16) == 16
+    assert len({round_up(n, 1) for n in range(1, 257)}) == 28
+    shape = bucket_shape(StepShape(rows=100, new=1, past=70, shared=1030))
+    assert shape == StepShape(rows=112, new=1, past=255, shared=1280)
+    assert bucket_shape(StepShape(rows=1, new=1, past=0, shared=0)) == StepShape(1, 1, 63, 16)
+    assert bucket_shape(StepShape(rows=4, new=2, past=9, shared=0)) is None  # not a decode step
+    assert bucket_shape(StepShape(rows=MAX_ROWS + 1, new=1, past=9, shared=0)) is None
+
+
+def test_no_graphs_on_a_cpu_or_when_turned_off(tiny_model, smollm2_tokenizer, recorder):
+    assert recorder_for(torch.device("cpu")) is None
+    assert AsyncTransformer(tiny_model, smollm2_tokenizer)._graphs is not None  # recorder
+    assert AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=False)._graphs is None
+
+
+def test_a_bad_cuda_graphs_option_is_refused_before_any_work(tiny_model, smollm2_tokenizer):
+    with pytest.raises(ValueError, match=r"cuda_graphs must be one of \(True, False\), got 'yes'"):
+        AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs="yes")
+
+
+@pytest.mark.parametrize(("particles", "prompt_tokens"), [(1, 20), (9, 150), (6, 40)])
+async def test_replayed_steps_are_the_plain_forwards(
+    tiny_model, smollm2_tokenizer, recorder, particles, prompt_tokens
+):
+    """Padded rows (9 -> 10), padded shared slots (144 shared tokens -> 160), one row
+    reading its whole past as "shared", forks copying a partial block: each step's rows
+    are the plain forwards', and later steps (which read the KV the replays wrote) too."""
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=16)
+    prompt = [(13 * j) % 700 + 2 for j in range(prompt_tokens)]
+    await lm.next_token_logprobs(prompt)
+    contexts = [prompt + [i + 1] for i in range(particles)]
+    for step in range(5):
+        rows = await lm.batch_next_token_logprobs(contexts)
+        assert_rows(tiny_model, lm, contexts, rows)
+        contexts = [contexts[-1] if i == 0 else c for i, c in enumerate(contexts)]  # a fork
+        contexts = [c + [(17 * i + step) % 500 + 1] for i, c in enumerate(contexts)]
+    assert recorder.captures == 1  # one bucket: the rows, widths and shared slots stay in it
+    assert recorder.replays == 5
+    assert lm._graphs.failure is None
+
+
+def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
+    tiny_model, smollm2_tokenizer, recorder
+):
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=32)
+    prompt = list(range(3, 90))
+    lm.next_token_logprobs_sync(prompt)
+    few = [prompt + [i + 1] for i in range(3)]
+    many = [prompt + [i + 1, 7] for i in range(12)]
+    lm.batch_next_token_logprobs_sync(few + many)
+    for contexts in (few, many, [prompt[:10] + [5]]):
+        # decode steps of two buckets (3 and 12 rows), two new tokens (eager), each beside
+        # a 60-token prefill (eager)
+        contexts = [c + [9] for c in contexts]
+        queries = contexts + [list(range(200, 260))]
+        assert_rows(tiny_model, lm, queries, lm.batch_next_token_logprobs_sync(queries))
+    assert recorder.captures == len(lm._graphs.graphs) == 2
+
+
+def test_graphs_captured_over_a_pool_that_grew_are_dropped(tiny_model, smollm2_tokenizer, recorder):
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64)
+    prompt = list(range(3, 40))
+    contexts = [prompt + [i + 1] for i in range(2)]
+    lm.batch_next_token_logprobs_sync(contexts)
+    generation = lm._pool.generation
+    lm.batch_next_token_logprobs_sync([c + [5] for c in contexts])
+    captured = recorder.captures
+    # 60 particles with 40 fresh tokens each: the pool grows (its layers are new tensors)
+    fresh = [prompt + [i + 1] + list(range(300, 340)) for i in range(60)]
+    lm.batch_next_token_logprobs_sync(fresh)
+    assert lm._pool.generation != generation
+    contexts = [c + [5, 6] for c in contexts]
+    assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+    assert recorder.captures == captured + 1  # the old bucket captured again
+
+
+class Skewed(torch.overrides.TorchFunctionMode):
+    """Adds 0.5 to every log-softmax written into an ``out=`` tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func is torch.log_softmax and "out" in (kwargs or {}):
+            kwargs["out"].add_(0.5)
+        return result
+
+
+class SkewedReplay(CountingRecorder):
+    """A capture whose replays are off from the first (a broken graph)."""
+
+    def capture(self, forward):
+        def replay():
+            self.replays += 1
+            with Skewed():
+                forward()
+
+        self.captures += 1
+        return replay
+
+
+class StaleReplay(CountingRecorder):
+    """A capture whose replays repeat the captured step (inputs baked into the graph)."""
+
+    def capture(self, forward):
+        def replay():
+            self.replays += 1
+
+        self.captures += 1
+        return replay
+
+
+@pytest.mark.parametrize(("recorder", "replays"), [(SkewedReplay, 1), (StaleReplay, 2)])
+def test_a_replay_that_differs_from_the_eager_forward_turns_graphs_off(
+    tiny_model, smollm2_tokenizer, monkeypatch, caplog, recorder, replays
+):
+    """At capture (skewed) or at the next step's check (stale): a warning, the step and
+    every later one run eagerly, and every row served is right."""
+    recorder = recorder()
+    monkeypatch.setattr(hf_model, "recorder_for", lambda device: recorder)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    prompt = list(range(3, 50))
+    lm.next_token_logprobs_sync(prompt)
+    contexts = [prompt + [i + 1] for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="genlm.backend.llm.hf.graphs"):
+        for step in range(4):
+            assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+            contexts = [c + [step + 2] for c in contexts]
+    assert lm._graphs.failure.startswith(
+        "GraphMismatch: a replayed step differs from the eager forward by"
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CUDA graphs off for this model, steps run eagerly ({lm._graphs.failure})"
+    ]
+    assert lm._graphs.graphs == {}
+    assert recorder.replays == replays  # none after the failure
+
+
+def test_a_capture_that_fails_turns_graphs_off(tiny_model, smollm2_tokenizer, monkeypatch):
+    class Refusing(CountingRecorder):
+        def capture(self, forward):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(hf_model, "recorder_for", lambda device: Refusing())
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    prompt = list(range(3, 50))
+    contexts = [prompt + [i + 1] for i in range(4)]
+    lm.batch_next_token_logprobs_sync([prompt])
+    for _ in range(2):
+        assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+        contexts = [c + [3] for c in contexts]
+    assert lm._graphs.failure == ("RuntimeError: operation not permitted when stream is capturing")
+
+
+def test_a_pool_that_keeps_its_memory_moves_only_to_grow_by_at_least_double():
+    """What CUDA graphs need of the KV pool: a reset or shrink keeps the layers (their
+    addresses and contents), a growth replaces them rarely and keeps every block's KV."""
+    from genlm.backend.kv.pool import KVLayout
+    from genlm.backend.kv.torch_pool import TorchBlockPool
+
+    layout = KVLayout(2, 2, 4, torch.float32, 4, torch.device("cpu"))
+    pool = TorchBlockPool(layout, block_size=4, keep_memory=True)
+    pool.resize(8)
+    for layer in pool.layers:
+        layer[:, 4:].copy_(torch.randn(2, 28, 2, 4))
+    kept = [layer.clone() for layer in pool.layers]
+    addresses = [layer.data_ptr() for layer in pool.layers]
+    generation = pool.generation
+    for blocks in (3, 8, 5):
+        pool.resize(blocks)
+        assert [layer.data_ptr() for layer in pool.layers] == addresses
+    assert pool.generation == generation
+    pool.resize(9)  # a growth: at least double
+    assert pool.generation == generation + 1
+    assert [layer.shape[1] for layer in pool.layers] == [16 * 4] * 2
+    for old, layer in zip(kept, pool.layers, strict=True):
+        assert torch.equal(layer[:, :32], old)
+        assert not layer[:, :4].any()  # block 0 stays zero
+    pool.free()
+    assert pool.layers == [] and pool.generation == generation + 2
