@@ -610,6 +610,17 @@ def _speed_rows(
                 lm.clear_cache()
                 _free(device)
                 results[name].append(_measured(device, run, plan.tokens, repeat + 1))
+        # what the library's steps ran as: replays of captured graphs, or eager forwards
+        decode = getattr(lm, "_graphs", None)
+        graphs = (
+            None
+            if decode is None
+            else {
+                "captures": decode.captures,
+                "replays": decode.replays,
+                "failure": decode.failure,
+            }
+        )
     best = {name: min(r[0] for r in measured) for name, measured in results.items()}
     library = best[LIBRARY]
     rows = []
@@ -625,6 +636,7 @@ def _speed_rows(
         }
         if name == LIBRARY:
             row["kv_budget_mb"] = budget / 2**20
+            row["cuda_graphs"] = graphs
             if plan.floors:
                 row.update(
                     ratio_dynamic=library / best[DYNAMIC], ratio_static=library / best[STATIC]

@@ -35,6 +35,11 @@ class CountingRecorder(EagerRecorder):
     def __init__(self):
         self.captures = 0
         self.replays = 0
+        self.eager_runs = 0
+
+    def run_eagerly(self, forward):
+        self.eager_runs += 1
+        forward()
 
     def capture(self, forward):
         self.captures += 1
@@ -134,20 +139,26 @@ def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
 
 
 def test_graphs_captured_over_a_pool_that_grew_are_dropped(tiny_model, smollm2_tokenizer, recorder):
+    """... and captured again at their next step, without the eager checks of a first
+    capture (the bucket's kernels were checked already)."""
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64)
     prompt = list(range(3, 40))
     contexts = [prompt + [i + 1] for i in range(2)]
     lm.batch_next_token_logprobs_sync(contexts)
     generation = lm._pool.generation
-    lm.batch_next_token_logprobs_sync([c + [5] for c in contexts])
+    for token in (5, 6, 7):  # capture, then two checked replays
+        contexts = [c + [token] for c in contexts]
+        lm.batch_next_token_logprobs_sync(contexts)
+    assert recorder.eager_runs == 3 and len(lm._graphs.checked) == 1
     captured = recorder.captures
     # 60 particles with 40 fresh tokens each: the pool grows (its layers are new tensors)
     fresh = [prompt + [i + 1] + list(range(300, 340)) for i in range(60)]
     lm.batch_next_token_logprobs_sync(fresh)
     assert lm._pool.generation != generation
-    contexts = [c + [5, 6] for c in contexts]
+    contexts = [c + [8] for c in contexts]
     assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
     assert recorder.captures == captured + 1  # the old bucket captured again
+    assert recorder.eager_runs == 3
 
 
 class Skewed(torch.overrides.TorchFunctionMode):
