@@ -18,6 +18,7 @@ import genlm.backend.llm.hf.model as hf_model
 from genlm.backend.llm.hf import AsyncTransformer
 from genlm.backend.llm.hf.graphs import (
     MAX_ROWS,
+    MAX_WIDTH,
     EagerRecorder,
     bucket_shape,
     recorder_for,
@@ -86,6 +87,8 @@ def test_buckets_round_up_by_at_most_a_quarter_and_widths_by_powers_of_four():
     assert bucket_shape(StepShape(rows=1, new=1, past=0, shared=0)) == StepShape(1, 1, 63, 16)
     assert bucket_shape(StepShape(rows=4, new=2, past=9, shared=0)) is None  # not a decode step
     assert bucket_shape(StepShape(rows=MAX_ROWS + 1, new=1, past=9, shared=0)) is None
+    assert bucket_shape(StepShape(rows=2, new=1, past=MAX_WIDTH - 1, shared=0)).past == 4095
+    assert bucket_shape(StepShape(rows=2, new=1, past=MAX_WIDTH, shared=0)) is None
 
 
 def test_no_graphs_on_a_cpu_or_when_turned_off(tiny_model, smollm2_tokenizer, recorder):

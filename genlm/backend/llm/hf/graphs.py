@@ -38,6 +38,9 @@ from genlm.backend.llm.prefix import QueryPlan
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 256  # larger decode steps run eagerly
+# Rows reading more of their own keys run eagerly: a bucket up to 4x a row's keys would
+# gather up to 4x the KV an eager step does, at lengths where the gather dominates a step.
+MAX_WIDTH = 4096
 MAX_GRAPHS = 16  # graphs kept, least recently used dropped first
 CHECKED_REPLAYS = 2  # replays of each graph compared with the eager forward
 # A replay runs the eager forward's kernels on the same inputs: any difference beyond
@@ -62,8 +65,9 @@ def bucket_shape(shape: StepShape) -> StepShape | None:
 
     Rows and shared slots round up by at most 25%; each row's keys (its own tokens, after
     the shared ones) to a power of 4 from 64, so that a row's growth by one token per step
-    changes buckets rarely (a 1,000-token generation meets 4 widths)."""
-    if shape.new != 1 or shape.rows > MAX_ROWS:
+    changes buckets rarely (a 1,000-token generation meets 3 widths); past `MAX_WIDTH` keys
+    a step runs eagerly."""
+    if shape.new != 1 or shape.rows > MAX_ROWS or shape.past >= MAX_WIDTH:
         return None
     width = 64
     while width < shape.past + 1:
