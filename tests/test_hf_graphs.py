@@ -266,3 +266,34 @@ def test_a_pool_that_keeps_its_memory_moves_only_to_grow_by_at_least_double():
         assert not layer[:, :4].any()  # block 0 stays zero
     pool.free()
     assert pool.layers == [] and pool.generation == generation + 2
+
+
+def test_a_replayed_step_runs_a_few_ops_besides_its_replay_for_any_rows(
+    tiny_model, smollm2_tokenizer, recorder
+):
+    """Around the replay a step runs a fixed handful of ops (its inputs copied in, its
+    rows out, the rows stacked for the caller): on a GPU, a few launches for 8 rows or 40."""
+    from op_count import OpCounter
+
+    def ops_besides_the_replay(n):
+        lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=n)
+        contexts = [list(range(3, 90)) + [i + 1] for i in range(n)]
+        for token in (2, 3, 4, 5):  # the prefill, the capture, two checked replays
+            lm.batch_next_token_logprobs_sync(contexts)
+            contexts = [c + [token] for c in contexts]
+        (graph,) = lm._graphs.graphs.values()
+        replays, graph.replay = [], lambda: replays.append(1)  # the replay itself not counted
+        serve, counter = lm._serve_batch, OpCounter()
+
+        def counted(*args):  # on the batcher's worker: plan, step, rows out
+            with counter:
+                return serve(*args)
+
+        lm._serve_batch = counted
+        lm.batch_next_token_logprobs_sync(contexts)
+        assert replays == [1] and lm._graphs.replays == 4
+        return counter.counts
+
+    few, many = ops_besides_the_replay(8), ops_besides_the_replay(40)
+    assert few == many
+    assert sum(few.values()) <= 12, few  # 11: 2 copies, the batch, host tensor, views
