@@ -525,21 +525,23 @@ class PrefixKVStore:
 
 
 class RecentNodes:
-    """The nodes `PrefixKVStore.node_for` made lately, by ``(tree key, prefix)``: two
+    """The nodes `PrefixKVStore.node_for` made lately, by tree key and prefix: two
     generations of about ``budget`` tokens each (a hit in the older one moves to the
     newer). A node that `PrefixKVStore.prune` detached is never returned (it is no
-    longer its parent's child); the store starts a new one when it drops a tree."""
+    longer its parent's child); the store starts a new one when it drops a tree. A
+    generation holds a dict of prefixes per tree key (not ``(key, prefix)`` pairs: an
+    entry adds no tuple for the collector to track)."""
 
     def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._current: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
-        self._previous: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
+        self._current: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
+        self._previous: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
         self._tokens = 0
 
     def get(self, key: Hashable, ids: tuple[int, ...]) -> KVNode | None:
-        node = self._current.get((key, ids))
+        node = self._current.get(key, _NO_NODES).get(ids)
         if node is None:
-            node = self._previous.get((key, ids))
+            node = self._previous.get(key, _NO_NODES).get(ids)
             if node is None:
                 return None
             self.add(key, ids, node)
@@ -551,7 +553,14 @@ class RecentNodes:
         self._tokens += len(ids)
         if self._tokens > self.budget:
             self._previous, self._current, self._tokens = self._current, {}, len(ids)
-        self._current[key, ids] = node
+        nodes = self._current.get(key)
+        if nodes is None:
+            nodes = self._current[key] = {}
+        nodes[ids] = node
+
+
+# What `RecentNodes.get` looks in for a tree key it has no nodes of (only read).
+_NO_NODES: dict[tuple[int, ...], KVNode] = {}
 
 
 def memory_key(value: Any) -> Hashable:
