@@ -38,7 +38,8 @@ then reads a row's chain and writes its new tokens' KV into the blocks `extend` 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+import itertools
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,35 +295,60 @@ class PrefixKVStore:
         self._grow_for(blocks)
 
     def extend(self, chain: Chain | None, length: int, total: int) -> tuple[Chain, list[BlockCopy]]:
-        """A new chain for ``total`` tokens whose first ``length`` are those of ``chain``.
+        """A new chain for ``total`` tokens whose first ``length`` are those of ``chain``
+        (a held chain).
 
         Full blocks of the shared part are shared; a partly filled last block is appended
         to in place if nothing was written past ``length`` in it, else copied (returned as
         a `BlockCopy` for the backend to apply before writing). The chain is held by the
         caller until it is given to a node (`set_chain`) or released (`release`).
         """
-        size = self.block_size
-        full, partial = divmod(length, size)
-        if chain is None:
-            chain, full, partial = (), 0, 0
-        blocks = list(chain[:full]) if full else []
-        copies = []
-        self._hold_blocks(blocks, 1)
-        if partial:
-            last = chain[full]
-            if self._fill[last] == partial:
-                self._hold(last, 1, 0)
-            else:
-                new = self._allocate()
-                copies.append(BlockCopy(last, new, partial))
-                last = new
-            blocks.append(last)
-            self._fill[last] = min(size, total - full * size)
-        while len(blocks) * size < total:
-            new = self._allocate()
-            self._fill[new] = min(size, total - len(blocks) * size)
-            blocks.append(new)
-        return tuple(blocks), copies
+        chains, copies = self.extend_all([(chain, length, total)])
+        return chains[0], copies
+
+    def extend_all(
+        self, extensions: Sequence[tuple[Chain | None, int, int]]
+    ) -> tuple[list[Chain], list[BlockCopy]]:
+        """`extend` each ``(chain, length, total)`` of a batch, in order: the new chains
+        and all their copies. The full blocks they share are held by one count over the
+        batch (a decode step's rows all share the prompt's blocks): each is held already,
+        by the chain extended, so holding it again changes its count alone, never what is
+        free or budgeted. If an extension fails, the chains made before it are released."""
+        size, fill = self.block_size, self._fill
+        chains: list[Chain] = []
+        copies: list[BlockCopy] = []
+        shared: list[Chain] = []  # the full blocks each new chain shares, held at the end
+        try:
+            for chain, length, total in extensions:
+                full, partial = divmod(length, size)
+                if chain is None:
+                    chain, full, partial = (), 0, 0
+                blocks = list(chain[:full]) if full else []
+                if partial:
+                    last = chain[full]
+                    if fill[last] == partial:
+                        self._hold(last, 1, 0)
+                    else:
+                        new = self._allocate()
+                        copies.append(BlockCopy(last, new, partial))
+                        last = new
+                    blocks.append(last)
+                    fill[last] = min(size, total - full * size)
+                while len(blocks) * size < total:
+                    new = self._allocate()
+                    fill[new] = min(size, total - len(blocks) * size)
+                    blocks.append(new)
+                chains.append(tuple(blocks))
+                if full:
+                    shared.append(chain[:full])
+        finally:
+            refs = self._refs
+            for block, count in Counter(itertools.chain.from_iterable(shared)).items():
+                refs[block] += count
+            if len(chains) < len(extensions):
+                for made in chains:
+                    self.release(made)
+        return chains, copies
 
     def hold(self, chain: Chain) -> Chain:
         """Hold ``chain``'s blocks; `release` them."""
