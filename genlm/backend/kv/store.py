@@ -313,7 +313,9 @@ class PrefixKVStore:
         and all their copies. The full blocks they share are held by one count over the
         batch (a decode step's rows all share the prompt's blocks): each is held already,
         by the chain extended, so holding it again changes its count alone, never what is
-        free or budgeted. If an extension fails, the chains made before it are released."""
+        free or budgeted. A chain appended to in place within its last block is returned
+        as it is (the same blocks: no new tuple). If an extension fails, the chains made
+        before it are released."""
         size, fill = self.block_size, self._fill
         chains: list[Chain] = []
         copies: list[BlockCopy] = []
@@ -323,6 +325,14 @@ class PrefixKVStore:
                 full, partial = divmod(length, size)
                 if chain is None:
                     chain, full, partial = (), 0, 0
+                if partial and len(chain) == full + 1 and total <= len(chain) * size:
+                    last = chain[full]
+                    if fill[last] == partial:  # a decode step's row: the same blocks
+                        self._hold(last, 1, 0)
+                        fill[last] = total - full * size
+                        chains.append(chain)
+                        shared.append(chain[:full])
+                        continue
                 blocks = list(chain[:full]) if full else []
                 if partial:
                     last = chain[full]
