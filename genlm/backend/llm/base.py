@@ -169,18 +169,13 @@ def marshalled_ids(ids: list[Any] | tuple[Any, ...]) -> bytes | None:
 TAIL_IDS = 8
 
 
-def _tail_key(ids: Sequence[int], length: int) -> int:
-    """What indexes the validated prefix ``ids[:length]``: a hash of its length and last
-    `TAIL_IDS` ids (an int: an entry adds no object for the collector to track; two
-    prefixes with the same key only evict each other)."""
-    return hash((length, tuple(ids[max(0, length - TAIL_IDS) : length])))
-
-
 class ValidatedPrefixes:
     """Token-id prefixes already validated, so that a request extending one by a token has
     only that token checked (a decode step's requests extend the previous step's).
 
-    A prefix is indexed by its length and last `TAIL_IDS` ids, made in O(1); a match is
+    A prefix is indexed by a hash of its length and last `TAIL_IDS` ids, made in O(1) (an
+    int: an entry adds no object for the collector to track; two prefixes with the same
+    index only evict each other); a match is
     then compared whole with the request's prefix, its encoding's bytes where both have
     one (`marshalled_ids`: exact types and values, compared with ``memcmp``), else the ids,
     a pointer check per id when the ids are the same int objects (a context built as
@@ -202,7 +197,7 @@ class ValidatedPrefixes:
         (`marshalled_ids` of ``ids``, whose types are then unchecked), one whose encoding
         starts it: ``ids[:-1]`` are then exact ints too."""
         length = len(ids) - 1
-        key = _tail_key(ids, length)
+        key = hash((length, tuple(ids[-TAIL_IDS - 1 : -1])))
         found = self._current.get(key)
         if found is None:
             found = self._previous.get(key)
@@ -224,7 +219,7 @@ class ValidatedPrefixes:
         self._tokens += len(ids)
         if self._tokens > self.budget:
             self._previous, self._current, self._tokens = self._current, {}, len(ids)
-        self._current[_tail_key(ids, len(ids))] = ids
+        self._current[hash((len(ids), ids[-TAIL_IDS:]))] = ids
 
 
 class Query(NamedTuple):
@@ -747,7 +742,8 @@ class BatchedAsyncLM(AsyncLM):
         registered; the others get the unknown-adapter `ValueError` as their result (the
         batcher fails only them)."""
         process = process or self._process_batch
-        gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]
+        served = {None, *self.lora_paths}
+        gone = [getattr(key, "lora", None) not in served for key in keys]
         if not any(gone):
             return process(keys)
         kept = iter(process([key for key, g in zip(keys, gone, strict=True) if not g]))
@@ -777,10 +773,17 @@ class BatchedAsyncLM(AsyncLM):
         distinct = list(dict.fromkeys(keys))
         results = self._serve_batch(distinct, process)
         answers = [results[i] for i in range(len(results))]
-        by_key = dict(zip(distinct, answers, strict=True))
-        for result in by_key.values():
+        if len(answers) != len(distinct):
+            raise ValueError(
+                f"{type(self).__name__} gave {len(answers)} answers to {len(distinct)} "
+                "distinct requests"
+            )
+        for result in answers:
             if isinstance(result, BaseException):
                 raise result
+        if len(distinct) == len(keys):  # no key twice: the answers are in keys order
+            return combine(answers)
+        by_key = dict(zip(distinct, answers, strict=True))
         return combine([by_key[key] for key in keys])
 
     def reset_async_queries(self) -> None:
