@@ -189,9 +189,16 @@ class StepProfile:
         out = io.StringIO()
         stats = pstats.Stats(self.caller, stream=out).add(self.worker)
         per_step = ", ".join(f"gen{g} {c / self.steps:.2f}" for g, c in enumerate(self.collections))
+        builtin = sum(
+            calls
+            for (filename, *_), (_, calls, *_) in stats.stats.items()  # type: ignore[attr-defined]
+            if filename == "~"
+        )
+        total = stats.total_calls  # type: ignore[attr-defined]
         out.write(
-            f"{self.steps} steps: {stats.total_calls / self.steps:.0f} Python calls per step "  # type: ignore[attr-defined]
-            f"(cProfile, both threads); GC collections per step: {per_step}; GC-tracked "
+            f"{self.steps} steps: {total / self.steps:.0f} calls per step (cProfile, both "
+            f"threads), {(total - builtin) / self.steps:.0f} of Python functions and "
+            f"{builtin / self.steps:.0f} of builtins; GC collections per step: {per_step}; GC-tracked "
             f"objects a step leaves allocated: {self.retained}\n"
         )
         stats.sort_stats("tottime").print_stats(top)
