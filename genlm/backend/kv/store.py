@@ -10,9 +10,11 @@ decides what they hold.
 - Blocks are reference-counted: every chain holding a block (a node's, or a row's while
   a batch runs) counts once, so particles that share a prompt share its blocks. The node
   a row reads its KV from is kept out of eviction while its batch runs (`protect`).
-- A decode step costs O(new tokens) per request, whatever its context: `find` starts
-  from the node that `node_for` made for the request's prefix on an earlier step, and a
-  chain's blocks are held or let go in one loop.
+- A decode step costs O(new tokens) per request in Python, whatever its context: `find`
+  starts from the node that `node_for` made for the request's prefix on an earlier step;
+  the rows of a batch hold the blocks they share by one count in C (`extend_all`), a row
+  appended to in place within its last block keeps its source's chain tuple, and a
+  chain's blocks are let go in one loop.
 - Extending a prefix (`extend`) shares its full blocks; its partly filled last block is
   appended to in place when nobody has written past the prefix in it yet, and copied
   otherwise (copy-on-write: only a partly filled last block is ever copied).
