@@ -246,34 +246,3 @@ def test_a_bad_id_inside_a_validated_prefix_is_named(mock, bad, error, message):
     request[10] = bad
     with pytest.raises(error, match=message):
         mock.validate_token_ids(request)
-
-
-def test_a_step_larger_than_the_recent_generations_makes_them_grow(smollm2_tokenizer):
-    """Validated prefixes and recent tree nodes are kept for a few steps (`RecentEntries`,
-    256 entries a generation at first). With 600 particles a step outgrows that; once
-    a dropped entry is asked for, the generations grow, and a later step finds every
-    request's parent again: each prefix validated from it (`TokenIds.extended`), each
-    tree walk started from its node (never from the root)."""
-    from genlm.backend.recent import RECENT_ENTRIES
-
-    particles = 600
-    assert particles > 2 * RECENT_ENTRIES
-    counts = calls_in_a_decode_step(smollm2_tokenizer, 64, particles, steps=5)
-    assert counts["extended"] == particles
-    assert counts["root"] == 0
-
-
-def test_recent_entries_keep_one_to_two_generations():
-    from genlm.backend.recent import RecentEntries
-
-    recent: RecentEntries[int, str] = RecentEntries(max_tokens=100, entries=4)
-    dropped = [recent.add(i, str(i), 1) for i in range(10)]
-    # generations of 4 entries: 8 and 9 are current, 4 to 7 previous, 0 to 3 dropped
-    assert [recent.get(i) for i in range(10)] == [None] * 4 + [str(i) for i in range(4, 10)]
-    assert [sorted(d) for d in dropped if d is not None] == [[], [0, 1, 2, 3]]
-    recent.grow()
-    assert recent.entries == 8
-    # the token bound rotates too: 60 + 50 tokens overflow a generation of 100
-    recent.add("a", "long", 60)
-    assert recent.add("b", "longer", 50) is not None
-    assert recent.get("a") == "long" and recent.get("b") == "longer"

@@ -50,7 +50,6 @@ from genlm.backend.checks import check_budget, check_int
 
 # BlockCopy is also this module's name (SPEC lists it with the store's).
 from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain
-from genlm.backend.recent import RECENT_TOKENS, RecentEntries
 
 __all__ = ["INITIAL_BLOCKS", "ZERO_BLOCK", "BlockCopy", "Chain", "KVNode", "PrefixKVStore"]
 
@@ -219,15 +218,9 @@ class PrefixKVStore:
         if parent is None and len(ids) > 1:
             parent = ids[:-1]
         node = None if parent is None else self._recent.get(key, parent)
-        if node is not None:
-            return self.walk(node, ids)
-        node = self._recent.get(key, ids)
-        if node is not None:
-            return self.walk(node, ids)
-        found = self.walk(self.root(key), ids)
-        if found[1] >= len(ids) - 1 > 0 and found[0].logprobs is not None:
-            self._recent.grow(key)  # a step's node, made for ids[:-1], was no longer recent
-        return found
+        if node is None:
+            node = self._recent.get(key, ids)
+        return self.walk(self.root(key) if node is None else node, ids)
 
     def node_for(self, key: Hashable, node: KVNode, ids: tuple[int, ...]) -> KVNode:
         """`node_at` in the tree of ``key``, remembered for `find`."""
@@ -570,37 +563,42 @@ class PrefixKVStore:
 
 
 class RecentNodes:
-    """The nodes `PrefixKVStore.node_for` made lately, by tree key and prefix: a
-    `RecentEntries` per tree key (a decode step looks up the nodes the previous one made),
-    a generation holding at most ``budget`` tokens of prefixes; `grow` when a node was
-    needed that it no longer held. A node that `PrefixKVStore.prune` detached is never
-    returned (it is no longer its parent's child); the store starts a new one when it
-    drops a tree."""
+    """The nodes `PrefixKVStore.node_for` made lately, by tree key and prefix: two
+    generations of about ``budget`` tokens each (a hit in the older one moves to the
+    newer). A node that `PrefixKVStore.prune` detached is never returned (it is no
+    longer its parent's child); the store starts a new one when it drops a tree. A
+    generation holds a dict of prefixes per tree key (not ``(key, prefix)`` pairs: an
+    entry adds no tuple for the collector to track)."""
 
-    def __init__(self, budget: int = RECENT_TOKENS):
+    def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._trees: dict[Hashable, RecentEntries[tuple[int, ...], KVNode]] = {}
+        self._current: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
+        self._previous: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
+        self._tokens = 0
 
     def get(self, key: Hashable, ids: tuple[int, ...]) -> KVNode | None:
-        entries = self._trees.get(key)
-        node = None if entries is None else entries.get(ids)
+        node = self._current.get(key, _NO_NODES).get(ids)
         if node is None:
-            return None
+            node = self._previous.get(key, _NO_NODES).get(ids)
+            if node is None:
+                return None
+            self.add(key, ids, node)
         parent, token = node.parent, node.token
         attached = parent is not None and token is not None and parent.children.get(token) is node
         return node if attached else None
 
     def add(self, key: Hashable, ids: tuple[int, ...], node: KVNode) -> None:
-        entries = self._trees.get(key)
-        if entries is None:
-            entries = self._trees[key] = RecentEntries(self.budget)
-        entries.add(ids, node, len(ids))
+        self._tokens += len(ids)
+        if self._tokens > self.budget:
+            self._previous, self._current, self._tokens = self._current, {}, len(ids)
+        nodes = self._current.get(key)
+        if nodes is None:
+            nodes = self._current[key] = {}
+        nodes[ids] = node
 
-    def grow(self, key: Hashable) -> None:
-        """Hold more nodes of the tree of ``key`` (one was needed after it was dropped)."""
-        entries = self._trees.get(key)
-        if entries is not None:
-            entries.grow()
+
+# What `RecentNodes.get` looks in for a tree key it has no nodes of (only read).
+_NO_NODES: dict[tuple[int, ...], KVNode] = {}
 
 
 def memory_key(value: Any) -> Hashable:

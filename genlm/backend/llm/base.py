@@ -36,7 +36,6 @@ from genlm.backend.checks import (
     check_seconds,
     int_option,
 )
-from genlm.backend.recent import RECENT_TOKENS, RecentEntries
 from genlm.backend.tokenization import decode_vocab
 
 R = TypeVar("R")
@@ -182,15 +181,16 @@ class ValidatedPrefixes:
     a pointer check per id when the ids are the same int objects (a context built as
     ``previous + [token]``): nothing of the prefix is hashed again. Validity is a pure
     function of the ids and the vocabulary size fixed at construction, so an entry never
-    goes stale. They are kept in a `RecentEntries` (a few steps' prefixes; a generation
-    holds at most ``budget`` tokens), whose generations grow when a prefix is asked for
-    that the last rotation dropped. Callers on several threads may race: the worst
-    outcome is a lost entry, which only means a prefix is checked again.
+    goes stale. Two generations of about ``budget`` tokens each are kept (a hit in the
+    older one moves to the newer). Callers on several threads may race: the worst outcome
+    is a lost entry, which only means a prefix is checked again.
     """
 
-    def __init__(self, budget: int = RECENT_TOKENS):
-        self._entries: RecentEntries[int, TokenIds] = RecentEntries(budget)
-        self._dropped: set[int] = set()  # the indexes the last rotation dropped
+    def __init__(self, budget: int = 1 << 20):
+        self.budget = budget
+        self._current: dict[int, TokenIds] = {}
+        self._previous: dict[int, TokenIds] = {}
+        self._tokens = 0
 
     def parent_of(self, ids: Sequence[int], encoding: bytes | None = None) -> TokenIds | None:
         """The validated prefix equal to ``ids[:-1]``, or None. With ``encoding``
@@ -198,12 +198,12 @@ class ValidatedPrefixes:
         starts it: ``ids[:-1]`` are then exact ints too."""
         length = len(ids) - 1
         key = hash((length, tuple(ids[-TAIL_IDS - 1 : -1])))
-        found = self._entries.get(key)
+        found = self._current.get(key)
         if found is None:
-            if key in self._dropped:  # dropped before its use: generations are too short
-                self._entries.grow()
-                self._dropped = set()
-            return None
+            found = self._previous.get(key)
+            if found is None:
+                return None
+            self.add(found)
         if len(found) != length:
             return None
         if encoding is not None:
@@ -216,9 +216,10 @@ class ValidatedPrefixes:
 
     def add(self, ids: TokenIds) -> None:
         """Remember ``ids``, a validated prefix."""
-        dropped = self._entries.add(hash((len(ids), ids[-TAIL_IDS:])), ids, len(ids))
-        if dropped is not None:
-            self._dropped = set(dropped)
+        self._tokens += len(ids)
+        if self._tokens > self.budget:
+            self._previous, self._current, self._tokens = self._current, {}, len(ids)
+        self._current[hash((len(ids), ids[-TAIL_IDS:]))] = ids
 
 
 class Query(NamedTuple):
