@@ -175,13 +175,12 @@ class ValidatedPrefixes:
 
     A prefix is indexed by a hash of its length and last `TAIL_IDS` ids, made in O(1) (an
     int: an entry adds no object for the collector to track; two prefixes with the same
-    index only evict each other); a match is
-    then compared whole with the request's prefix, its encoding's bytes where both have
-    one (`marshalled_ids`: exact types and values, compared with ``memcmp``), else the ids,
-    a pointer check per id when the ids are the same int objects (a context built as
-    ``previous + [token]``): nothing of the prefix is hashed again. Validity is a pure
-    function of the ids and the vocabulary size fixed at construction, so an entry never
-    goes stale. Two generations of about ``budget`` tokens each are kept (a hit in the
+    index only evict each other); a match is then compared whole with the request's
+    prefix, its encoding's bytes where both have one (`marshalled_ids`: exact types and
+    values, compared with ``memcmp``), else the ids, a pointer check per id when the ids
+    are the same int objects (a context built as ``previous + [token]``): nothing of the
+    prefix is hashed again. Validity is a pure function of the ids and the vocabulary size
+    fixed at construction, so an entry never goes stale. Two generations of about ``budget`` tokens each are kept (a hit in the
     older one moves to the newer). Callers on several threads may race: the worst outcome
     is a lost entry, which only means a prefix is checked again.
     """
