@@ -29,6 +29,9 @@ machine (one torch thread); op counts do not.
 
     python benchmark/bench_host.py                  # N = 8, 128 x prompt = 64, 1024
     python benchmark/bench_host.py --ops-only       # op counts only (fast, deterministic)
+    python benchmark/bench_host.py --profile 30 --particles 128 --prompt-tokens 1024
+        # the timed steps' Python calls, GC collections and top 30 functions (cProfile,
+        # both threads), per configuration, in this process (no timings)
 
 Results: a table, and benchmark/results/host.json.
 """
@@ -43,9 +46,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import pstats  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -117,11 +123,100 @@ class ForwardClock:
         self.seconds += time.perf_counter() - self._start
 
 
+class StepProfile:
+    """cProfile of the library's timed steps on both of its threads: the caller's
+    (validation, the rows stacked) and the batcher's worker's (plan, forward, tree), which
+    `AutoBatcher.run_sync` runs; and the garbage collections they triggered. Deterministic
+    counts (calls, collections) for work on a shared machine, where times are not."""
+
+    def __init__(self, lm: Any):
+        self.caller = cProfile.Profile()
+        self.worker = cProfile.Profile()
+        self.steps = 0
+        self.collections = [0, 0, 0]
+        self.retained: list[int] = []  # GC-tracked objects a step leaves allocated
+        self._active = False
+        run_sync = lm.batcher.run_sync
+
+        def profiled(fn: Callable[..., Any], *args: Any) -> Any:
+            if not self._active:
+                return run_sync(fn, *args)
+
+            def on_worker() -> Any:
+                self.worker.enable()
+                try:
+                    return fn(*args)
+                finally:
+                    self.worker.disable()
+
+            return run_sync(on_worker)
+
+        lm.batcher.run_sync = profiled
+
+    def step(self, run: Callable[[], Any]) -> Any:
+        """``run()``, profiled."""
+        before = [generation["collections"] for generation in gc.get_stats()]
+        self._active = True
+        self.caller.enable()
+        try:
+            return run()
+        finally:
+            self.caller.disable()
+            self._active = False
+            after = [generation["collections"] for generation in gc.get_stats()]
+            self.collections = [
+                c + b - a for c, a, b in zip(self.collections, before, after, strict=True)
+            ]
+            self.steps += 1
+
+    def count_retained(self, run: Callable[[], Any]) -> Any:
+        """``run()`` with the collector off, unprofiled: the GC-tracked objects it leaves
+        allocated (what brings the next young collection nearer: CPython collects the
+        youngest generation every 700 of them)."""
+        gc.disable()
+        try:
+            before = gc.get_count()[0]
+            result = run()
+            self.retained.append(gc.get_count()[0] - before)
+        finally:
+            gc.enable()
+        return result
+
+    def report(self, top: int) -> str:
+        """Calls and collections per step, and the ``top`` functions by own time."""
+        import io
+
+        out = io.StringIO()
+        stats = pstats.Stats(self.caller, stream=out).add(self.worker)
+        per_step = ", ".join(f"gen{g} {c / self.steps:.2f}" for g, c in enumerate(self.collections))
+        builtin = sum(
+            calls
+            for (filename, *_), (_, calls, *_) in stats.stats.items()  # type: ignore[attr-defined]
+            if filename == "~"
+        )
+        total = stats.total_calls  # type: ignore[attr-defined]
+        out.write(
+            f"{self.steps} steps: {total / self.steps:.0f} calls per step (cProfile, both "
+            f"threads), {(total - builtin) / self.steps:.0f} of Python functions and "
+            f"{builtin / self.steps:.0f} of builtins; GC collections per step: {per_step}; GC-tracked "
+            f"objects a step leaves allocated: {self.retained}\n"
+        )
+        stats.sort_stats("tottime").print_stats(top)
+        return out.getvalue()
+
+
 def library_steps(
-    model: Any, tokenizer: Any, prompt: list[int], n: int, steps: int, count_ops: bool
+    model: Any,
+    tokenizer: Any,
+    prompt: list[int],
+    n: int,
+    steps: int,
+    count_ops: bool,
+    profile_from: int | None = None,
 ) -> dict[str, Any]:
     """``steps`` decode steps of N particles through `AsyncTransformer`: per-step wall and
-    host seconds, and the op count of the last step (when ``count_ops``)."""
+    host seconds, and the op count of the last step (when ``count_ops``); with
+    ``profile_from``, a `StepProfile` of the steps from that one on (``profile``)."""
     import torch
 
     from genlm.backend.llm.hf import AsyncTransformer
@@ -129,6 +224,7 @@ def library_steps(
     lm = AsyncTransformer(model, tokenizer, batch_size=n)
     gc.collect()  # the earlier configurations' garbage and this LM's construction, not the steps'
     clock = ForwardClock(model, lm._head)
+    profile = None if profile_from is None else StepProfile(lm)
     worker_counts: list[Counter[str]] = []
     serve = lm._serve_batch
 
@@ -154,6 +250,9 @@ def library_steps(
             with OpCounter() as caller:
                 rows = lm.batch_next_token_logprobs_sync(contexts)
             ops = caller.counts + worker_counts[-1]
+        elif profile is not None and profile_from is not None and step >= profile_from:
+            run = functools.partial(lm.batch_next_token_logprobs_sync, contexts)
+            rows = profile.step(run) if step < steps - 4 else profile.count_retained(run)
         else:
             rows = lm.batch_next_token_logprobs_sync(contexts)
         wall = time.perf_counter() - start
@@ -164,7 +263,7 @@ def library_steps(
     clock.remove()
     lm.close()  # its tree, pool and worker must not weigh on the next configuration
     del lm, rows, first
-    return {"walls": walls, "hosts": hosts, "ops": ops}
+    return {"walls": walls, "hosts": hosts, "ops": ops, "profile": profile}
 
 
 def floor_steps(model: Any, prompt: list[int], n: int, steps: int) -> dict[str, Any]:
@@ -244,15 +343,33 @@ def measure(
     }
 
 
-def measure_here(n: int, prompt_tokens: int, steps: int, warmup: int) -> dict[str, Any]:
-    """`measure` in this process, on the tiny Llama (one torch thread)."""
+def tiny_model() -> tuple[Any, Any]:
+    """The tiny Llama and its tokenizer (one torch thread)."""
     import torch
     from gpu import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer()
-    model = tiny_llama(len(tokenizer), max_positions=4096, attn_implementation="sdpa")
+    return tiny_llama(len(tokenizer), max_positions=4096, attn_implementation="sdpa"), tokenizer
+
+
+def measure_here(n: int, prompt_tokens: int, steps: int, warmup: int) -> dict[str, Any]:
+    """`measure` in this process, on the tiny Llama."""
+    model, tokenizer = tiny_model()
     return measure(model, tokenizer, n, prompt_tokens, steps, warmup)
+
+
+def profile_here(n: int, prompt_tokens: int, steps: int, warmup: int, top: int) -> str:
+    """`StepProfile.report` of ``steps`` library steps after ``warmup``, then three steps
+    with the collector off (objects left allocated) and one that counts ops, on the same
+    prompt as `measure`."""
+    import torch
+
+    model, tokenizer = tiny_model()
+    generator = torch.Generator().manual_seed(prompt_tokens)
+    prompt = torch.randint(0, len(tokenizer), (prompt_tokens,), generator=generator).tolist()
+    library = library_steps(model, tokenizer, prompt, n, warmup + steps + 4, True, warmup)
+    return library["profile"].report(top)
 
 
 def measure_apart(n: int, prompt_tokens: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -289,11 +406,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ops-only", action="store_true", help="count ops, skip timing")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "host.json")
+    parser.add_argument(
+        "--profile", type=int, metavar="TOP", help="profile the timed steps (see above)"
+    )
     parser.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)  # N, prompt
     args = parser.parse_args(argv)
     steps, warmup = (1, 1) if args.ops_only else (args.steps, args.warmup)
     if args.one:
         print(json.dumps(measure_here(*args.one, steps, warmup)))
+        return
+    if args.profile is not None:
+        for n in args.particles:
+            for prompt_tokens in args.prompt_tokens:
+                print(f"N={n} prompt={prompt_tokens}")
+                print(profile_here(n, prompt_tokens, steps, warmup, args.profile))
         return
     results = []
     header = (

@@ -49,6 +49,24 @@ async def test_concurrent_requests_form_one_batch_without_waiting_for_timeout():
     assert threading.get_ident() not in model.threads  # ran off the event loop thread
 
 
+async def test_requests_that_come_while_others_are_ready_join_the_same_batch():
+    """The idle flush waits until no ready callback adds a request: callers that submit
+    after a few turns of the loop each (other work first, as a particle might do) still
+    form one batch, staggered so that each turn brings new ones, and after the flush was
+    first scheduled."""
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=100, timeout=None)
+
+    async def caller(key):
+        for _ in range(key % 5):
+            await asyncio.sleep(0)
+        return await batcher.submit(key)
+
+    results = await asyncio.gather(*(caller(i) for i in range(40)))
+    assert results == [i * i for i in range(40)]
+    assert [sorted(batch) for batch in model.batches] == [list(range(40))]
+
+
 async def test_batches_are_capped_at_batch_size():
     model = StandIn()
     batcher = AutoBatcher(model, batch_size=8, timeout=None)

@@ -309,3 +309,26 @@ def test_from_name_checks_its_options_before_loading(monkeypatch, kwargs, error,
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     with pytest.raises(error, match=needle):
         AsyncTransformer.from_name("someone/any", **kwargs)
+
+
+class MiscountingLM(MockAsyncLM):
+    """A backend that answers one row too many or too few per batch."""
+
+    def __init__(self, tokenizer, extra):
+        super().__init__(tokenizer)
+        self.extra = extra
+
+    def _process_batch(self, keys):
+        rows = super()._process_batch(keys)
+        return rows + rows[:1] if self.extra > 0 else rows[:-1]
+
+
+@pytest.mark.parametrize("extra", [1, -1])
+@pytest.mark.parametrize("distinct", [True, False])
+def test_a_backend_answering_too_many_or_too_few_rows_raises(smollm2_tokenizer, extra, distinct):
+    """One answer per distinct request, or an error: none dropped, none taken from a
+    neighbour (with and without a request asked twice in the batch)."""
+    prompts = [[5, 6], [7, 8], [9]] + ([] if distinct else [[5, 6]])
+    with MiscountingLM(smollm2_tokenizer, extra) as lm:
+        with pytest.raises(ValueError, match="MiscountingLM gave [24] answers to 3 distinct"):
+            lm.batch_next_token_logprobs_sync(prompts)

@@ -9,6 +9,7 @@ again one by one.
 """
 
 import collections
+import enum
 import random
 import sys
 
@@ -193,3 +194,55 @@ def test_a_prefix_one_id_longer_hashes_as_the_tuple_does():
             assert longer == ids + (token,) and hash(longer) == hash(ids + (token,))
             assert longer.parent is parent
         assert {ids + (token,): 1}[longer] == 1
+
+
+class TokenEnum(enum.IntEnum):
+    """An int subclass: marshal refuses it, validation converts it."""
+
+    FIVE = 5
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        lambda prefix: [TokenEnum.FIVE, *prefix[1:]],  # an int subclass of the same value
+        lambda prefix: [np.int64(prefix[0]), *prefix[1:]],
+        lambda prefix: [prefix[0] + 1, *prefix[1:]],  # another id, same length and tail
+        lambda prefix: [*prefix[:-1], prefix[-1] + 1],
+        lambda prefix: prefix[:-1],  # shorter
+        lambda prefix: [7, *prefix],  # longer
+        lambda prefix: tuple(prefix),
+    ],
+)
+def test_a_request_near_a_validated_prefix_is_validated_as_itself(mock, changed):
+    """Validation compares a request with the prefix it extends (encoded by marshal):
+    whatever differs (an id, a type, the length), the result is the request's own ids as
+    exact ints, checked against ``tuple(map(int, ...))`` of them."""
+    prefix = [5, *range(100, 130)]
+    mock.validate_token_ids(prefix)
+    request = [*changed(prefix), 42]
+    checked = mock.validate_token_ids(request)
+    assert checked == tuple(int(i) for i in request)
+    assert all(type(i) is int for i in checked)
+    assert hash(checked) == hash(tuple(checked))
+    again = mock.validate_token_ids([*request, 43])  # and the one after it
+    assert again == (*checked, 43) and hash(again) == hash((*checked, 43))
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        (True, TypeError, r"token id True at position 10 is not an integer \(bool\)"),
+        (2.5, TypeError, r"token id 2.5 at position 10 is not an integer \(float\)"),
+        (-3, ValueError, r"token id -3 at position 10 is outside the vocabulary"),
+        (10**6, ValueError, r"token id 1000000 at position 10 is outside the vocabulary"),
+        ("7", TypeError, r"token id '7' at position 10 is not an integer \(str\)"),
+    ],
+)
+def test_a_bad_id_inside_a_validated_prefix_is_named(mock, bad, error, message):
+    prefix = list(range(200, 240))
+    mock.validate_token_ids(prefix)
+    request = [*prefix, 9]
+    request[10] = bad
+    with pytest.raises(error, match=message):
+        mock.validate_token_ids(request)

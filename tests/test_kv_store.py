@@ -5,6 +5,9 @@ its own prefix, and the bytes the store charges must equal the distinct blocks o
 unpinned chains counted by brute force.
 """
 
+import collections
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -84,12 +87,12 @@ def run_batch(store, pool, requests, key=None):
     store.reserve(
         [(chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)]
     )
-    chains = []
-    for (ids, _, start, _), source in zip(rows, sources, strict=True):
-        chain, copies = store.extend(source, start, len(ids))
-        pool.copy(copies)
+    chains, copies = store.extend_all(
+        [(chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)]
+    )
+    pool.copy(copies)
+    for (ids, _, start, _), chain in zip(rows, chains, strict=True):
         pool.write(chain, start, ids)
-        chains.append(chain)
     in_flight = store.held_blocks
     done = []
     for (ids, node, start, _), chain in zip(rows, chains, strict=True):
@@ -131,6 +134,15 @@ def check_invariants(store, pool):
         (pinned if node.pinned else unpinned).update(node.chain)
     assert store.held_blocks == len(pinned | unpinned)
     assert store.kv_nbytes == len(unpinned - pinned) * BLOCK_BYTES
+    # each block's count, recounted: the chains holding it (block 0 is held forever)
+    holders, pins = collections.Counter([ZERO_BLOCK]), collections.Counter([ZERO_BLOCK])
+    for node in chains(store):
+        holders.update(node.chain)
+        pins.update(node.chain if node.pinned else ())
+    assert store._refs == [holders[block] for block in range(store.capacity)]
+    assert store._pins == [pins[block] for block in range(store.capacity)]
+    free = [block for block in range(store.capacity) if not holders[block]]
+    assert sorted(store._free) == free
 
 
 def test_particles_share_the_prompt_and_fork_copies_only_a_partial_block():
@@ -438,3 +450,27 @@ def test_making_room_for_a_batch_evicts_the_least_recently_used_first():
     assert store.logprobs_nbytes == 4
     store.make_room_for_logprobs(10, 1)  # the whole budget
     assert store.logprobs_nbytes == 0
+
+
+def test_a_batch_of_extensions_that_fails_halfway_holds_nothing_more():
+    """`extend_all` holds the rows' shared blocks once at the end: when the pool cannot
+    grow for a row, the rows made before it are let go and every block's count is what
+    the tree's chains alone make it (recounted by `check_invariants`)."""
+    store, pool = make_store()
+    prompt = list(range(100, 100 + 9 * BLOCK + 2))
+    run(store, pool, prompt)
+    node = store.find(None, tuple(prompt))[0]
+    store.protect(node)
+    capacity, free = store.capacity, len(store._free)
+
+    def refuse(blocks):
+        raise MemoryError(f"no room for {blocks} blocks")
+
+    pool.resize = refuse
+    # each row past the first copies the partial block: the pool runs out of free blocks
+    rows = [(node.chain, len(prompt), len(prompt) + 1)] * (free + 2)
+    with pytest.raises(MemoryError, match="no room"):
+        store.extend_all(rows)
+    store.unprotect(node)
+    assert store.capacity == capacity and len(store._free) == free
+    check_invariants(store, pool)

@@ -78,6 +78,7 @@ class AutoBatcher(Generic[K, R]):
     def _reset_loop_state(self) -> None:
         self._pending = {}
         self._idle_handle: asyncio.Handle | None = None
+        self._idle_late = False  # requests came after the idle flush was scheduled
         self._timer_handle: asyncio.TimerHandle | None = None
         self._deadline_passed = False
         self._busy = False
@@ -120,9 +121,21 @@ class AutoBatcher(Generic[K, R]):
     def _schedule_idle_flush(self, loop: asyncio.AbstractEventLoop) -> None:
         # Every new request pushes the flush to the back of the ready queue: it runs
         # only once all callbacks that were ready (other particles) have had their turn.
-        if self._idle_handle is not None:
-            self._idle_handle.cancel()
-        self._idle_handle = loop.call_soon(self._maybe_flush)
+        # One handle serves them all: a request that comes after it was scheduled marks it
+        # late, and a late flush goes to the back once more when its turn comes
+        # (`_on_idle`), instead of a cancelled handle and a new one per request.
+        if self._idle_handle is None:
+            self._idle_handle = loop.call_soon(self._on_idle, loop)
+            self._idle_late = False
+        else:
+            self._idle_late = True
+
+    def _on_idle(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._idle_late:
+            self._idle_late = False
+            self._idle_handle = loop.call_soon(self._on_idle, loop)
+            return
+        self._maybe_flush()
 
     def _on_timeout(self) -> None:
         self._timer_handle = None

@@ -10,9 +10,11 @@ decides what they hold.
 - Blocks are reference-counted: every chain holding a block (a node's, or a row's while
   a batch runs) counts once, so particles that share a prompt share its blocks. The node
   a row reads its KV from is kept out of eviction while its batch runs (`protect`).
-- A decode step costs O(new tokens) per request, whatever its context: `find` starts
-  from the node that `node_for` made for the request's prefix on an earlier step, and a
-  chain's blocks are held or let go in one loop.
+- A decode step costs O(new tokens) per request in Python, whatever its context: `find`
+  starts from the node that `node_for` made for the request's prefix on an earlier step;
+  the rows of a batch hold the blocks they share by one count in C (`extend_all`), a row
+  appended to in place within its last block keeps its source's chain tuple, and a
+  chain's blocks are let go in one loop.
 - Extending a prefix (`extend`) shares its full blocks; its partly filled last block is
   appended to in place when nobody has written past the prefix in it yet, and copied
   otherwise (copy-on-write: only a partly filled last block is ever copied).
@@ -38,7 +40,8 @@ then reads a row's chain and writes its new tokens' KV into the blocks `extend` 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+import itertools
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,35 +297,70 @@ class PrefixKVStore:
         self._grow_for(blocks)
 
     def extend(self, chain: Chain | None, length: int, total: int) -> tuple[Chain, list[BlockCopy]]:
-        """A new chain for ``total`` tokens whose first ``length`` are those of ``chain``.
+        """A new chain for ``total`` tokens whose first ``length`` are those of ``chain``
+        (a held chain).
 
         Full blocks of the shared part are shared; a partly filled last block is appended
         to in place if nothing was written past ``length`` in it, else copied (returned as
         a `BlockCopy` for the backend to apply before writing). The chain is held by the
         caller until it is given to a node (`set_chain`) or released (`release`).
         """
-        size = self.block_size
-        full, partial = divmod(length, size)
-        if chain is None:
-            chain, full, partial = (), 0, 0
-        blocks = list(chain[:full]) if full else []
-        copies = []
-        self._hold_blocks(blocks, 1)
-        if partial:
-            last = chain[full]
-            if self._fill[last] == partial:
-                self._hold(last, 1, 0)
-            else:
-                new = self._allocate()
-                copies.append(BlockCopy(last, new, partial))
-                last = new
-            blocks.append(last)
-            self._fill[last] = min(size, total - full * size)
-        while len(blocks) * size < total:
-            new = self._allocate()
-            self._fill[new] = min(size, total - len(blocks) * size)
-            blocks.append(new)
-        return tuple(blocks), copies
+        chains, copies = self.extend_all([(chain, length, total)])
+        return chains[0], copies
+
+    def extend_all(
+        self, extensions: Sequence[tuple[Chain | None, int, int]]
+    ) -> tuple[list[Chain], list[BlockCopy]]:
+        """`extend` each ``(chain, length, total)`` of a batch, in order: the new chains
+        and all their copies. The full blocks they share are held by one count over the
+        batch (a decode step's rows all share the prompt's blocks): each is held already,
+        by the chain extended, so holding it again changes its count alone, never what is
+        free or budgeted. A chain appended to in place within its last block is returned
+        as it is (the same blocks: no new tuple). If an extension fails, the chains made
+        before it are released."""
+        size, fill = self.block_size, self._fill
+        chains: list[Chain] = []
+        copies: list[BlockCopy] = []
+        shared: list[Chain] = []  # the full blocks each new chain shares, held at the end
+        try:
+            for chain, length, total in extensions:
+                full, partial = divmod(length, size)
+                if chain is None:
+                    chain, full, partial = (), 0, 0
+                if partial and len(chain) == full + 1 and total <= len(chain) * size:
+                    last = chain[full]
+                    if fill[last] == partial:  # a decode step's row: the same blocks
+                        self._hold(last, 1, 0)
+                        fill[last] = total - full * size
+                        chains.append(chain)
+                        shared.append(chain[:full])
+                        continue
+                blocks = list(chain[:full]) if full else []
+                if partial:
+                    last = chain[full]
+                    if fill[last] == partial:
+                        self._hold(last, 1, 0)
+                    else:
+                        new = self._allocate()
+                        copies.append(BlockCopy(last, new, partial))
+                        last = new
+                    blocks.append(last)
+                    fill[last] = min(size, total - full * size)
+                while len(blocks) * size < total:
+                    new = self._allocate()
+                    fill[new] = min(size, total - len(blocks) * size)
+                    blocks.append(new)
+                chains.append(tuple(blocks))
+                if full:
+                    shared.append(chain[:full])
+        finally:
+            refs = self._refs
+            for block, count in Counter(itertools.chain.from_iterable(shared)).items():
+                refs[block] += count
+            if len(chains) < len(extensions):
+                for made in chains:
+                    self.release(made)
+        return chains, copies
 
     def hold(self, chain: Chain) -> Chain:
         """Hold ``chain``'s blocks; `release` them."""
@@ -525,21 +563,23 @@ class PrefixKVStore:
 
 
 class RecentNodes:
-    """The nodes `PrefixKVStore.node_for` made lately, by ``(tree key, prefix)``: two
+    """The nodes `PrefixKVStore.node_for` made lately, by tree key and prefix: two
     generations of about ``budget`` tokens each (a hit in the older one moves to the
     newer). A node that `PrefixKVStore.prune` detached is never returned (it is no
-    longer its parent's child); the store starts a new one when it drops a tree."""
+    longer its parent's child); the store starts a new one when it drops a tree. A
+    generation holds a dict of prefixes per tree key (not ``(key, prefix)`` pairs: an
+    entry adds no tuple for the collector to track)."""
 
     def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._current: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
-        self._previous: dict[tuple[Hashable, tuple[int, ...]], KVNode] = {}
+        self._current: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
+        self._previous: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
         self._tokens = 0
 
     def get(self, key: Hashable, ids: tuple[int, ...]) -> KVNode | None:
-        node = self._current.get((key, ids))
+        node = self._current.get(key, _NO_NODES).get(ids)
         if node is None:
-            node = self._previous.get((key, ids))
+            node = self._previous.get(key, _NO_NODES).get(ids)
             if node is None:
                 return None
             self.add(key, ids, node)
@@ -551,7 +591,14 @@ class RecentNodes:
         self._tokens += len(ids)
         if self._tokens > self.budget:
             self._previous, self._current, self._tokens = self._current, {}, len(ids)
-        self._current[key, ids] = node
+        nodes = self._current.get(key)
+        if nodes is None:
+            nodes = self._current[key] = {}
+        nodes[ids] = node
+
+
+# What `RecentNodes.get` looks in for a tree key it has no nodes of (only read).
+_NO_NODES: dict[tuple[int, ...], KVNode] = {}
 
 
 def memory_key(value: Any) -> Hashable:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import marshal
 import math
 import operator
 import os
@@ -109,17 +110,21 @@ class TokenIds(tuple[int, ...]):
     ``parent`` is that validated prefix, equal to ``self[:-1]`` (a decode step extends the
     previous step's prefix): as a key it is found in O(1), where the slice would be hashed
     and compared in O(length). It is cleared once this prefix becomes another's parent,
-    so that no chain of earlier prefixes stays alive."""
+    so that no chain of earlier prefixes stays alive. ``encoding``: its ids as
+    `marshalled_ids` writes them, header cut off (None where it was not made), against
+    which a request extending it is checked (`ValidatedPrefixes.parent_of`)."""
 
     _hash: int
     _accumulator: int | None
     parent: TokenIds | None
+    encoding: bytes | None
 
     def __new__(cls, ids: Iterable[int]) -> TokenIds:
         self = super().__new__(cls, ids)
         self._hash = tuple.__hash__(self)
         self._accumulator = _accumulator(self._hash, len(self)) if INCREMENTAL_HASH else None
         self.parent = None
+        self.encoding = None
         return self
 
     @classmethod
@@ -131,12 +136,33 @@ class TokenIds(tuple[int, ...]):
             self = super().__new__(cls, parent + (token,))
             self._accumulator = _fold(parent._accumulator, token)
             self._hash = _finish(self._accumulator, len(self))
+            self.encoding = None
         self.parent = parent
         parent.parent = None
         return self
 
     def __hash__(self) -> int:
         return self._hash
+
+
+# Bytes before the first id in `marshalled_ids`' encoding of a list or tuple (type, length).
+MARSHAL_HEADER = 5
+
+
+def marshalled_ids(ids: list[Any] | tuple[Any, ...]) -> bytes | None:
+    """``ids`` (a list or tuple) in marshal's version-2 format, or None where marshal
+    refuses an element (an int subclass, a numpy integer).
+
+    The format writes each element as a type code and its value (an exact int as ``i`` and
+    4 bytes, or ``l`` and its digits; a bool, a float, ... each has a code of its own), one
+    after another, without references between them (those come with version 3). Two such
+    encodings that start alike therefore start with the same exact ints: one C pass over a
+    request's ids checks both their types and their equality with a validated prefix
+    (`ValidatedPrefixes.parent_of`), where a type count and a comparison took two."""
+    try:
+        return marshal.dumps(ids, 2)
+    except ValueError:
+        return None
 
 
 # Ids at the end of a validated prefix that index it with its length (`ValidatedPrefixes`).
@@ -147,32 +173,43 @@ class ValidatedPrefixes:
     """Token-id prefixes already validated, so that a request extending one by a token has
     only that token checked (a decode step's requests extend the previous step's).
 
-    A prefix is indexed by its length and last `TAIL_IDS` ids, made in O(1); a match is
-    then compared whole with the request's prefix, a pointer check per id when the ids are
-    the same int objects (a context built as ``previous + [token]``): nothing of the
+    A prefix is indexed by a hash of its length and last `TAIL_IDS` ids, made in O(1) (an
+    int: an entry adds no object for the collector to track; two prefixes with the same
+    index only evict each other); a match is then compared whole with the request's
+    prefix, its encoding's bytes where both have one (`marshalled_ids`: exact types and
+    values, compared with ``memcmp``), else the ids, a pointer check per id when the ids
+    are the same int objects (a context built as ``previous + [token]``): nothing of the
     prefix is hashed again. Validity is a pure function of the ids and the vocabulary size
-    fixed at construction, so an entry never goes stale. Two generations of about
-    ``budget`` tokens each are kept (a hit in the older one moves to the newer). Callers
-    on several threads may race: the worst outcome is a lost entry, which only means a
-    prefix is checked again.
+    fixed at construction, so an entry never goes stale. Two generations of about ``budget`` tokens each are kept (a hit in the
+    older one moves to the newer). Callers on several threads may race: the worst outcome
+    is a lost entry, which only means a prefix is checked again.
     """
 
     def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._current: dict[tuple[int, tuple[int, ...]], TokenIds] = {}
-        self._previous: dict[tuple[int, tuple[int, ...]], TokenIds] = {}
+        self._current: dict[int, TokenIds] = {}
+        self._previous: dict[int, TokenIds] = {}
         self._tokens = 0
 
-    def parent_of(self, ids: Sequence[int]) -> TokenIds | None:
-        """The validated prefix equal to ``ids[:-1]``, or None."""
+    def parent_of(self, ids: Sequence[int], encoding: bytes | None = None) -> TokenIds | None:
+        """The validated prefix equal to ``ids[:-1]``, or None. With ``encoding``
+        (`marshalled_ids` of ``ids``, whose types are then unchecked), one whose encoding
+        starts it: ``ids[:-1]`` are then exact ints too."""
         length = len(ids) - 1
-        key = (length, tuple(ids[max(0, length - TAIL_IDS) : length]))
+        key = hash((length, tuple(ids[-TAIL_IDS - 1 : -1])))
         found = self._current.get(key)
         if found is None:
             found = self._previous.get(key)
             if found is None:
                 return None
             self.add(found)
+        if len(found) != length:
+            return None
+        if encoding is not None:
+            known = found.encoding
+            return (
+                found if known is not None and encoding.startswith(known, MARSHAL_HEADER) else None
+            )
         prefix = ids[:-1]
         return found if found == (prefix if type(prefix) is tuple else tuple(prefix)) else None
 
@@ -181,7 +218,7 @@ class ValidatedPrefixes:
         self._tokens += len(ids)
         if self._tokens > self.budget:
             self._previous, self._current, self._tokens = self._current, {}, len(ids)
-        self._current[len(ids), ids[-TAIL_IDS:]] = ids
+        self._current[hash((len(ids), ids[-TAIL_IDS:]))] = ids
 
 
 class Query(NamedTuple):
@@ -282,17 +319,29 @@ class AsyncLM(ABC):
                 f"token_ids must be a sequence of integer token ids, got {type(token_ids).__name__}"
             ) from None
 
-    def _checked_ids(self, ids: Sequence[Any]) -> TokenIds:
-        """``ids`` as exact ints, each in ``[0, vocab_size)``, checked by C loops (type
-        count, min, max), and for a prefix that extends a validated one by a token, only
-        that token's range; a bad id is then found and named by `_checked_id`."""
+    def _checked_ids(self, ids: list[Any] | tuple[Any, ...]) -> TokenIds:
+        """``ids`` as exact ints, each in ``[0, vocab_size)``. A prefix extending a validated
+        one by a token (a decode step's) is checked by one C pass over its ids
+        (`marshalled_ids`, against the validated prefix's encoding) and its last id's range;
+        any other by C loops (type count, min, max), and for one that extends a validated
+        prefix after conversion (numpy integers), only its last id's range. A bad id is
+        then found and named by `_checked_id`."""
+        encoding = marshalled_ids(ids) if len(ids) > 1 else None
+        if encoding is not None:
+            parent = self._validated.parent_of(ids, encoding)
+            last = ids[-1]
+            if parent is not None and type(last) is int and 0 <= last < self.vocab_size:
+                checked = TokenIds.extended(parent, last)
+                checked.encoding = encoding[MARSHAL_HEADER:]
+                self._validated.add(checked)
+                return checked
         if operator.countOf(map(type, ids), int) != len(ids):
             if not all(
                 issubclass(kind, int | np.integer) and kind is not bool
                 for kind in set(map(type, ids))
             ):
                 self._raise_for_bad_id(ids)
-            ids = tuple(map(int, ids))
+            ids, encoding = tuple(map(int, ids)), None
         parent = self._validated.parent_of(ids) if len(ids) > 1 else None
         if parent is not None:
             valid = 0 <= ids[-1] < self.vocab_size
@@ -301,6 +350,7 @@ class AsyncLM(ABC):
         if not valid:
             self._raise_for_bad_id(ids)
         checked = TokenIds(ids) if parent is None else TokenIds.extended(parent, ids[-1])
+        checked.encoding = None if encoding is None else encoding[MARSHAL_HEADER:]
         self._validated.add(checked)
         return checked
 
@@ -691,7 +741,8 @@ class BatchedAsyncLM(AsyncLM):
         registered; the others get the unknown-adapter `ValueError` as their result (the
         batcher fails only them)."""
         process = process or self._process_batch
-        gone = [getattr(key, "lora", None) not in (None, *self.lora_paths) for key in keys]
+        served = {None, *self.lora_paths}
+        gone = [getattr(key, "lora", None) not in served for key in keys]
         if not any(gone):
             return process(keys)
         kept = iter(process([key for key, g in zip(keys, gone, strict=True) if not g]))
@@ -721,10 +772,17 @@ class BatchedAsyncLM(AsyncLM):
         distinct = list(dict.fromkeys(keys))
         results = self._serve_batch(distinct, process)
         answers = [results[i] for i in range(len(results))]
-        by_key = dict(zip(distinct, answers, strict=True))
-        for result in by_key.values():
+        if len(answers) != len(distinct):
+            raise ValueError(
+                f"{type(self).__name__} gave {len(answers)} answers to {len(distinct)} "
+                "distinct requests"
+            )
+        for result in answers:
             if isinstance(result, BaseException):
                 raise result
+        if len(distinct) == len(keys):  # no key twice: the answers are in keys order
+            return combine(answers)
+        by_key = dict(zip(distinct, answers, strict=True))
         return combine([by_key[key] for key in keys])
 
     def reset_async_queries(self) -> None:

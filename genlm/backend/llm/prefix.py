@@ -253,17 +253,16 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         return QueryPlan(slot, ids, lora, node, start, source)
 
     def _allocate(self, planned: Sequence[QueryPlan], chains: dict[int, Chain]) -> list[QueryPlan]:
-        """With KV reuse, the plans with their own chains (room made in the pool first; each
-        chain recorded in ``chains`` as it is made), the copy-on-write copies applied."""
+        """With KV reuse, the plans with their own chains (room made in the pool first; the
+        chains recorded in ``chains``), the copy-on-write copies applied."""
         if not self.kv_reuse:
             return list(planned)
         needs = [(_chain_of(plan.source), plan.start, len(plan.ids)) for plan in planned]
         self.store.reserve(needs)
-        allocated, copies = [], []
-        for plan, (source, start, end) in zip(planned, needs, strict=True):
-            chain, plan_copies = self.store.extend(source, start, end)
+        made, copies = self.store.extend_all(needs)
+        allocated = []
+        for plan, chain in zip(planned, made, strict=True):
             chains[plan.slot] = chain
-            copies += plan_copies
             allocated.append(plan.with_chain(chain))
         self.store.pool.copy(copies)
         return allocated
