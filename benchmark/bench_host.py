@@ -23,6 +23,15 @@ per token):
   the LM head, clocked by hooks): the index building, the prefix tree, the log-softmax,
   the rows' copies, ...
 
+Each configuration runs in a fresh process with glibc's malloc thresholds fixed
+(``MALLOC_MMAP_THRESHOLD_`` 32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 1 GiB; ``--glibc-malloc
+default`` leaves them alone). By default glibc moves its mmap threshold up each time it
+frees a mapped chunk, so whether a step's fresh 25 MB batches and 196 KB rows come back
+from the heap (no page faults) or from new mappings (about 6,000 faults a step, at ~1.4
+us each on this VM) depends on the order of earlier frees: at 128 x 1,024 the same code
+measured 11-13 or 22-28 ms of host time per step, run to run, on either side of a change.
+The floor gets the same thresholds. Fixed, the steady state is the heap's, run after run.
+
 Targets (issue 28): at N=128 and a 1,024-token prompt, ops <= 2x the floor's and <= 1.25x
 N=8's; ``host_ms`` at 1,024 <= 1.2x at 64; ``ms`` <= the floor's. Timings need a quiet
 machine (one torch thread); op counts do not.
@@ -372,13 +381,21 @@ def profile_here(n: int, prompt_tokens: int, steps: int, warmup: int, top: int) 
     return library["profile"].report(top)
 
 
-def measure_apart(n: int, prompt_tokens: int, steps: int, warmup: int) -> dict[str, Any]:
+# glibc's malloc thresholds in `measure_apart`'s processes (see the module's doc).
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def measure_apart(
+    n: int, prompt_tokens: int, steps: int, warmup: int, fixed_malloc: bool = True
+) -> dict[str, Any]:
     """`measure` in a fresh Python process: each configuration starts from the same heap
     (after another configuration's steps, what the C allocator kept of the freed
-    memory made a step's page faults, and its time, depend on the order of the runs)."""
+    memory made a step's page faults, and its time, depend on the order of the runs),
+    with glibc's malloc thresholds fixed unless not ``fixed_malloc``."""
     command = [sys.executable, __file__, "--one", str(n), str(prompt_tokens)]
     command += ["--steps", str(steps), "--warmup", str(warmup)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    env = {**os.environ, **(FIXED_MALLOC if fixed_malloc else {})}
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -409,6 +426,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profile", type=int, metavar="TOP", help="profile the timed steps (see above)"
     )
+    parser.add_argument(
+        "--glibc-malloc",
+        choices=["fixed", "default"],
+        default="fixed",
+        help="glibc's malloc thresholds in each configuration's process (see above)",
+    )
     parser.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)  # N, prompt
     args = parser.parse_args(argv)
     steps, warmup = (1, 1) if args.ops_only else (args.steps, args.warmup)
@@ -429,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     for n in args.particles:
         for prompt_tokens in args.prompt_tokens:
-            r = measure_apart(n, prompt_tokens, steps, warmup)
+            r = measure_apart(n, prompt_tokens, steps, warmup, args.glibc_malloc == "fixed")
             results.append(r)
             print(
                 f"{n:>4} {prompt_tokens:>6} {r['ops']:>6} {r['floor_ops']:>6} {r['syncs']:>5} "
@@ -451,6 +474,7 @@ def main(argv: list[str] | None = None) -> None:
                 "torch": torch.__version__,
                 "steps": steps,
                 "warmup": warmup,
+                "glibc_malloc": args.glibc_malloc,
                 "targets": targets,
                 "table": TABLE,
                 "rows": results,
