@@ -266,6 +266,12 @@ def test_a_pool_that_keeps_its_memory_moves_only_to_grow_by_at_least_double():
         assert not layer[:, :4].any()  # block 0 stays zero
     pool.free()
     assert pool.layers == [] and pool.generation == generation + 2
+    capped = TorchBlockPool(layout, block_size=4, keep_memory=True, max_blocks=12)
+    capped.resize(8)
+    capped.resize(9)  # doubling would pass the cap
+    assert capped.layers[0].shape[1] == 12 * 4
+    capped.resize(20)  # asked for: more than the cap
+    assert capped.layers[0].shape[1] == 20 * 4
 
 
 def test_a_replayed_step_runs_a_few_ops_besides_its_replay_for_any_rows(

@@ -20,14 +20,22 @@ class TorchBlockPool:
     ``generation`` counts the times the layers were replaced: what holds their addresses
     (a captured CUDA graph) is stale once it changes. With ``keep_memory`` the layers are
     replaced rarely: a resize that fits the memory held keeps it (a smaller pool only
-    stops using its end), and a larger one at least doubles it.
+    stops using its end), and a larger one at least doubles it, up to ``max_blocks``
+    (the KV budget's blocks; more only when more is asked for).
     """
 
-    def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE, keep_memory: bool = False):
+    def __init__(
+        self,
+        layout: KVLayout,
+        block_size: int = BLOCK_SIZE,
+        keep_memory: bool = False,
+        max_blocks: int | None = None,
+    ):
         check_int("block_size", block_size, minimum=1)
         self.layout = layout
         self.block_size = block_size
         self.keep_memory = keep_memory
+        self.max_blocks = max_blocks
         self.layers: list[torch.Tensor] = []
         self.generation = 0
 
@@ -43,7 +51,8 @@ class TorchBlockPool:
         if self.keep_memory:
             if blocks <= held:
                 return
-            blocks = max(blocks, 2 * held)
+            doubled = 2 * held if self.max_blocks is None else min(2 * held, self.max_blocks)
+            blocks = max(blocks, doubled)
         self.generation += 1
         slots = blocks * self.block_size
         shape = (2, slots, layout.num_heads, layout.head_dim)

@@ -62,7 +62,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from genlm.backend.checks import check_budget, check_options, choice_option, int_option
-from genlm.backend.kv.pool import KVLayout, NoKVPool, uniform_layout
+from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.base import check_vocab_fits
@@ -169,9 +169,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._output_device = self.model.get_output_embeddings().weight.device
         self._cache_keyword = cache_keyword(self.model)
         layout, reason = self._probe_kv_layout()
-        # CUDA graphs hold the pool's addresses: its memory is kept, and grown rarely.
-        keep = cuda_graphs and self._input_device.type == "cuda"
-        self._pool = None if layout is None else TorchBlockPool(layout, keep_memory=keep)
+        self._pool = None if layout is None else self._kv_pool(layout, cuda_graphs)
         self._head = plain_head(self.model, self.vocab_size, self._input_device)
         self._cascade = self._pool is not None and register_cascade(
             self.model, self._pool.layout.num_layers
@@ -246,6 +244,15 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             self._head.free()
         if self._graphs is not None:
             self._graphs.clear()
+
+    def _kv_pool(self, layout: KVLayout, cuda_graphs: bool) -> TorchBlockPool:
+        """The paged KV pool; on CUDA with graphs, one that keeps its memory and grows
+        rarely (the graphs hold its addresses), within the KV budget's blocks."""
+        if not (cuda_graphs and self._input_device.type == "cuda"):
+            return TorchBlockPool(layout)
+        budget = self.max_kv_bytes
+        cap = None if budget is None else 1 + budget // layout.block_bytes(BLOCK_SIZE)
+        return TorchBlockPool(layout, keep_memory=True, max_blocks=cap)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of decode steps, where they can be captured: cascade attention over
