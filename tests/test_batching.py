@@ -211,3 +211,30 @@ def test_bad_arguments():
 def test_run_sync_uses_the_worker_thread():
     batcher = AutoBatcher(StandIn())
     assert batcher.run_sync(threading.get_ident) != threading.get_ident()
+
+
+async def test_a_batch_that_cannot_reach_the_worker_fails_its_callers_instead_of_hanging():
+    """The worker shut down between the flush's executor lookup and its submission (a close
+    on another thread): the batch's callers get the error, and the batcher serves on."""
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=4, timeout=0.01)
+    executor = batcher._get_executor()
+    executor.shutdown(wait=True)  # the worker gone, its handle not yet dropped
+    results = await asyncio.gather(
+        *(first_of(batcher.submit(k), 5) for k in (1, 2)), return_exceptions=True
+    )
+    assert [str(r) for r in results] == ["cannot schedule new futures after shutdown"] * 2
+    batcher._executor = None  # the close that shut it down lets it go
+    assert await batcher.submit(3) == 9
+
+
+async def test_a_batcher_closed_for_good_refuses_work_at_once():
+    batcher = AutoBatcher(StandIn(), batch_size=4, timeout=0.01, name="genlm-test")
+    assert await batcher.submit(2) == 4
+    batcher.close(for_good=True)
+    closed = r"^genlm-test: used after its owner was closed$"
+    with pytest.raises(RuntimeError, match=closed):
+        batcher.run_sync(abs, -1)
+    with pytest.raises(RuntimeError, match=closed):
+        await batcher.submit(2)
+    assert batcher._executor is None

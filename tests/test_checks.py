@@ -406,6 +406,20 @@ async def test_every_method_of_a_closed_lm_raises_and_starts_no_thread(closed_lm
     assert not has_worker(lm.batcher)
 
 
+async def test_a_call_racing_close_past_its_open_check_runs_nothing(closed_lm):
+    """A call on another thread that passed the open check just before `close` reaches
+    the batcher after it: it raises, starts no worker, and runs nothing on freed memory."""
+    from genlm.backend.llm.base import Query
+
+    kind, lm = closed_lm
+    ids = Query((1, 2, 3))
+    with pytest.raises(RuntimeError, match=r"used after its owner was closed"):
+        lm.batcher.run_sync(lm._run_batch, [ids])
+    with pytest.raises(RuntimeError, match=r"used after its owner was closed"):
+        await lm.batcher.submit(ids)
+    assert not has_worker(lm.batcher)
+
+
 def pool_memory(kind, pool):
     """What holds a prefix-caching LM's KV memory: the fake's list of slots, HF's layer
     tensors (on CPU, each over a memory map of its own), MLX's keys and values arrays."""

@@ -68,6 +68,7 @@ class AutoBatcher(Generic[K, R]):
         self.name = name
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
+        self._closed_for_good = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[K, list[asyncio.Future[R]]] = {}
         self._reset_loop_state()
@@ -105,6 +106,8 @@ class AutoBatcher(Generic[K, R]):
 
     async def submit(self, key: K) -> R:
         """Queue ``key`` and wait for its result."""
+        if self._closed_for_good:
+            raise self._closed_error()
         loop = self._bind_loop()
         future: asyncio.Future[R] = loop.create_future()
         waiters = self._pending.setdefault(key, [])
@@ -161,7 +164,11 @@ class AutoBatcher(Generic[K, R]):
         self.num_requests += len(batch)
         keys = list(batch)
         assert self._loop is not None  # bound by submit, which queued the batch
-        work = self._loop.run_in_executor(self._get_executor(), self.process_batch, keys)
+        try:
+            work = self._loop.run_in_executor(self._get_executor(), self.process_batch, keys)
+        except RuntimeError as error:  # closed for good, or the worker shut down under us
+            work = self._loop.create_future()
+            work.set_exception(error)
         work.add_done_callback(lambda done: self._deliver(batch, done))
 
     def _take_batch(self) -> dict[K, list[asyncio.Future[R]]]:
@@ -214,9 +221,14 @@ class AutoBatcher(Generic[K, R]):
 
     def _get_executor(self) -> ThreadPoolExecutor:
         with self._executor_lock:
+            if self._closed_for_good:
+                raise self._closed_error()
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
             return self._executor
+
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"{self.name}: used after its owner was closed")
 
     def reset(self) -> None:
         """Drop queued (not yet running) requests; their callers get ``CancelledError``."""
@@ -234,10 +246,13 @@ class AutoBatcher(Generic[K, R]):
         """Run ``fn(*args)`` on the worker thread and wait, serialising it with batches."""
         return self._get_executor().submit(fn, *args).result()
 
-    def close(self) -> None:
-        """Drop queued requests and stop the worker thread (a new one starts if used again)."""
+    def close(self, for_good: bool = False) -> None:
+        """Drop queued requests and stop the worker thread (a new one starts if used again,
+        unless ``for_good``: then every later batch raises `RuntimeError`, so that a call
+        racing its owner's close never runs on what the close freed)."""
         self.reset()
         with self._executor_lock:
+            self._closed_for_good = self._closed_for_good or for_good
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)

@@ -791,7 +791,7 @@ class BatchedAsyncLM(AsyncLM):
         self.batcher.reset()
 
     def _close(self) -> None:
-        self.batcher.close()
+        self.batcher.close(for_good=True)
 
 
 class MockAsyncLM(BatchedAsyncLM):
