@@ -327,32 +327,27 @@ class PrefixKVStore:
                 full, partial = divmod(length, size)
                 if chain is None:
                     chain, full, partial = (), 0, 0
-                if partial and len(chain) == full + 1 and total <= len(chain) * size:
-                    last = chain[full]
-                    if fill[last] == partial:  # a decode step's row: the same blocks
-                        self._hold(last, 1, 0)
-                        fill[last] = total - full * size
-                        chains.append(chain)
-                        shared.append(chain[:full])
-                        continue
-                blocks = list(chain[:full]) if full else []
+                tail: list[int] = []  # the blocks after the shared full ones
                 if partial:
                     last = chain[full]
-                    if fill[last] == partial:
+                    if fill[last] == partial:  # appended to in place
                         self._hold(last, 1, 0)
                     else:
                         new = self._allocate()
                         copies.append(BlockCopy(last, new, partial))
                         last = new
-                    blocks.append(last)
                     fill[last] = min(size, total - full * size)
-                while len(blocks) * size < total:
+                    tail.append(last)
+                while (full + len(tail)) * size < total:
                     new = self._allocate()
-                    fill[new] = min(size, total - len(blocks) * size)
-                    blocks.append(new)
-                chains.append(tuple(blocks))
+                    fill[new] = min(size, total - (full + len(tail)) * size)
+                    tail.append(new)
+                head = chain[:full]
+                # a decode step's row, appended to within its last block: the same blocks
+                same = len(chain) == full + 1 and tail == [chain[full]]
+                chains.append(chain if same else head + tuple(tail))
                 if full:
-                    shared.append(chain[:full])
+                    shared.append(head)
         finally:
             refs = self._refs
             for block, count in Counter(itertools.chain.from_iterable(shared)).items():

@@ -180,9 +180,10 @@ class ValidatedPrefixes:
     values, compared with ``memcmp``), else the ids, a pointer check per id when the ids
     are the same int objects (a context built as ``previous + [token]``): nothing of the
     prefix is hashed again. Validity is a pure function of the ids and the vocabulary size
-    fixed at construction, so an entry never goes stale. Two generations of about ``budget`` tokens each are kept (a hit in the
-    older one moves to the newer). Callers on several threads may race: the worst outcome
-    is a lost entry, which only means a prefix is checked again.
+    fixed at construction, so an entry never goes stale. Two generations of about
+    ``budget`` tokens each are kept (a hit in the older one moves to the newer). Callers on
+    several threads may race: the worst outcome is a lost entry, which only means a prefix
+    is checked again.
     """
 
     def __init__(self, budget: int = 1 << 20):
@@ -327,28 +328,23 @@ class AsyncLM(ABC):
         prefix after conversion (numpy integers), only its last id's range. A bad id is
         then found and named by `_checked_id`."""
         encoding = marshalled_ids(ids) if len(ids) > 1 else None
-        if encoding is not None:
-            parent = self._validated.parent_of(ids, encoding)
-            last = ids[-1]
-            if parent is not None and type(last) is int and 0 <= last < self.vocab_size:
-                checked = TokenIds.extended(parent, last)
-                checked.encoding = encoding[MARSHAL_HEADER:]
-                self._validated.add(checked)
-                return checked
-        if operator.countOf(map(type, ids), int) != len(ids):
-            if not all(
-                issubclass(kind, int | np.integer) and kind is not bool
-                for kind in set(map(type, ids))
-            ):
+        parent = None if encoding is None else self._validated.parent_of(ids, encoding)
+        last = ids[-1]
+        if parent is None or type(last) is not int or not 0 <= last < self.vocab_size:
+            if operator.countOf(map(type, ids), int) != len(ids):
+                if not all(
+                    issubclass(kind, int | np.integer) and kind is not bool
+                    for kind in set(map(type, ids))
+                ):
+                    self._raise_for_bad_id(ids)
+                ids, encoding = tuple(map(int, ids)), None
+            parent = self._validated.parent_of(ids) if len(ids) > 1 else None
+            if parent is not None:
+                valid = 0 <= ids[-1] < self.vocab_size
+            else:
+                valid = 0 <= min(ids) and max(ids) < self.vocab_size
+            if not valid:
                 self._raise_for_bad_id(ids)
-            ids, encoding = tuple(map(int, ids)), None
-        parent = self._validated.parent_of(ids) if len(ids) > 1 else None
-        if parent is not None:
-            valid = 0 <= ids[-1] < self.vocab_size
-        else:
-            valid = 0 <= min(ids) and max(ids) < self.vocab_size
-        if not valid:
-            self._raise_for_bad_id(ids)
         checked = TokenIds(ids) if parent is None else TokenIds.extended(parent, ids[-1])
         checked.encoding = None if encoding is None else encoding[MARSHAL_HEADER:]
         self._validated.add(checked)

@@ -191,7 +191,6 @@ class DecodeGraphs:
         except Exception as error:  # capture refused, or a replay that is not the forward
             self.failure = f"{type(error).__name__}: {error}"
             self.clear()
-            self.checked.clear()
             logger.warning("CUDA graphs off for this model, steps run eagerly (%s)", self.failure)
             return False
         out.copy_(graph.out[:rows])
