@@ -10,6 +10,7 @@ again one by one.
 
 import collections
 import enum
+import gc
 import random
 import sys
 
@@ -167,32 +168,47 @@ def test_numpy_integers_in_a_list_are_accepted_as_ints(mock):
     assert torch.equal(mock.next_token_logprobs_sync(torch.tensor([4, 5, 6])), expected)
 
 
-def test_a_validated_prefix_keeps_its_parent_and_no_older_one(mock):
-    """The prefix tree finds a particle's node through the previous step's prefix object
-    (O(1) as a key); that link goes one step back only, so no chain of old prefixes stays."""
+def test_a_validated_prefix_knows_its_parents_hash(mock):
+    """The prefix tree finds a particle's node through the hash of the previous step's
+    prefix (its recent nodes are kept by hash), known only where validation found it."""
     prompt = list(range(3, 60))
-    first = mock._query(prompt).token_ids
+    mock._query(prompt)
     second = mock._query(prompt + [7]).token_ids
-    assert second.parent is first
+    assert second.parent_hash == hash(tuple(prompt))
     third = mock._query(prompt + [7, 8]).token_ids
-    assert third.parent is second and second.parent is None
-    assert mock._query([9, 9, 9]).token_ids.parent is None  # nothing validated before it
+    assert third.parent_hash == hash((*prompt, 7))
+    assert mock._query([9, 9, 9]).token_ids.parent_hash is None  # nothing validated before it
+
+
+def test_no_prefix_outlives_the_requests_of_a_decode_step(smollm2_tokenizer):
+    """What validation and the tree keep of a prefix is its encoding and hash, never the
+    prefix (a tuple of as many references as ids, which every collection would walk): once
+    a step's requests are answered, no `TokenIds` is alive, however many steps ran."""
+    from genlm.backend.llm.base import TokenIds
+
+    rng = random.Random(0)
+    with NullLM(smollm2_tokenizer) as lm:
+        contexts = [[1, 2, 3] for _ in range(16)]
+        for _ in range(20):
+            for context in contexts:
+                context.append(rng.randrange(lm.vocab_size))
+            lm._process_batch(lm._query_list(contexts))
+            gc.collect()
+            assert not [o for o in gc.get_objects() if type(o) is TokenIds]
 
 
 def test_a_prefix_one_id_longer_hashes_as_the_tuple_does():
-    """`TokenIds.extended` continues its parent's hash in O(1): the value must be exactly
-    ``tuple``'s (a dict mixes both kinds of key), checked here against ``hash`` itself."""
+    """A `TokenIds` made from its parent's hash continues it in O(1): the value must be
+    exactly ``tuple``'s (a dict mixes both kinds of key), checked here against ``hash``."""
     from genlm.backend.llm.base import INCREMENTAL_HASH, TokenIds
 
     assert INCREMENTAL_HASH  # CPython's tuple hash: else every hash is computed whole
     rng = random.Random(0)
     for _ in range(500):
-        ids = tuple(rng.randrange(300_000) for _ in range(rng.randrange(60)))
-        parent = TokenIds(ids)
+        ids = tuple(rng.randrange(300_000) for _ in range(1 + rng.randrange(60)))
         for token in (rng.randrange(300_000), 0, 2**40):
-            longer = TokenIds.extended(parent, token)
+            longer = TokenIds([*ids, token], b"", hash(ids))
             assert longer == ids + (token,) and hash(longer) == hash(ids + (token,))
-            assert longer.parent is parent
         assert {ids + (token,): 1}[longer] == 1
 
 

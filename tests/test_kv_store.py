@@ -6,12 +6,14 @@ unpinned chains counted by brute force.
 """
 
 import collections
+import marshal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genlm.backend.kv.store import INITIAL_BLOCKS, ZERO_BLOCK, PrefixKVStore, memory_nbytes
+from genlm.backend.llm.base import MARSHAL_HEADER
 
 BLOCK = 4
 BLOCK_BYTES = 10
@@ -61,6 +63,11 @@ def make_store(max_kv_bytes=None, max_logprobs_bytes=None):
     return store, pool
 
 
+def encoded(ids):
+    """``ids``' prefix-free code, as `TokenIds.encoding` holds it."""
+    return marshal.dumps(tuple(ids), 2)[MARSHAL_HEADER:]
+
+
 def run(store, pool, ids, key=None):
     """What a backend does for one request: reuse the deepest KV, write the rest, store."""
     [(node, start)], _ = run_batch(store, pool, [ids], key)
@@ -75,7 +82,8 @@ def run_batch(store, pool, requests, key=None):
     walk from the root."""
     rows = []
     for ids in map(tuple, requests):
-        node, depth = store.find(key, ids)
+        # as validation makes them (`TokenIds`): an encoding, the parent's hash
+        node, depth = store.find(key, ids, encoded(ids), hash(ids[:-1]))
         assert (node, depth) == store.walk(store.root(key), ids)
         source = store.kv_source(node)
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
@@ -96,7 +104,7 @@ def run_batch(store, pool, requests, key=None):
     in_flight = store.held_blocks
     done = []
     for (ids, node, start, _), chain in zip(rows, chains, strict=True):
-        node = store.node_for(key, node, ids)
+        node = store.node_for(key, node, ids, encoded(ids))
         store.set_chain(node, chain)
         done.append((node, start))
     for *_, source in rows:
@@ -416,6 +424,23 @@ def test_find_never_starts_from_a_node_no_longer_in_the_tree():
     run(store, pool, ids[:-1], key="a")
     store.drop_root("a")  # a new tree for "a": nothing remembered from the old one
     assert store.find("a", ids) == (store.root("a"), 0)
+
+
+def test_a_recent_node_is_found_only_for_its_own_prefix():
+    """Recent nodes are kept by prefix hash: a prefix whose hash is another's (forced here)
+    or whose length differs misses, and `find` walks from the root instead."""
+    store, pool = make_store()
+    ids = (1, 2, 3, 4)
+    node, _ = run(store, pool, ids)
+    recent = store._recent
+    assert recent.get(None, hash(ids), 4, encoded(ids)) is node
+    assert recent.get(None, hash(ids), 4, encoded((1, 2, 3, 5))) is None  # same hash
+    assert recent.get(None, hash(ids), 4, encoded((1, 2, 3, 4, 5))) is node  # its extension
+    assert recent.get(None, hash(ids), 3, encoded((1, 2, 3))) is None  # another depth
+    assert recent.get("a", hash(ids), 4, encoded(ids)) is None  # another tree
+    other = (7, 2, 3, 4, 9)
+    run(store, pool, other[:-1])
+    assert store.find(None, other, encoded(other), hash(ids)) == store.walk(store.root(None), other)
 
 
 def test_rows_sharing_a_batch_count_its_memory_once_until_the_last_goes():

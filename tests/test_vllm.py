@@ -525,9 +525,9 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
         assert blocks * 10 <= needed, (blocks, needed)
         contexts = [prompt + [200 + i] for i in range(n)]
         # The memo of validated prefixes holds up to twice its budget of tokens (2 x 2**20
-        # by default, ~16 MiB: this run would never fill it, it grows ~60 KiB a step); with
-        # about a step's tokens (96 prefixes of 22 to 62) it turns over every step or two,
-        # so its bound is measured here too.
+        # by default, ~10 MiB of encodings: this run would never fill it, it grows ~20 KiB
+        # a step); with about a step's tokens (96 prefixes of 22 to 62) it turns over every
+        # step or two, so its bound is measured here too.
         lm._validated = ValidatedPrefixes(budget=4096)
         with torch.no_grad():
             keyword = cache_keyword(model)

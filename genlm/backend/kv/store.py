@@ -208,24 +208,33 @@ class PrefixKVStore:
         return node, len(ids)
 
     def find(
-        self, key: Hashable, ids: tuple[int, ...], parent: tuple[int, ...] | None = None
+        self,
+        key: Hashable,
+        ids: Sequence[int],
+        encoding: bytes | None = None,
+        parent_hash: int | None = None,
     ) -> tuple[KVNode, int]:
-        """`walk` in the tree of ``key``, from the node of ``ids[:-1]`` or of ``ids`` when
-        `node_for` made it recently (a decode step extends the previous step's prefixes):
-        O(new tokens) rather than O(len(ids)). ``parent``: ``ids[:-1]`` as an object the
-        caller already holds (the prefix `node_for` was given, with its hash cached), so
-        that no slice of ``ids`` is made, hashed and compared."""
-        if parent is None and len(ids) > 1:
-            parent = ids[:-1]
-        node = None if parent is None else self._recent.get(key, parent)
-        if node is None:
-            node = self._recent.get(key, ids)
+        """`walk` in the tree of ``key``, from the node of ``ids[:-1]`` (whose hash is
+        ``parent_hash``) or of ``ids`` when `node_for` made it recently (a decode step
+        extends the previous step's prefixes): O(new tokens) rather than O(len(ids)).
+        ``encoding``: the prefix-free code of ``ids`` that tells recent nodes apart
+        (`TokenIds.encoding`); without it the walk starts at the root."""
+        node = None
+        if encoding is not None:
+            if parent_hash is not None:
+                node = self._recent.get(key, parent_hash, len(ids) - 1, encoding)
+            if node is None:
+                node = self._recent.get(key, hash(ids), len(ids), encoding)
         return self.walk(self.root(key) if node is None else node, ids)
 
-    def node_for(self, key: Hashable, node: KVNode, ids: tuple[int, ...]) -> KVNode:
-        """`node_at` in the tree of ``key``, remembered for `find`."""
+    def node_for(
+        self, key: Hashable, node: KVNode, ids: Sequence[int], encoding: bytes | None = None
+    ) -> KVNode:
+        """`node_at` in the tree of ``key``; with ``encoding`` (see `find`), remembered for
+        `find`."""
         node = self.node_at(node, ids)
-        self._recent.add(key, ids, node)
+        if encoding is not None:
+            self._recent.add(key, hash(ids), encoding, node)
         return node
 
     @staticmethod
@@ -558,42 +567,63 @@ class PrefixKVStore:
 
 
 class RecentNodes:
-    """The nodes `PrefixKVStore.node_for` made lately, by tree key and prefix: two
+    """The nodes `PrefixKVStore.node_for` made lately, by tree key and prefix hash: two
     generations of about ``budget`` tokens each (a hit in the older one moves to the
-    newer). A node that `PrefixKVStore.prune` detached is never returned (it is no
-    longer its parent's child); the store starts a new one when it drops a tree. A
-    generation holds a dict of prefixes per tree key (not ``(key, prefix)`` pairs: an
-    entry adds no tuple for the collector to track)."""
+    newer). A node is returned only for the prefix it was added with, told by the
+    prefix's encoding (`TokenIds.encoding`: a prefix-free code of its ids, kept with the
+    node; prefixes whose hashes collide only miss), and only while attached (a node that
+    `PrefixKVStore.prune` detached is no longer its parent's child); the store starts a
+    new one when it drops a tree. An entry holds an int, bytes and the node: no prefix (a
+    tuple of references the collector would walk) and no object of its own."""
 
     def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._current: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
-        self._previous: dict[Hashable, dict[tuple[int, ...], KVNode]] = {}
+        self._current: dict[Hashable, _RecentTree] = {}
+        self._previous: dict[Hashable, _RecentTree] = {}
         self._tokens = 0
 
-    def get(self, key: Hashable, ids: tuple[int, ...]) -> KVNode | None:
-        node = self._current.get(key, _NO_NODES).get(ids)
+    def get(self, key: Hashable, prefix_hash: int, depth: int, encoding: bytes) -> KVNode | None:
+        """The node of the first ``depth`` ids of a prefix encoded by ``encoding``, if it was
+        added with hash ``prefix_hash``."""
+        tree = self._current.get(key, _NO_TREE)
+        node = tree.nodes.get(prefix_hash)
         if node is None:
-            node = self._previous.get(key, _NO_NODES).get(ids)
+            tree = self._previous.get(key, _NO_TREE)
+            node = tree.nodes.get(prefix_hash)
             if node is None:
                 return None
-            self.add(key, ids, node)
+            self.add(key, prefix_hash, tree.encodings[prefix_hash], node)
+        if node.depth != depth or not encoding.startswith(tree.encodings[prefix_hash]):
+            return None
         parent, token = node.parent, node.token
         attached = parent is not None and token is not None and parent.children.get(token) is node
         return node if attached else None
 
-    def add(self, key: Hashable, ids: tuple[int, ...], node: KVNode) -> None:
-        self._tokens += len(ids)
+    def add(self, key: Hashable, prefix_hash: int, encoding: bytes, node: KVNode) -> None:
+        """Remember ``node``, the node of the prefix with this hash and encoding."""
+        self._tokens += node.depth
         if self._tokens > self.budget:
-            self._previous, self._current, self._tokens = self._current, {}, len(ids)
-        nodes = self._current.get(key)
-        if nodes is None:
-            nodes = self._current[key] = {}
-        nodes[ids] = node
+            self._previous, self._current, self._tokens = self._current, {}, node.depth
+        tree = self._current.get(key)
+        if tree is None:
+            tree = self._current[key] = _RecentTree()
+        tree.nodes[prefix_hash] = node
+        tree.encodings[prefix_hash] = encoding
+
+
+class _RecentTree:
+    """The recent nodes of one tree in one generation of `RecentNodes`, by prefix hash,
+    and their prefixes' encodings."""
+
+    __slots__ = ("encodings", "nodes")
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, KVNode] = {}
+        self.encodings: dict[int, bytes] = {}
 
 
 # What `RecentNodes.get` looks in for a tree key it has no nodes of (only read).
-_NO_NODES: dict[tuple[int, ...], KVNode] = {}
+_NO_TREE = _RecentTree()
 
 
 def memory_key(value: Any) -> Hashable:

@@ -21,6 +21,7 @@ import math
 import operator
 import os
 import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any, ClassVar, NamedTuple, NoReturn, TypeVar
@@ -105,40 +106,35 @@ class TokenIds(tuple[int, ...]):
 
     A request's prefix is a dict key several times a step (the batch's distinct requests,
     the prefix tree's recent nodes); a tuple's hash costs O(length) every time, this one
-    O(1) after construction, and a prefix one id longer than a validated one (`extended`)
-    is hashed in O(1) too, from its parent's hash state (the same value as ``tuple``'s).
-    ``parent`` is that validated prefix, equal to ``self[:-1]`` (a decode step extends the
-    previous step's prefix): as a key it is found in O(1), where the slice would be hashed
-    and compared in O(length). It is cleared once this prefix becomes another's parent,
-    so that no chain of earlier prefixes stays alive. ``encoding``: its ids as
-    `marshalled_ids` writes them, header cut off (None where it was not made), against
-    which a request extending it is checked (`ValidatedPrefixes.parent_of`)."""
+    O(1) after construction, and a prefix one id longer than a validated one (whose hash,
+    ``parent_hash``, validation found) is hashed in O(1) too, from that hash (the same
+    value as ``tuple``'s). ``encoding``: its ids as `marshalled_ids` writes them, header
+    cut off, by which a request extending it is checked (`ValidatedPrefixes`) and the
+    prefix tree's recent nodes are told apart (`RecentNodes`).
+
+    Its attributes are an int, bytes and an int or None: no reference to another prefix,
+    so nothing long-lived keeps a prefix (a tuple of as many references as ids, which the
+    collector would walk at every collection) beyond the requests that use it."""
 
     _hash: int
-    _accumulator: int | None
-    parent: TokenIds | None
-    encoding: bytes | None
+    encoding: bytes
+    parent_hash: int | None
 
-    def __new__(cls, ids: Iterable[int]) -> TokenIds:
+    def __new__(
+        cls, ids: Iterable[int], encoding: bytes, parent_hash: int | None = None
+    ) -> TokenIds:
         self = super().__new__(cls, ids)
-        self._hash = tuple.__hash__(self)
-        self._accumulator = _accumulator(self._hash, len(self)) if INCREMENTAL_HASH else None
-        self.parent = None
-        self.encoding = None
-        return self
-
-    @classmethod
-    def extended(cls, parent: TokenIds, token: int) -> TokenIds:
-        """``parent + (token,)`` (``token``: an id of the vocabulary), whose ``parent`` it is."""
-        if parent._accumulator is None:
-            self = cls(parent + (token,))
+        accumulator = (
+            None
+            if parent_hash is None or not INCREMENTAL_HASH
+            else _accumulator(parent_hash, len(self) - 1)
+        )
+        if accumulator is None:
+            self._hash = tuple.__hash__(self)
         else:
-            self = super().__new__(cls, parent + (token,))
-            self._accumulator = _fold(parent._accumulator, token)
-            self._hash = _finish(self._accumulator, len(self))
-            self.encoding = None
-        self.parent = parent
-        parent.parent = None
+            self._hash = _finish(_fold(accumulator, self[-1]), len(self))
+        self.encoding = encoding
+        self.parent_hash = parent_hash
         return self
 
     def __hash__(self) -> int:
@@ -147,6 +143,9 @@ class TokenIds(tuple[int, ...]):
 
 # Bytes before the first id in `marshalled_ids`' encoding of a list or tuple (type, length).
 MARSHAL_HEADER = 5
+# Bytes of an id in `marshalled_ids`' encoding: an exact int in [-2**31, 2**31) (every id
+# of a vocabulary) is its type code and 4 bytes.
+ID_BYTES = 5
 
 
 def marshalled_ids(ids: list[Any] | tuple[Any, ...]) -> bytes | None:
@@ -155,10 +154,11 @@ def marshalled_ids(ids: list[Any] | tuple[Any, ...]) -> bytes | None:
 
     The format writes each element as a type code and its value (an exact int as ``i`` and
     4 bytes, or ``l`` and its digits; a bool, a float, ... each has a code of its own), one
-    after another, without references between them (those come with version 3). Two such
-    encodings that start alike therefore start with the same exact ints: one C pass over a
-    request's ids checks both their types and their equality with a validated prefix
-    (`ValidatedPrefixes.parent_of`), where a type count and a comparison took two."""
+    after another, without references between them (those come with version 3): a
+    prefix-free code, so two such encodings that start alike start with the same exact
+    ints. One C pass over a request's ids therefore checks both their types and their
+    equality with a validated prefix (`ValidatedPrefixes.parent_of`), where a type count
+    and a comparison took two."""
     try:
         return marshal.dumps(ids, 2)
     except ValueError:
@@ -174,52 +174,68 @@ class ValidatedPrefixes:
     only that token checked (a decode step's requests extend the previous step's).
 
     A prefix is indexed by a hash of its length and last `TAIL_IDS` ids, made in O(1) (an
-    int: an entry adds no object for the collector to track; two prefixes with the same
-    index only evict each other); a match is then compared whole with the request's
-    prefix, its encoding's bytes where both have one (`marshalled_ids`: exact types and
-    values, compared with ``memcmp``), else the ids, a pointer check per id when the ids
-    are the same int objects (a context built as ``previous + [token]``): nothing of the
-    prefix is hashed again. Validity is a pure function of the ids and the vocabulary size
-    fixed at construction, so an entry never goes stale. Two generations of about
-    ``budget`` tokens each are kept (a hit in the older one moves to the newer). Callers on
-    several threads may race: the worst outcome is a lost entry, which only means a prefix
-    is checked again.
+    int; two prefixes with the same index only evict each other), under which its encoding
+    (`TokenIds.encoding`) and its hash are kept: bytes and ints, nothing the collector
+    tracks, and not the prefix itself. A request whose encoding (`marshalled_ids`) is that
+    encoding followed by one id's extends it: it starts with the same exact ints (compared
+    with ``memcmp``), nothing of the prefix is hashed again. Validity is a pure function of
+    the ids and the vocabulary size fixed at construction, so an entry never goes stale.
+    Two generations of about ``budget`` tokens each are kept (a hit in the older one moves
+    to the newer). A lock keeps an entry's encoding and hash together for callers on
+    several threads.
     """
 
     def __init__(self, budget: int = 1 << 20):
         self.budget = budget
-        self._current: dict[int, TokenIds] = {}
-        self._previous: dict[int, TokenIds] = {}
+        self._current = _Generation()
+        self._previous = _Generation()
         self._tokens = 0
+        self._lock = threading.Lock()
 
-    def parent_of(self, ids: Sequence[int], encoding: bytes | None = None) -> TokenIds | None:
-        """The validated prefix equal to ``ids[:-1]``, or None. With ``encoding``
-        (`marshalled_ids` of ``ids``, whose types are then unchecked), one whose encoding
-        starts it: ``ids[:-1]`` are then exact ints too."""
+    def parent_of(self, ids: Sequence[int], encoding: bytes) -> int | None:
+        """The hash of the validated prefix equal to ``ids[:-1]`` (``encoding``: ``ids`` as
+        `marshalled_ids` writes them), or None. Where it is found, ``ids[:-1]`` are exact
+        ints; ``ids[-1]`` is unchecked."""
         length = len(ids) - 1
         key = hash((length, tuple(ids[-TAIL_IDS - 1 : -1])))
-        found = self._current.get(key)
-        if found is None:
-            found = self._previous.get(key)
-            if found is None:
-                return None
-            self.add(found)
-        if len(found) != length:
+        with self._lock:
+            known = self._current.encodings.get(key)
+            if known is None:
+                known = self._previous.encodings.get(key)
+                if known is None:
+                    return None
+                self._add(key, known, self._previous.hashes[key], length)
+            prefix_hash = self._current.hashes[key]
+        # The code is prefix-free: ``known`` starts the request's ids and one id's bytes are
+        # left, so ``known`` encodes ids[:-1] (whatever prefixes share the index).
+        if len(known) != len(encoding) - MARSHAL_HEADER - ID_BYTES or not encoding.startswith(
+            known, MARSHAL_HEADER
+        ):
             return None
-        if encoding is not None:
-            known = found.encoding
-            return (
-                found if known is not None and encoding.startswith(known, MARSHAL_HEADER) else None
-            )
-        prefix = ids[:-1]
-        return found if found == (prefix if type(prefix) is tuple else tuple(prefix)) else None
+        return prefix_hash
 
     def add(self, ids: TokenIds) -> None:
         """Remember ``ids``, a validated prefix."""
-        self._tokens += len(ids)
+        key = hash((len(ids), ids[-TAIL_IDS:]))
+        with self._lock:
+            self._add(key, ids.encoding, hash(ids), len(ids))
+
+    def _add(self, key: int, encoding: bytes, prefix_hash: int, length: int) -> None:
+        self._tokens += length
         if self._tokens > self.budget:
-            self._previous, self._current, self._tokens = self._current, {}, len(ids)
-        self._current[hash((len(ids), ids[-TAIL_IDS:]))] = ids
+            self._previous, self._current, self._tokens = self._current, _Generation(), length
+        self._current.encodings[key] = encoding
+        self._current.hashes[key] = prefix_hash
+
+
+class _Generation:
+    """One generation of `ValidatedPrefixes`: encodings and hashes by index."""
+
+    __slots__ = ("encodings", "hashes")
+
+    def __init__(self) -> None:
+        self.encodings: dict[int, bytes] = {}
+        self.hashes: dict[int, int] = {}
 
 
 class Query(NamedTuple):
@@ -324,31 +340,46 @@ class AsyncLM(ABC):
         """``ids`` as exact ints, each in ``[0, vocab_size)``. A prefix extending a validated
         one by a token (a decode step's) is checked by one C pass over its ids
         (`marshalled_ids`, against the validated prefix's encoding) and its last id's range;
-        any other by C loops (type count, min, max), and for one that extends a validated
-        prefix after conversion (numpy integers), only its last id's range. A bad id is
-        then found and named by `_checked_id`."""
-        encoding = marshalled_ids(ids) if len(ids) > 1 else None
-        parent = None if encoding is None else self._validated.parent_of(ids, encoding)
+        any other by `_checked_apart`."""
+        encoding = marshalled_ids(ids)
+        parent_hash = None if encoding is None else self._validated.parent_of(ids, encoding)
         last = ids[-1]
-        if parent is None or type(last) is not int or not 0 <= last < self.vocab_size:
-            if operator.countOf(map(type, ids), int) != len(ids):
-                if not all(
-                    issubclass(kind, int | np.integer) and kind is not bool
-                    for kind in set(map(type, ids))
-                ):
-                    self._raise_for_bad_id(ids)
-                ids, encoding = tuple(map(int, ids)), None
-            parent = self._validated.parent_of(ids) if len(ids) > 1 else None
-            if parent is not None:
-                valid = 0 <= ids[-1] < self.vocab_size
-            else:
-                valid = 0 <= min(ids) and max(ids) < self.vocab_size
-            if not valid:
-                self._raise_for_bad_id(ids)
-        checked = TokenIds(ids) if parent is None else TokenIds.extended(parent, ids[-1])
-        checked.encoding = None if encoding is None else encoding[MARSHAL_HEADER:]
+        if (
+            encoding is None
+            or parent_hash is None
+            or type(last) is not int
+            or not 0 <= last < self.vocab_size
+        ):
+            ids, encoding, parent_hash = self._checked_apart(ids, encoding)
+        checked = TokenIds(ids, encoding[MARSHAL_HEADER:], parent_hash)
         self._validated.add(checked)
         return checked
+
+    def _checked_apart(
+        self, ids: list[Any] | tuple[Any, ...], encoding: bytes | None
+    ) -> tuple[list[int] | tuple[int, ...], bytes, int | None]:
+        """`_checked_ids` by C loops (type count, min, max), and for a prefix that extends a
+        validated one after conversion (numpy integers), only its last id's range: the ids
+        as exact ints, their encoding (``encoding``, where marshal wrote them as they came)
+        and their parent's hash (None: no validated parent). A bad id is found and named by
+        `_checked_id`."""
+        if operator.countOf(map(type, ids), int) != len(ids):
+            if not all(
+                issubclass(kind, int | np.integer) and kind is not bool
+                for kind in set(map(type, ids))
+            ):
+                self._raise_for_bad_id(ids)
+            ids, encoding = tuple(map(int, ids)), None
+        if encoding is None:
+            encoding = marshal.dumps(ids, 2)  # exact ints: marshal writes each
+        parent_hash = self._validated.parent_of(ids, encoding)
+        if parent_hash is not None:
+            valid = 0 <= ids[-1] < self.vocab_size
+        else:
+            valid = 0 <= min(ids) and max(ids) < self.vocab_size
+        if not valid:
+            self._raise_for_bad_id(ids)
+        return ids, encoding, parent_hash
 
     def _raise_for_bad_id(self, ids: Sequence[Any]) -> NoReturn:
         """Raise `_checked_id`'s error for the first bad id of ``ids`` (which has one)."""

@@ -225,7 +225,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         chains: dict[int, Chain] = {}  # by slot: each plan's own chain until a node takes it
         try:
             for slot, (ids, lora) in enumerate(keys):
-                node, depth = self.store.find(lora, ids, _parent(ids))
+                node, depth = self.store.find(lora, ids, *_recent_key(ids))
                 if depth == len(ids) and node.logprobs is not None:
                     self.store.touch(node)
                     results[slot] = node.logprobs
@@ -287,7 +287,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         """Cache a plan's logprobs (a view of its batch, or a row of its own: see
         `_computed_rows`) and give its chain to its node (unless the node holds a pinned
         chain), out of ``chains``."""
-        node = self.store.node_for(plan.lora, plan.node, plan.ids)
+        node = self.store.node_for(plan.lora, plan.node, plan.ids, _recent_key(plan.ids)[0])
         self.store.set_logprobs(node, logprobs)
         if plan.chain and not node.pinned:
             self.store.set_chain(node, chains.pop(plan.slot))
@@ -339,9 +339,12 @@ def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(torch._foreach_clone(rows)) if rows else []
 
 
-def _parent(ids: tuple[int, ...]) -> TokenIds | None:
-    """The validated prefix equal to ``ids[:-1]`` that validation found for ``ids``, if any."""
-    return ids.parent if isinstance(ids, TokenIds) else None
+def _recent_key(ids: tuple[int, ...]) -> tuple[bytes | None, int | None]:
+    """What finds ``ids``' recent nodes in the tree (`PrefixKVStore.find`): its encoding and
+    its parent's hash, where validation made them (`TokenIds`)."""
+    if isinstance(ids, TokenIds):
+        return ids.encoding, ids.parent_hash
+    return None, None
 
 
 def _chain_of(source: KVNode | None) -> Chain | None:
