@@ -24,7 +24,14 @@ per token):
   the rows' copies, ... ``host_mean_ms``: its mean, which counts the steps where the
   collector walks its older generations (gen1: every ~10 steps at N=128).
 
-Each configuration runs in a fresh process with glibc's malloc thresholds fixed
+- ``check_ms``: what SPEC's requests cost before any library work: one ``marshal`` pass
+  over each of the step's N contexts (lists of ints), the cheapest check of a list's
+  types and values that CPython offers (the library's validation makes exactly this pass
+  over a request that extends a validated one). Timed apart, per step, outside ``ms``.
+  ``host_ms - check_ms`` is the library's own host work.
+
+Each configuration runs ``--repeats`` times (3, round-robin, each timing the median of
+the runs), each time in a fresh process with glibc's malloc thresholds fixed
 (``MALLOC_MMAP_THRESHOLD_`` 32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 1 GiB; ``--glibc-malloc
 default`` leaves them alone). By default glibc moves its mmap threshold up each time it
 frees a mapped chunk, so whether a step's fresh 25 MB batches and 196 KB rows come back
@@ -35,9 +42,12 @@ The floor gets the same thresholds. Fixed, the steady state is the heap's, run a
 
 Targets (issue 28): at N=128 and a 1,024-token prompt, ops <= 2x the floor's and <= 1.25x
 N=8's; ``host_ms`` at 1,024 <= 1.2x at 64; ``ms`` <= the floor's. Timings need a quiet
-machine (one torch thread); op counts do not.
+machine (one torch thread); op counts do not. ``--collector off`` runs the steps with
+CPython's cyclic collector disabled: what the collector's walks of young containers (the
+caller's 128 contexts among them) add to the host time.
 
-    python benchmark/bench_host.py                  # N = 8, 128 x prompt = 64, 1024
+    python benchmark/bench_host.py                  # N = 8, 128 x prompt = 64, 1024, 3 runs each
+    python benchmark/bench_host.py --collector off --particles 128   # -> host_collector_off.json
     python benchmark/bench_host.py --ops-only       # op counts only (fast, deterministic)
     python benchmark/bench_host.py --profile 30 --particles 128 --prompt-tokens 1024
         # the timed steps' Python calls, GC collections and top 30 functions (cProfile,
@@ -60,6 +70,7 @@ import cProfile  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import marshal  # noqa: E402
 import platform  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
@@ -83,6 +94,7 @@ TABLE = [
     "ms",
     "host_ms",
     "host_mean_ms",
+    "check_ms",
     "floor_ms",
     "fill_ms",
     "floor_fill_ms",
@@ -249,9 +261,13 @@ def library_steps(
     first = lm.batch_next_token_logprobs_sync([prompt])
     draws = torch.multinomial(first[0].exp(), n, replacement=True, generator=generator)
     contexts = [prompt + [token] for token in draws.tolist()]
-    walls, hosts = [], []
+    walls, hosts, checks = [], [], []
     ops: Counter[str] = Counter()
     for step in range(steps):
+        start = time.perf_counter()
+        for context in contexts:
+            marshal.dumps(context, 2)
+        checks.append(time.perf_counter() - start)
         last = count_ops and step == steps - 1
         if last:
             lm._serve_batch = counted  # type: ignore[method-assign]
@@ -274,7 +290,7 @@ def library_steps(
     clock.remove()
     lm.close()  # its tree, pool and worker must not weigh on the next configuration
     del lm, rows, first
-    return {"walls": walls, "hosts": hosts, "ops": ops, "profile": profile}
+    return {"walls": walls, "hosts": hosts, "checks": checks, "ops": ops, "profile": profile}
 
 
 def floor_steps(model: Any, prompt: list[int], n: int, steps: int) -> dict[str, Any]:
@@ -347,6 +363,7 @@ def measure(
         "ms": median(library["walls"]),
         "host_ms": median(library["hosts"]),
         "host_mean_ms": 1e3 * statistics.mean(library["hosts"][warmup:]),
+        "check_ms": median(library["checks"]),
         "floor_ms": median(floor["walls"]),
         "fill_ms": filling(library["walls"]) if warmup > 1 else None,
         "floor_fill_ms": filling(floor["walls"]) if warmup > 1 else None,
@@ -389,17 +406,37 @@ FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_
 
 
 def measure_apart(
-    n: int, prompt_tokens: int, steps: int, warmup: int, fixed_malloc: bool = True
+    n: int,
+    prompt_tokens: int,
+    steps: int,
+    warmup: int,
+    fixed_malloc: bool = True,
+    collector: bool = True,
 ) -> dict[str, Any]:
     """`measure` in a fresh Python process: each configuration starts from the same heap
     (after another configuration's steps, what the C allocator kept of the freed
     memory made a step's page faults, and its time, depend on the order of the runs),
-    with glibc's malloc thresholds fixed unless not ``fixed_malloc``."""
+    with glibc's malloc thresholds fixed unless not ``fixed_malloc``, and the cyclic
+    collector disabled unless ``collector``."""
     command = [sys.executable, __file__, "--one", str(n), str(prompt_tokens)]
     command += ["--steps", str(steps), "--warmup", str(warmup)]
+    command += ["--collector", "on" if collector else "off"]
     env = {**os.environ, **(FIXED_MALLOC if fixed_malloc else {})}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's result over its repeated runs: each timing the median of the
+    runs' (``host_ms_runs``: every run's ``host_ms``); counts from the first run (the same
+    in every run)."""
+    first = runs[0]
+    merged = dict(first)
+    for key, value in first.items():
+        if key.endswith("_ms") and value is not None:
+            merged[key] = statistics.median(run[key] for run in runs)
+    merged["host_ms_runs"] = [run["host_ms"] for run in runs]
+    return merged
 
 
 def check_targets(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -412,6 +449,9 @@ def check_targets(results: list[dict[str, Any]]) -> dict[str, Any]:
         "ops_vs_floor_at_128x1024": big["ops"] / big["floor_ops"],  # <= 2
         "ops_128_vs_8_at_1024": big["ops"] / small["ops"],  # <= 1.25
         "host_ms_1024_vs_64_at_128": big["host_ms"] / short["host_ms"],  # <= 1.2
+        # information: the library's own host work, without the requests' check
+        "host_less_check_1024_vs_64_at_128": (big["host_ms"] - big["check_ms"])
+        / (short["host_ms"] - short["check_ms"]),
         "ms_vs_floor_at_128x1024": big["ms"] / big["floor_ms"],  # <= 1
     }
 
@@ -424,8 +464,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--warmup", type=int, default=12, help="untimed steps first (the logprobs budget fills)"
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="fresh processes per configuration, round-robin (the median of each timing)",
+    )
     parser.add_argument("--ops-only", action="store_true", help="count ops, skip timing")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "host.json")
+    parser.add_argument("--out", type=Path, help="default: results/host.json (see --collector)")
     parser.add_argument(
         "--profile", type=int, metavar="TOP", help="profile the timed steps (see above)"
     )
@@ -435,10 +481,18 @@ def main(argv: list[str] | None = None) -> None:
         default="fixed",
         help="glibc's malloc thresholds in each configuration's process (see above)",
     )
+    parser.add_argument(
+        "--collector",
+        choices=["on", "off"],
+        default="on",
+        help="CPython's cyclic collector during the steps (off: results to host_collector_off.json)",
+    )
     parser.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)  # N, prompt
     args = parser.parse_args(argv)
     steps, warmup = (1, 1) if args.ops_only else (args.steps, args.warmup)
     if args.one:
+        if args.collector == "off":
+            gc.disable()
         print(json.dumps(measure_here(*args.one, steps, warmup)))
         return
     if args.profile is not None:
@@ -447,20 +501,40 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"N={n} prompt={prompt_tokens}")
                 print(profile_here(n, prompt_tokens, steps, warmup, args.profile))
         return
-    results = []
     header = (
         f"{'N':>4} {'prompt':>6} {'ops':>6} {'floor':>6} {'syncs':>5} {'ms':>8} {'host ms':>8} "
-        f"{'host mean':>9} {'floor ms':>8} {'fill ms':>8} {'floor fill':>10}"
+        f"{'host mean':>9} {'check ms':>8} {'floor ms':>8} {'fill ms':>8} {'floor fill':>10}"
     )
     print(header)
-    for n in args.particles:
-        for prompt_tokens in args.prompt_tokens:
-            r = measure_apart(n, prompt_tokens, steps, warmup, args.glibc_malloc == "fixed")
-            results.append(r)
+    configurations = [(n, p) for n in args.particles for p in args.prompt_tokens]
+    runs: dict[tuple[int, int], list[dict[str, Any]]] = {c: [] for c in configurations}
+    repeats = 1 if args.ops_only else args.repeats
+    for repeat in range(repeats):  # round-robin: drift over the run hits every configuration
+        for n, prompt_tokens in configurations:
+            r = measure_apart(
+                n,
+                prompt_tokens,
+                steps,
+                warmup,
+                args.glibc_malloc == "fixed",
+                args.collector == "on",
+            )
+            runs[n, prompt_tokens].append(r)
             print(
                 f"{n:>4} {prompt_tokens:>6} {r['ops']:>6} {r['floor_ops']:>6} {r['syncs']:>5} "
-                f"{r['ms']:>8.2f} {r['host_ms']:>8.2f} {r['host_mean_ms']:>9.2f} {r['floor_ms']:>8.2f} "
+                f"{r['ms']:>8.2f} {r['host_ms']:>8.2f} {r['host_mean_ms']:>9.2f} "
+                f"{r['check_ms']:>8.2f} {r['floor_ms']:>8.2f} "
                 f"{r['fill_ms'] or 0:>8.2f} {r['floor_fill_ms'] or 0:>10.2f}"
+                + (f"   (repeat {repeat + 1} of {repeats})" if repeats > 1 else "")
+            )
+    results = [median_run(runs[c]) for c in configurations]
+    if repeats > 1:
+        print("medians over the repeats:")
+        for r in results:
+            print(
+                f"{r['particles']:>4} {r['prompt_tokens']:>6} {r['ms']:>8.2f} ms "
+                f"{r['host_ms']:>8.2f} host ms {r['check_ms']:>8.2f} check ms "
+                f"{r['floor_ms']:>8.2f} floor ms"
             )
     targets = check_targets(results)
     for name, value in targets.items():
@@ -469,15 +543,20 @@ def main(argv: list[str] | None = None) -> None:
         return
     import torch
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
+    out = args.out or RESULTS_DIR / (
+        "host.json" if args.collector == "on" else "host_collector_off.json"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
         json.dumps(
             {
                 "machine": platform.processor() or platform.machine(),
                 "torch": torch.__version__,
                 "steps": steps,
                 "warmup": warmup,
+                "repeats": repeats,
                 "glibc_malloc": args.glibc_malloc,
+                "collector": args.collector,
                 "targets": targets,
                 "table": TABLE,
                 "rows": results,
@@ -486,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         + "\n"
     )
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
