@@ -138,7 +138,20 @@ def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
         contexts = [c + [9] for c in contexts]
         queries = contexts + [list(range(200, 260))]
         assert_rows(tiny_model, lm, queries, lm.batch_next_token_logprobs_sync(queries))
-    assert recorder.captures == len(lm._graphs.graphs) == 2
+    # the 12-row bucket's larger output buffer replaced the 3-row one's, and its graph
+    assert recorder.captures == 2 and [b.rows for b in lm._graphs.graphs] == [12]
+    assert one_output_buffer(lm._graphs)
+    few = [c + [9, 9] for c in few]
+    assert_rows(tiny_model, lm, few, lm.batch_next_token_logprobs_sync(few))
+    assert recorder.captures == 3  # a smaller bucket: added beside the larger one
+    assert [b.rows for b in lm._graphs.graphs] == [12, 3]
+    assert one_output_buffer(lm._graphs)
+
+
+def one_output_buffer(graphs):
+    """Whether every graph writes its rows into the same buffer."""
+    storages = {graph.out.untyped_storage().data_ptr() for graph in graphs.graphs.values()}
+    return storages == {graphs._out.untyped_storage().data_ptr()}
 
 
 def test_graphs_captured_over_a_pool_that_grew_are_dropped(tiny_model, smollm2_tokenizer, recorder):

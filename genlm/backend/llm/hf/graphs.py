@@ -239,9 +239,13 @@ class DecodeGraphs:
         graph.checks_left -= 1
 
     def _out_rows(self, rows: int) -> torch.Tensor:
-        """``rows`` rows of the shared output buffer (allocated outside the graphs' pool; a
-        larger one replaces it, the graphs captured over the old one keep it alive)."""
+        """``rows`` rows of the one output buffer (allocated outside the graphs' pool). A
+        larger one replaces it and the graphs captured over the old one are dropped (each
+        is captured again, unchecked, at its next step), so that one buffer is alive, the
+        largest bucket's: graphs kept over buffers of growing sizes held up to ~6 times it
+        (buckets 25% apart), 64 MB a buffer at 128 rows of a 128k vocabulary."""
         if self._out.shape[0] < rows:
+            self.clear()
             self._out = torch.empty(
                 (rows, self.vocab_size), dtype=torch.float32, device=self.device
             )
