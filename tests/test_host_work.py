@@ -9,8 +9,10 @@ again one by one.
 """
 
 import collections
+import copy
 import enum
 import gc
+import pickle
 import random
 import sys
 
@@ -195,6 +197,17 @@ def test_no_prefix_outlives_the_requests_of_a_decode_step(smollm2_tokenizer):
             lm._process_batch(lm._query_list(contexts))
             gc.collect()
             assert not [o for o in gc.get_objects() if type(o) is TokenIds]
+
+
+@pytest.mark.parametrize(
+    "duplicate", [copy.copy, copy.deepcopy, lambda ids: pickle.loads(pickle.dumps(ids))]
+)
+def test_a_validated_prefix_copies_and_pickles_whole(mock, duplicate):
+    mock.validate_token_ids([4, 5, 6])
+    ids = mock.validate_token_ids([4, 5, 6, 7])
+    again = duplicate(ids)
+    assert type(again) is type(ids) and again == (4, 5, 6, 7) and hash(again) == hash(ids)
+    assert (again.encoding, again.parent_hash) == (ids.encoding, ids.parent_hash)
 
 
 def test_a_prefix_one_id_longer_hashes_as_the_tuple_does():

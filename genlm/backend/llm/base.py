@@ -140,6 +140,10 @@ class TokenIds(tuple[int, ...]):
     def __hash__(self) -> int:
         return self._hash
 
+    def __getnewargs__(self) -> tuple[tuple[int, ...], bytes, int | None]:
+        """What `copy` and `pickle` pass to ``__new__`` (a tuple's own would drop the encoding)."""
+        return tuple(self), self.encoding, self.parent_hash
+
 
 # Bytes before the first id in `marshalled_ids`' encoding of a list or tuple (type, length).
 MARSHAL_HEADER = 5
