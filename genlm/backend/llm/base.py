@@ -201,7 +201,7 @@ class ValidatedPrefixes:
         `marshalled_ids` writes them), or None. Where it is found, ``ids[:-1]`` are exact
         ints; ``ids[-1]`` is unchecked."""
         length = len(ids) - 1
-        key = hash((length, tuple(ids[-TAIL_IDS - 1 : -1])))
+        key = _prefix_index(length, ids[-TAIL_IDS - 1 : -1])
         with self._lock:
             known = self._current.encodings.get(key)
             if known is None:
@@ -220,7 +220,7 @@ class ValidatedPrefixes:
 
     def add(self, ids: TokenIds) -> None:
         """Remember ``ids``, a validated prefix."""
-        key = hash((len(ids), ids[-TAIL_IDS:]))
+        key = _prefix_index(len(ids), ids[-TAIL_IDS:])
         with self._lock:
             self._add(key, ids.encoding, hash(ids), len(ids))
 
@@ -230,6 +230,12 @@ class ValidatedPrefixes:
             self._previous, self._current, self._tokens = self._current, _Generation(), length
         self._current.encodings[key] = encoding
         self._current.hashes[key] = prefix_hash
+
+
+def _prefix_index(length: int, tail: Sequence[int]) -> int:
+    """`ValidatedPrefixes`' index of a prefix of ``length`` ids ending with ``tail`` (its
+    last `TAIL_IDS`)."""
+    return hash((length, tuple(tail)))
 
 
 class _Generation:
