@@ -12,7 +12,7 @@ per token):
 - ``ops``: aten ops of one step, counted with `op_count.OpCounter` (every op that
   reaches the dispatcher below autograd, views included; on a GPU each non-view op is a
   kernel launch). Deterministic. The library's count covers the caller's thread (the
-  rows stacked) and the batcher's worker (``_serve_batch``: plan, forward, rows out).
+  rows stacked) and the batcher's worker (``_answer_batch``: plan, forward, rows out).
 - ``ms``: wall time per step (median over the timed steps), in the steady state of a long
   run: the timed steps follow ``--warmup`` steps (12), by which the library's logprobs
   budget (256 MB: 11 steps of 128 rows of 49k tokens) is full, so a step reuses the
@@ -249,7 +249,7 @@ def library_steps(
     clock = ForwardClock(model, lm._head)
     profile = None if profile_from is None else StepProfile(lm)
     worker_counts: list[Counter[str]] = []
-    serve = lm._serve_batch
+    serve = lm._answer_batch
 
     def counted(*args: Any) -> Any:
         with OpCounter() as counter:
@@ -270,7 +270,7 @@ def library_steps(
         checks.append(time.perf_counter() - start)
         last = count_ops and step == steps - 1
         if last:
-            lm._serve_batch = counted  # type: ignore[method-assign]
+            lm._answer_batch = counted  # type: ignore[method-assign]
         clock.seconds = 0.0
         start = time.perf_counter()
         if last:

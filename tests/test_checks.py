@@ -414,7 +414,7 @@ async def test_a_call_racing_close_past_its_open_check_runs_nothing(closed_lm):
     kind, lm = closed_lm
     ids = Query((1, 2, 3))
     with pytest.raises(RuntimeError, match=r"used after its owner was closed"):
-        lm.batcher.run_sync(lm._run_batch, [ids])
+        lm._rows_sync([ids])
     with pytest.raises(RuntimeError, match=r"used after its owner was closed"):
         await lm.batcher.submit(ids)
     assert not has_worker(lm.batcher)

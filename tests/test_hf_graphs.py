@@ -302,13 +302,13 @@ def test_a_replayed_step_runs_a_few_ops_besides_its_replay_for_any_rows(
             contexts = [c + [token] for c in contexts]
         (graph,) = lm._graphs.graphs.values()
         replays, graph.replay = [], lambda: replays.append(1)  # the replay itself not counted
-        serve, counter = lm._serve_batch, OpCounter()
+        serve, counter = lm._answer_batch, OpCounter()
 
         def counted(*args):  # on the batcher's worker: plan, step, rows out
             with counter:
                 return serve(*args)
 
-        lm._serve_batch = counted
+        lm._answer_batch = counted
         lm.batch_next_token_logprobs_sync(contexts)
         assert replays == [1] and lm._graphs.replays == 4
         return counter.counts

@@ -33,10 +33,10 @@ def expected(model, vocab_size, ids):
 
 def counted_steps(lm, contexts, steps):
     """Run ``steps`` decode steps (each particle appends a token of its own) and return
-    each step's aten op counts, taken in the batcher's worker (`_serve_batch`: plan,
+    each step's aten op counts, taken in the batcher's worker (`_answer_batch`: plan,
     forward, rows out)."""
     counts = []
-    serve = lm._serve_batch
+    serve = lm._answer_batch
 
     def counted(*args):
         assert threading.current_thread() is not threading.main_thread()
@@ -45,7 +45,7 @@ def counted_steps(lm, contexts, steps):
         counts.append(counter.counts)
         return rows
 
-    lm._serve_batch = counted
+    lm._answer_batch = counted
     for step in range(steps):
         lm.batch_next_token_logprobs_sync(contexts)
         contexts = [c + [(7 * i + 11 * step) % 1000 + 1] for i, c in enumerate(contexts)]
@@ -119,7 +119,7 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
     prompt = list(range(3, 70))
     contexts = particles(8, prompt)
-    rows = [await lm.next_token_logprobs(prompt), *lm._run_batch([lm._query(c) for c in contexts])]
+    rows = [await lm.next_token_logprobs(prompt), *lm._rows_sync([lm._query(c) for c in contexts])]
     for row in rows:
         assert row.untyped_storage().nbytes() == row.nbytes  # no batch pinned
     cached = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]

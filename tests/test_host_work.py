@@ -3,7 +3,7 @@
 Python calls are counted (``sys.setprofile``: every Python and C function call) in one
 steady decode step of many particles over a `PrefixCachedLM` whose forward and pool cost
 nothing: the caller-side check of every request (`_query_list`) and the batch's walk,
-plan, allocation and bookkeeping (`_process_batch`). The counts must be the same for a
+plan, allocation and bookkeeping (`_answer_batch`). The counts must be the same for a
 64-token and a 1,024-token prompt; the ids a previous step validated are not checked
 again one by one.
 """
@@ -55,7 +55,7 @@ class NullLM(PrefixCachedLM):
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
         store = PrefixKVStore(NullPool())
-        self._init_prefix_cache(store, True, 4 * PARTICLES, 0.02, "genlm-null")
+        self._init_prefix_cache(store, 4 * PARTICLES, 0.02, "genlm-null")
 
     def _load_adapter(self, lora_path, lora_name):
         pass
@@ -63,8 +63,8 @@ class NullLM(PrefixCachedLM):
     def _unload_adapter(self, lora_name):
         pass
 
-    def _run_plans(self, plans):
-        return [torch.zeros(2) for _ in plans]
+    def _run_rows(self, rows):
+        return torch.zeros(len(rows), 2)
 
 
 def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=3):
@@ -81,7 +81,7 @@ def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=
 
     with NullLM(tokenizer) as lm:
         prompt = [rng.randrange(lm.vocab_size) for _ in range(prompt_length)]
-        lm._process_batch(lm._query_list([prompt]))
+        lm._answer_batch(lm._query_list([prompt]))
         contexts = [list(prompt) for _ in range(particles)]
         for step in range(steps):
             for context in contexts:
@@ -89,7 +89,7 @@ def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=
             if step == steps - 1:
                 sys.setprofile(count)
             try:
-                rows = lm._process_batch(lm._query_list(contexts))
+                rows = lm._answer_batch(lm._query_list(contexts))
             finally:
                 sys.setprofile(None)
             assert len(rows) == particles
@@ -194,7 +194,7 @@ def test_no_prefix_outlives_the_requests_of_a_decode_step(smollm2_tokenizer):
         for _ in range(20):
             for context in contexts:
                 context.append(rng.randrange(lm.vocab_size))
-            lm._process_batch(lm._query_list(contexts))
+            lm._answer_batch(lm._query_list(contexts))
             gc.collect()
             assert not [o for o in gc.get_objects() if type(o) is TokenIds]
 

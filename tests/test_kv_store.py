@@ -268,7 +268,7 @@ def test_without_a_budget_the_pool_doubles_and_clears_shrink_it():
     store.clear_kv()
     assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
     run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
-    store.reset()
+    store.clear()
     assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
 
 

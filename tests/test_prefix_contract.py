@@ -95,7 +95,7 @@ class FakeLM(PrefixCachedLM):
         super().__init__(tokenizer)
         self._pool = FakePool() if kv_reuse else None
         store = PrefixKVStore(self._pool or NoKVPool("fake"), max_kv_bytes, max_logprobs_bytes)
-        self._init_prefix_cache(store, kv_reuse, batch_size, timeout, "genlm-fake")
+        self._init_prefix_cache(store, batch_size, timeout, "genlm-fake")
         self.fed: list[int] = []  # tokens fed per forward
         self.fail = 0  # forwards still to fail
         self.adapters: set[str] = set()
@@ -106,7 +106,7 @@ class FakeLM(PrefixCachedLM):
     def _unload_adapter(self, lora_name):
         self.adapters.discard(lora_name)
 
-    def _run_plans(self, plans):
+    def _run_rows(self, plans):
         if self.fail:
             self.fail -= 1
             raise RuntimeError("forward failed on purpose")
@@ -126,7 +126,7 @@ class FakeLM(PrefixCachedLM):
                     self._pool.data[slot] = entry
                 entries += new
             results.append(fake_logprobs(entries, self.vocab_size))
-        return results
+        return torch.stack(results)
 
 
 # -- one harness per backend ------------------------------------------------------------------

@@ -28,13 +28,19 @@ decides what they hold.
   out first, so held blocks stay at the low end; before a batch `reserve` evicts for the
   blocks its rows will allocate and grows the pool once, in steps of a quarter (at least
   `INITIAL_BLOCKS`) but never past what the budget allows (plus pinned blocks) or, when
-  the rows need more, past what they need; `reset` and `clear_kv` shrink the pool back
+  the rows need more, past what they need; `clear` and `clear_kv` shrink the pool back
   to `INITIAL_BLOCKS`, and `trim` halves it between batches while three quarters of it
   are free. Without a byte budget the pool doubles. `free` (a closed LM) lets go of all
   of it.
 
-The caller applies the copies `extend` asks for (`BlockPool.copy`); a backend's forward
-then reads a row's chain and writes its new tokens' KV into the blocks `extend` returned.
+A batch goes through three verbs that hold its order of work: `plan` (each query's
+node, its cached logprobs or a `RowPlan` to compute: the deepest usable KV source touched
+and protected, with KV reuse the blocks reserved, the rows' chains made and their
+copy-on-write copies applied to the pool, room made in the logprobs budget), then either
+`commit` (each row's logprobs cached at its node, its chain given to the node) or
+`release` (the rows' chains let go); both end by unprotecting the sources and evicting,
+trimming and pruning. A backend's forward, between the two, reads each row's chain and
+writes its new tokens' KV into the blocks its chain holds past ``start``.
 """
 
 from __future__ import annotations
@@ -49,13 +55,22 @@ from typing import Any
 from genlm.backend.checks import check_budget, check_int
 
 # BlockCopy is also this module's name (SPEC lists it with the store's).
-from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain
+from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain, NoKVPool
 
-__all__ = ["INITIAL_BLOCKS", "ZERO_BLOCK", "BlockCopy", "Chain", "KVNode", "PrefixKVStore"]
+__all__ = [
+    "INITIAL_BLOCKS",
+    "ZERO_BLOCK",
+    "BatchPlan",
+    "BlockCopy",
+    "Chain",
+    "KVNode",
+    "PrefixKVStore",
+    "RowPlan",
+]
 
 # Block 0 is never handed out: backends keep it zeroed and point padding at it.
 ZERO_BLOCK = 0
-# Blocks in the pool after a reset, and the smallest growth step under a budget.
+# Blocks in the pool after a clear, and the smallest growth step under a budget.
 INITIAL_BLOCKS = 64
 
 
@@ -80,6 +95,37 @@ class KVNode:
             f"KVNode(depth={self.depth}, token={self.token}, children={len(self.children)}, "
             f"blocks={blocks}, pinned={self.pinned}, logprobs={self.logprobs is not None})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """One row of a batch's forward: its ``new_tokens`` (``len(ids) - start``), the ids
+    from ``start`` on, run on top of the KV of ``ids[:start]``, held in the chain of
+    ``source`` (which evictions leave alone while the batch runs). With KV reuse
+    ``chain``, the row's own for ``ids`` whole, holds that KV and gets the new tokens'.
+    ``node``: the node of ``ids`` in the tree of ``lora`` (an adapter's name, None for the
+    base model); ``slot``: the query's position in the batch."""
+
+    slot: int
+    ids: tuple[int, ...]
+    lora: str | None
+    node: KVNode
+    start: int
+    new_tokens: int
+    source: KVNode | None = None
+    chain: Chain = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """A batch as `PrefixKVStore.plan` made it: ``cached``, each query's logprobs found in
+    the tree (None for a query to compute); ``rows``, the queries to compute, each holding
+    its chain until `PrefixKVStore.commit` gives it to its node or `PrefixKVStore.release`
+    lets it go; ``pin``: the rows' KV is pinned at commit (`cache_kv`)."""
+
+    cached: tuple[Any, ...]
+    rows: tuple[RowPlan, ...]
+    pin: bool = False
 
 
 class PrefixKVStore:
@@ -111,6 +157,7 @@ class PrefixKVStore:
         check_int("max_logprobs_entries", max_logprobs_entries, optional=True)
         check_int("the pool's block_size", pool.block_size, minimum=1)
         self.pool = pool
+        self.kv_reuse = not isinstance(pool, NoKVPool)
         self.block_size = pool.block_size
         self.block_bytes = pool.block_bytes
         self.max_kv_bytes = max_kv_bytes
@@ -118,11 +165,11 @@ class PrefixKVStore:
         self.max_kv_entries = max_kv_entries
         self.max_logprobs_entries = max_logprobs_entries
         self._nbytes = memory_nbytes if nbytes is None else nbytes
-        self.reset()
+        self.clear()
 
     # -- state -------------------------------------------------------------------------------
 
-    def reset(self) -> None:
+    def clear(self) -> None:
         """Forget every tree, chain and logprob; the pool goes back to `INITIAL_BLOCKS`."""
         self._forget()
         self._resize(INITIAL_BLOCKS)
@@ -193,6 +240,136 @@ class PrefixKVStore:
             for node in _subtree(root):
                 self.set_logprobs(node, None)
                 self.set_chain(node, None)
+
+    # -- a batch: plan, then commit or release --------------------------------------------------
+
+    def plan(
+        self,
+        queries: Sequence[tuple[tuple[int, ...], str | None]],
+        row_nbytes: int,
+        *,
+        pin: bool = False,
+    ) -> BatchPlan:
+        """The order of work of a batch of distinct ``(ids, lora)`` queries, up to its
+        forward: each query's cached logprobs (touched), or for the rest a `RowPlan` (its
+        node made, its KV source touched and protected); with KV reuse, room made for the
+        rows' blocks, their chains made and the copy-on-write copies applied to the pool;
+        then room made in the logprobs budget for the rows (of ``row_nbytes`` each), so the
+        forward reuses the memory of those it pushes out. With ``pin`` (`cache_kv`) every
+        query is computed and its node's chain pinned at `commit`.
+
+        The plan ends with `commit` (its rows computed) or `release`; if planning fails,
+        what it held is let go before the error propagates."""
+        cached: list[Any] = []
+        rows: list[RowPlan] = []
+        try:
+            for slot, (ids, lora) in enumerate(queries):
+                node, depth = self.find(
+                    lora, ids, getattr(ids, "encoding", None), getattr(ids, "parent_hash", None)
+                )
+                if not pin and depth == len(ids) and node.logprobs is not None:
+                    self.touch(node)
+                    cached.append(node.logprobs)
+                    continue
+                cached.append(None)
+                source, start = self._kv_start(node, len(ids))
+                if source is not None:
+                    self.touch(source)
+                    self.protect(source)
+                target = self.node_for(lora, node, ids, getattr(ids, "encoding", None))
+                rows.append(RowPlan(slot, ids, lora, target, start, len(ids) - start, source))
+            if rows and self.kv_reuse:
+                rows = self._with_chains(rows)
+            if rows:
+                self._make_room_for_rows(len(rows), row_nbytes)
+        except BaseException:
+            self._finish(rows, 0)
+            raise
+        return BatchPlan(tuple(cached), tuple(rows), pin)
+
+    def commit(self, plan: BatchPlan, rows: Sequence[Any]) -> list[Any]:
+        """Cache each row's logprobs (``rows``, in the order of ``plan.rows``) at its node
+        and give the node the row's chain (a node holding a pinned chain keeps it: the row's
+        is let go), pinning it for a ``pin`` plan; then end the plan as `release` does.
+        Returns every query's logprobs, in order."""
+        if len(rows) != len(plan.rows):
+            self._finish(plan.rows, 0)
+            raise ValueError(f"{len(rows)} rows computed for a plan of {len(plan.rows)}")
+        answers = list(plan.cached)
+        given = 0  # rows whose chains went to their nodes (or were let go)
+        try:
+            for row, logprobs in zip(plan.rows, rows, strict=True):
+                node = row.node
+                self.set_logprobs(node, logprobs)
+                answers[row.slot] = logprobs
+                if row.chain and node.pinned:
+                    self.let_go(row.chain)
+                elif row.chain:
+                    self.set_chain(node, row.chain)
+                given += 1
+                if plan.pin:
+                    self.pin(node)
+        finally:
+            self._finish(plan.rows, given)
+        return answers
+
+    def release(self, plan: BatchPlan) -> None:
+        """End a plan whose rows were not computed: let go of their chains (their nodes,
+        left without values, are pruned), unprotect the sources, evict, trim and prune."""
+        self._finish(plan.rows, 0)
+
+    def kv_start(self, key: Hashable, ids: Sequence[int]) -> tuple[KVNode | None, int]:
+        """Where a request for ``ids`` in the tree of ``key`` starts (`walk_cache`): the node
+        whose chain holds the KV it reuses and the first token still to run, at most
+        ``len(ids) - 1`` (``(None, 0)``: no KV to reuse)."""
+        return self._kv_start(self.find(key, ids)[0], len(ids))
+
+    def _kv_start(self, node: KVNode, length: int) -> tuple[KVNode | None, int]:
+        """`kv_start` of a prefix of ``length`` ids from ``node``, the deepest node on its path."""
+        source = self.kv_source(node) if self.kv_reuse else None
+        if source is None or source.chain is None:
+            return None, 0
+        return source, min(source.depth, node.depth, length - 1)
+
+    def _with_chains(self, rows: list[RowPlan]) -> list[RowPlan]:
+        """The rows with their own chains: room made for them in the pool first, then the
+        copy-on-write copies applied (the chains let go if that fails)."""
+        needs = [(_chain_of(row.source), row.start, len(row.ids)) for row in rows]
+        self.reserve(needs)
+        chains, copies = self.extend_all(needs)
+        try:
+            self.pool.copy(copies)
+        except BaseException:
+            for chain in chains:
+                self.let_go(chain)
+            raise
+        return [
+            RowPlan(
+                row.slot, row.ids, row.lora, row.node, row.start, row.new_tokens, row.source, chain
+            )
+            for row, chain in zip(rows, chains, strict=True)
+        ]
+
+    def _make_room_for_rows(self, rows: int, row_nbytes: int) -> None:
+        """`make_room_for_logprobs` for a batch of ``rows`` rows (a batch larger than the
+        budget: the budget's worth, as its rows are then kept apart)."""
+        nbytes = rows * row_nbytes
+        budget = self.max_logprobs_bytes
+        self.make_room_for_logprobs(nbytes if budget is None else min(nbytes, budget), rows)
+
+    def _finish(self, rows: Sequence[RowPlan], given: int) -> None:
+        """End a batch: the chains of ``rows[given:]`` let go (their nodes, if left empty,
+        pruned), every source unprotected, KV brought back within budget, a mostly free
+        pool shrunk, the trees pruned."""
+        for row in rows[given:]:
+            self.let_go(row.chain)
+            self._emptied.append(row.node)
+        for row in rows:
+            if row.source is not None:
+                self.unprotect(row.source)
+        self.evict()
+        self.trim()
+        self.prune()
 
     # -- tree --------------------------------------------------------------------------------
 
@@ -312,7 +489,7 @@ class PrefixKVStore:
         Full blocks of the shared part are shared; a partly filled last block is appended
         to in place if nothing was written past ``length`` in it, else copied (returned as
         a `BlockCopy` for the backend to apply before writing). The chain is held by the
-        caller until it is given to a node (`set_chain`) or released (`release`).
+        caller until it is given to a node (`set_chain`) or let go (`let_go`).
         """
         chains, copies = self.extend_all([(chain, length, total)])
         return chains[0], copies
@@ -363,15 +540,15 @@ class PrefixKVStore:
                 refs[block] += count
             if len(chains) < len(extensions):
                 for made in chains:
-                    self.release(made)
+                    self.let_go(made)
         return chains, copies
 
     def hold(self, chain: Chain) -> Chain:
-        """Hold ``chain``'s blocks; `release` them."""
+        """Hold ``chain``'s blocks; `let_go` of them."""
         self._hold_blocks(chain, 1)
         return chain
 
-    def release(self, chain: Chain | None) -> None:
+    def let_go(self, chain: Chain | None) -> None:
         """Let go of a chain from `extend` that no node took, or of one from `hold`."""
         self._hold_blocks(chain or (), -1)
 
@@ -644,6 +821,10 @@ def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:
     """Whether an LRU budget is exceeded: ``used`` over ``limit`` or ``kept`` entries over
     ``entries`` (None: no bound)."""
     return (limit is not None and used > limit) or (entries is not None and kept > entries)
+
+
+def _chain_of(source: KVNode | None) -> Chain | None:
+    return None if source is None else source.chain
 
 
 def _subtree(root: KVNode) -> list[KVNode]:

@@ -31,9 +31,9 @@ from typing import Protocol
 
 import torch
 
+from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.paged import StepInputs, StepShape, exact_shape, host_step, shared_blocks
-from genlm.backend.llm.prefix import QueryPlan
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class DecodeGraphs:
         self._generation = -1  # the pool's generation the graphs were captured over
         self._out = torch.empty((0, vocab_size), dtype=torch.float32, device=device)
 
-    def run(self, plans: Sequence[QueryPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
+    def run(self, plans: Sequence[RowPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
         """The plans' decode step from its bucket's graph, rows into ``out``. False (nothing
         computed) when the step fits no bucket or graphs are off: run it eagerly."""
         if self.failure is not None or plans[0].new_tokens != 1:

@@ -3,8 +3,8 @@
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
 tokens. The request plan, the cache calls and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
-`TorchBlockPool`: one tensor per layer); this module is the forward over query plans
-(each a block chain and new tokens, one row of the batch), per group of plans with the
+`TorchBlockPool`: one tensor per layer); this module is the forward over a batch's row plans
+(each a block chain and new tokens, one row of the batch), per group of rows with the
 same number ``t`` of new tokens:
 
 1. builds the group's inputs (ids, positions, write and read slots) on the host as ONE
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from genlm.backend.checks import check_budget, check_options, choice_option, int_option
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
-from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.kv.store import PrefixKVStore, RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
@@ -84,7 +84,7 @@ from genlm.backend.llm.hf.paged import (
     step_cache,
     step_inputs,
 )
-from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, plan_groups
+from genlm.backend.llm.prefix import PrefixCachedLM, row_groups, rows_in_order
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -176,7 +176,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         )
         self._graphs = self._decode_graphs() if cuda_graphs else None
         store = PrefixKVStore(self._pool or NoKVPool(reason), max_kv_bytes, max_logprobs_bytes)
-        self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-hf")
+        self._init_prefix_cache(store, batch_size, timeout, "genlm-hf")
 
     @classmethod
     def from_name(
@@ -349,30 +349,35 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _run_plans(self, plans: Sequence[QueryPlan]) -> torch.Tensor:
-        """The plans' logprobs as one ``[rows, vocab]`` batch of its own, in order (the tree
-        keeps views of its rows). Plans with the same number of new tokens (and adapter,
+    def _run_rows(self, rows: Sequence[RowPlan]) -> torch.Tensor:
+        """The rows' logprobs as one ``[rows, vocab]`` batch of its own, in order (the tree
+        keeps views of its rows). Rows with the same number of new tokens (and adapter,
         with ``lora_batching="grouped"``) run in one forward each, split to respect
-        ``max_batch_tokens``; without KV reuse, plans of one length together."""
+        ``max_batch_tokens``; without KV reuse, rows of one length together."""
         pool = self._pool
+        grouped = self.lora_batching == "grouped"
+        if pool is None:
+            groups = row_groups(rows, lambda row: len(row.ids))
+        else:
+            groups = row_groups(rows, lambda row: (row.new_tokens, grouped and row.lora))
         with torch.inference_mode():
             out = torch.empty(
-                (len(plans), self.vocab_size), dtype=torch.float32, device=self._output_device
+                (len(rows), self.vocab_size), dtype=torch.float32, device=self._output_device
             )
-            if pool is None:
-                return _grouped_batch(plans, lambda plan: len(plan.ids), self._run_without_kv, out)
-            grouped = self.lora_batching == "grouped"
+            offset = 0
+            for indices in groups:
+                same = [rows[i] for i in indices]
+                batch = out[offset : offset + len(same)]
+                offset += len(same)
+                if pool is None:
+                    self._run_without_kv(same, batch)
+                    continue
+                per_forward = max(1, self.max_batch_tokens // same[0].new_tokens)
+                for i in range(0, len(same), per_forward):
+                    self._run_group(pool, same[i : i + per_forward], batch[i : i + per_forward])
+            return rows_in_order(out, groups)
 
-            def run(same: list[QueryPlan], out: torch.Tensor) -> None:
-                step = max(1, self.max_batch_tokens // same[0].new_tokens)
-                for i in range(0, len(same), step):
-                    self._run_group(pool, same[i : i + step], out[i : i + step])
-
-            return _grouped_batch(
-                plans, lambda plan: (plan.new_tokens, grouped and plan.lora), run, out
-            )
-
-    def _run_group(self, pool: TorchBlockPool, plans: list[QueryPlan], out: torch.Tensor) -> None:
+    def _run_group(self, pool: TorchBlockPool, plans: list[RowPlan], out: torch.Tensor) -> None:
         """One forward for plans sharing their number of new tokens: their logprobs into
         ``out``, and their new tokens' KV written into their chains. Its inputs reach the
         device as one tensor (`step_inputs`), so its ops do not grow with the plans or their
@@ -438,7 +443,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         assert self._pool is not None  # graphs go with KV reuse
         self._cascade_forward(self._pool, step, [None] * step.input_ids.shape[0], out, False)
 
-    def _shared_blocks(self, plans: list[QueryPlan]) -> int:
+    def _shared_blocks(self, plans: list[RowPlan]) -> int:
         """Blocks at the start of every plan's chain and inside every plan's past: cascade
         attention reads them once (0: no cascade, too few plans or shared tokens)."""
         if not self._cascade or len(plans) < 2:
@@ -448,7 +453,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         blocks = shared_blocks(plans, size)
         return blocks if blocks * size >= CASCADE_MIN_SHARED else 0
 
-    def _run_without_kv(self, plans: list[QueryPlan], out: torch.Tensor) -> None:
+    def _run_without_kv(self, plans: list[RowPlan], out: torch.Tensor) -> None:
         """Fallback for models without reusable KV: one plain forward of whole prefixes of
         one length, their logprobs into ``out``."""
         input_ids = torch.tensor([plan.ids for plan in plans], device=self._input_device)
@@ -518,27 +523,3 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         ):
             return None, "its cache has layers other than full attention"
         return uniform_layout(layers)
-
-
-def _grouped_batch(
-    plans: Sequence[QueryPlan],
-    key: Callable[[QueryPlan], Hashable],
-    run: Callable[[list[QueryPlan], torch.Tensor], None],
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """``run`` (writing a group's ``[rows, vocab]`` batch into the slice of ``out`` it is
-    given) over the plans grouped by ``key``; the batch in the order of ``plans`` (one
-    group, the usual step: ``out`` itself)."""
-    groups = plan_groups(plans, key)
-    if len(groups) == 1:
-        run(list(plans), out)
-        return out
-    offset = 0
-    for indices in groups:
-        run([plans[i] for i in indices], out[offset : offset + len(indices)])
-        offset += len(indices)
-    order = [index for indices in groups for index in indices]
-    inverse = [0] * len(order)
-    for position, index in enumerate(order):
-        inverse[index] = position
-    return out[torch.tensor(inverse, device=out.device)]

@@ -22,8 +22,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.prefix import QueryPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -106,7 +106,7 @@ class StepInputs:
         )
 
 
-def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
+def shared_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
     """Blocks at the start of every plan's chain that all plans share, within every plan's
     past: the common prefix of the lexicographically first and last chains (so one pass
     over one chain, not over every plan's)."""
@@ -116,7 +116,7 @@ def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
     return next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
 
 
-def exact_shape(plans: Sequence[QueryPlan], block_size: int, skip_blocks: int) -> StepShape:
+def exact_shape(plans: Sequence[RowPlan], block_size: int, skip_blocks: int) -> StepShape:
     """The smallest shape of the plans' step with ``skip_blocks`` shared blocks."""
     skip = skip_blocks * block_size
     past = max(plan.start for plan in plans) - skip
@@ -124,7 +124,7 @@ def exact_shape(plans: Sequence[QueryPlan], block_size: int, skip_blocks: int) -
 
 
 def host_step(
-    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, shape: StepShape, pin: bool
+    plans: Sequence[RowPlan], block_size: int, skip_blocks: int, shape: StepShape, pin: bool
 ) -> torch.Tensor:
     """The plans' inputs as one host int64 tensor laid out as ``shape`` (at least their
     `exact_shape`), built with numpy over each plan's own blocks (the shared
@@ -176,7 +176,7 @@ def host_step(
 
 
 def step_inputs(
-    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, device: torch.device
+    plans: Sequence[RowPlan], block_size: int, skip_blocks: int, device: torch.device
 ) -> StepInputs:
     """The plans' inputs in their `exact_shape`, moved to ``device`` in one copy (from
     pinned memory, non-blocking, on CUDA)."""
