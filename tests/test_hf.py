@@ -211,7 +211,8 @@ async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     monkeypatch.setattr(paged, "cascade_attention", counted)
     seen = await random_walks(lm, long_prompt, 5)
     assert calls  # the shared prompt was read once per layer for all rows
-    assert lm.model.config._attn_implementation == "sdpa"  # chosen per call, never switched
+    # the model's own attention: transformers' sdpa but for the forwards that pass their cache
+    assert lm.model.config._attn_implementation == paged.CASCADE_ATTENTION
     for ids, got in seen.items():
         assert_close(lm, ids, got)
         assert got.untyped_storage().nbytes() == got.nbytes  # no batch block pinned

@@ -208,3 +208,23 @@ async def test_a_prompt_longer_than_max_batch_tokens_is_prefilled_in_exact_chunk
     children = [prompt + [t] for t in range(20, 24)]
     for ids, row in zip(children, await lm.batch_next_token_logprobs(children), strict=True):
         assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
+
+
+def test_cascade_is_the_models_own_attention_and_transformers_sdpa_stays(smollm2_tokenizer):
+    """The cascade is reached through the model's call: the model's attention is set to one
+    of our own name, which runs transformers' sdpa for any other forward (the same logits
+    as before), and transformers' ``sdpa`` entry is left as it was for every other model."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from genlm.backend.llm.hf import CASCADE_ATTENTION
+
+    model = tiny_llama(len(smollm2_tokenizer), attn_implementation="sdpa", **MODEL)
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    with AsyncTransformer(model, smollm2_tokenizer) as lm:
+        assert lm._cascade and model.config._attn_implementation == CASCADE_ATTENTION
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+        with torch.inference_mode():
+            assert torch.equal(model(input_ids=ids).logits, before)

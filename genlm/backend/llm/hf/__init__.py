@@ -11,6 +11,7 @@ from genlm.backend.llm.hf.model import (
 )
 from genlm.backend.llm.hf.options import cache_keyword
 from genlm.backend.llm.hf.paged import (
+    CASCADE_ATTENTION,
     CASCADE_MIN_SHARED,
     cascade_attention,
     paged_cache,
@@ -19,6 +20,7 @@ from genlm.backend.llm.hf.paged import (
 
 __all__ = [
     "BASE_ADAPTER",
+    "CASCADE_ATTENTION",
     "CASCADE_MIN_SHARED",
     "DEFAULT_MAX_KV_BYTES",
     "DEFAULT_MAX_LOGPROBS_BYTES",

@@ -75,14 +75,15 @@ from genlm.backend.llm.hf.options import (
     quiet_bitsandbytes,
 )
 from genlm.backend.llm.hf.paged import (
+    CASCADE_ATTENTION,
     CASCADE_MIN_SHARED,
     StepInputs,
     attention_mask,
     paged_cache,
-    register_cascade,
     shared_blocks,
     step_cache,
     step_inputs,
+    use_cascade,
 )
 from genlm.backend.llm.prefix import PrefixCachedLM, row_groups, rows_in_order
 
@@ -171,7 +172,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         layout, reason = self._probe_kv_layout()
         self._pool = None if layout is None else self._kv_pool(layout, cuda_graphs)
         self._head = plain_head(self.model, self.vocab_size, self._input_device)
-        self._cascade = self._pool is not None and register_cascade(
+        self._cascade = self._pool is not None and use_cascade(
             self.model, self._pool.layout.num_layers
         )
         self._graphs = self._decode_graphs() if cuda_graphs else None
@@ -423,7 +424,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         reuse_logits: bool = True,
     ) -> None:
         """Cascade attention: the shared prefix is read once per layer; each row reads only
-        its own tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword)."""
+        its own tokens (the model's attention, `sdpa_or_cascade_attention`, picks it by the
+        ``genlm_cache`` keyword, which the model passes on to it)."""
         cache = step_cache(pool, step)
         self._forward_logprobs(
             loras,
@@ -484,7 +486,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     def _additive_or_boolean(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` as the model's attention wants it: boolean for sdpa, additive for eager."""
-        if self.model.config._attn_implementation == "sdpa":
+        if self.model.config._attn_implementation in ("sdpa", CASCADE_ATTENTION):
             return mask
         assert self._pool is not None  # masks go with KV reuse
         dtype = self._pool.layout.dtype
@@ -507,7 +509,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it."""
         implementation = getattr(self.model.config, "_attn_implementation", None)
-        if implementation not in ("sdpa", "eager"):
+        if implementation not in ("sdpa", "eager", CASCADE_ATTENTION):
             return None, f"attention implementation {implementation!r}"
         with torch.inference_mode():
             input_ids = torch.zeros((1, 1), dtype=torch.long, device=self._input_device)

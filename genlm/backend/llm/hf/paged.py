@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
+# The attention implementation `use_cascade` gives a model: `sdpa_or_cascade_attention`.
+CASCADE_ATTENTION = "genlm_cascade"
 
 
 # Padding rows write their one token's KV here (the last slot of block 0, which no chain
@@ -284,9 +286,9 @@ def cascade_attention(
     The shared keys are read once for all rows (one matmul per KV head over every row's
     queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
     ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
-    their running maximum and sums (log-sum-exp). The layer's paged cache comes in
+    their running maximum and sums (log-sum-exp). The forward's paged cache comes in
     ``kwargs["genlm_cache"]`` (see `sdpa_or_cascade_attention`); padding shared slots, if
-    any, are hidden by its ``shared_mask``.
+    any, are hidden by its layer's ``shared_mask``.
     """
     layer = kwargs["genlm_cache"].layers[module.layer_idx]
     shared_keys, shared_values = layer.shared_kv()
@@ -323,28 +325,34 @@ def sdpa_or_cascade_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
-    """transformers' ``sdpa`` attention, or `cascade_attention` for a forward that passes
-    its paged cache as ``genlm_cache=``: the choice is made per call, by that keyword.
-
-    Registered (by `register_cascade`) as the ``"sdpa"`` entry of transformers' attention
-    registry, so no model config is switched around a forward: every other forward, of
-    any model in any thread, passes no ``genlm_cache`` and gets plain ``sdpa``.
-    """
+    """`cascade_attention` for a forward that passes its paged cache as ``genlm_cache=``
+    (the model hands its call's keyword arguments to every attention call), else
+    transformers' ``sdpa`` attention: the attention `use_cascade` gives a model."""
     if "genlm_cache" in kwargs:
         assert attention_mask is not None  # a cascade forward passes its boolean mask
         return cascade_attention(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def register_cascade(model: PreTrainedModel, num_layers: int) -> bool:
-    """Register `sdpa_or_cascade_attention` as ``"sdpa"``; whether ``model`` runs ``sdpa``
-    and each of its attention modules (one per KV layer) looks ``sdpa`` up in a registry
-    that now answers it (a model with its own ``sdpa`` would ignore ``genlm_cache=``)."""
-    if model.config._attn_implementation != "sdpa":
+def use_cascade(model: PreTrainedModel, num_layers: int) -> bool:
+    """Make `sdpa_or_cascade_attention` the attention of ``model``, a model that runs
+    ``sdpa``: registered with transformers under a name of its own, `CASCADE_ATTENTION`
+    (with ``sdpa``'s masks), and set as the model's implementation (`set_attn_implementation`),
+    which its attention modules look up at each forward. transformers' own entries stay as they are, and so
+    does every other model; this one runs ``sdpa`` as before, but for the forwards that
+    pass ``genlm_cache=``. Whether each of its attention modules (one per KV layer) now
+    finds it (a model that cannot switch keeps its ``sdpa`` and no cascade runs)."""
+    if model.config._attn_implementation not in ("sdpa", CASCADE_ATTENTION):
         return False
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
 
-    AttentionInterface.register("sdpa", sdpa_or_cascade_attention)
+    AttentionInterface.register(CASCADE_ATTENTION, sdpa_or_cascade_attention)
+    AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
+    for module in model.modules():  # the outermost transformers model (``model``, or one it wraps)
+        if hasattr(module, "set_attn_implementation"):
+            module.set_attn_implementation(CASCADE_ATTENTION)
+            break
     modules = [
         module
         for module in model.modules()
@@ -355,6 +363,8 @@ def register_cascade(model: PreTrainedModel, num_layers: int) -> bool:
         for module in modules
     ]
     return len(modules) == num_layers and all(
-        registry is not None and registry.get_interface("sdpa", None) is sdpa_or_cascade_attention
-        for registry in registries
+        getattr(getattr(module, "config", None), "_attn_implementation", None) == CASCADE_ATTENTION
+        and registry is not None
+        and registry.get_interface(CASCADE_ATTENTION, None) is sdpa_or_cascade_attention
+        for module, registry in zip(modules, registries, strict=True)
     )
