@@ -118,6 +118,17 @@ def shared_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
     return next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
 
 
+def cascade_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
+    """The `shared_blocks` a step's cascade attention reads once for all its plans, or 0
+    (no cascade: a lone plan, or fewer than ``CASCADE_MIN_SHARED`` shared tokens). The
+    one decision for the eager step and its CUDA graph alike: a lone row reading its
+    whole past as shared would change graph buckets every few tokens."""
+    if len(plans) < 2:
+        return 0
+    blocks = shared_blocks(plans, block_size)
+    return blocks if blocks * block_size >= CASCADE_MIN_SHARED else 0
+
+
 def exact_shape(plans: Sequence[RowPlan], block_size: int, skip_blocks: int) -> StepShape:
     """The smallest shape of the plans' step with ``skip_blocks`` shared blocks."""
     skip = skip_blocks * block_size
@@ -344,15 +355,16 @@ def use_cascade(model: PreTrainedModel, num_layers: int) -> bool:
     finds it (a model that cannot switch keeps its ``sdpa`` and no cascade runs)."""
     if model.config._attn_implementation not in ("sdpa", CASCADE_ATTENTION):
         return False
-    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(CASCADE_ATTENTION, sdpa_or_cascade_attention)
     AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
-    for module in model.modules():  # the outermost transformers model (``model``, or one it wraps)
-        if hasattr(module, "set_attn_implementation"):
-            module.set_attn_implementation(CASCADE_ATTENTION)
-            break
+    # the outermost transformers model: ``model``, or the one a wrapper of it holds
+    outermost = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if outermost is None:
+        return False
+    outermost.set_attn_implementation(CASCADE_ATTENTION)
     modules = [
         module
         for module in model.modules()
