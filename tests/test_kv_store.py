@@ -580,3 +580,88 @@ def test_a_pool_sized_once_serves_or_refuses_and_keeps_every_chain_exact(
         assert pool.sizes == [capacity]
         if budget is not None:
             assert store.kv_nbytes <= budget
+
+
+# -- a batch: plan, then commit or release ------------------------------------------------------
+
+
+def planned(store, pool, requests, key=None, **options):
+    """`PrefixKVStore.plan` of ``requests``, each row's new tokens then written (the
+    forward's part)."""
+    plan = store.plan([(tuple(ids), key) for ids in requests], 1, **options)
+    for row in plan.rows:
+        pool.write(row.chain, row.start, row.ids)
+    return plan
+
+
+def test_commit_caches_the_rows_and_gives_each_chain_to_its_node():
+    store, pool = make_store()
+    prompt = list(range(100, 110))
+    plan = planned(store, pool, [prompt])
+    (row,) = plan.rows
+    assert plan.cached == (None,) and (row.start, row.new_tokens, row.source) == (0, 10, None)
+    assert store.held_blocks == 3  # the row's own chain, while the batch runs
+    assert store.commit(plan, ["p"]) == ["p"]
+    node = store.walk(store.root(None), prompt)[0]
+    assert (node.logprobs, node.chain, store.held_blocks) == ("p", row.chain, 3)
+    # forks start from the prompt's KV; the prompt itself is answered from the tree
+    plan = planned(store, pool, [prompt + [1], prompt, prompt + [2, 3]])
+    assert plan.cached == (None, "p", None) and [row.slot for row in plan.rows] == [0, 2]
+    assert [(row.start, row.new_tokens) for row in plan.rows] == [(10, 1), (10, 2)]
+    assert all(row.source is node for row in plan.rows)
+    assert store.commit(plan, ["a", "b"]) == ["a", "p", "b"]
+    assert store._protected == set()
+    check_invariants(store, pool)
+
+
+def test_release_lets_every_row_chain_go_and_prunes_the_nodes_made_for_them():
+    store, pool = make_store()
+    prompt = list(range(100, 110))
+    store.commit(planned(store, pool, [prompt]), ["p"])
+    node = store.walk(store.root(None), prompt)[0]
+    plan = planned(store, pool, [prompt + [1], prompt + [2, 3], [7, 8]])
+    assert store.held_blocks > 3
+    store.release(plan)  # the forward failed
+    assert store.held_blocks == 3 and store._protected == set()
+    assert store.walk(store.root(None), prompt + [1]) == (node, 10)
+    assert store.walk(store.root(None), [7, 8]) == (store.root(None), 0)
+    check_invariants(store, pool)
+
+
+def test_a_plan_whose_copies_fail_holds_nothing():
+    store, pool = make_store()
+    prompt = list(range(100, 110))  # its last block partly filled: a second fork copies it
+    store.commit(planned(store, pool, [prompt]), ["p"])
+
+    def refuse(copies):
+        raise RuntimeError("copy failed on purpose")
+
+    pool.copy = refuse
+    with pytest.raises(RuntimeError, match="on purpose"):
+        store.plan([((*prompt, 1), None), ((*prompt, 2), None)], 1)
+    assert store.held_blocks == 3 and store._protected == set()
+    assert store.walk(store.root(None), prompt + [1])[1] == 10
+    check_invariants(store, pool)
+
+
+def test_commit_refuses_a_wrong_number_of_rows_and_lets_their_chains_go():
+    store, pool = make_store()
+    plan = planned(store, pool, [[1, 2, 3], [4, 5]])
+    with pytest.raises(ValueError, match="1 rows computed for a plan of 2"):
+        store.commit(plan, ["x"])
+    assert store.held_blocks == 0 and store.walk(store.root(None), [1, 2, 3])[1] == 0
+    check_invariants(store, pool)
+
+
+def test_a_pin_plan_computes_a_cached_prefix_and_pins_its_chain():
+    store, pool = make_store(max_kv_bytes=0)  # unpinned KV is evicted after each batch
+    prompt = list(range(100, 110))
+    store.commit(planned(store, pool, [prompt]), ["p"])
+    node = store.walk(store.root(None), prompt)[0]
+    assert node.logprobs == "p" and node.chain is None
+    plan = planned(store, pool, [prompt], pin=True)
+    assert plan.cached == (None,) and len(plan.rows) == 1
+    store.commit(plan, ["q"])
+    assert node.pinned and node.logprobs == "q" and store.kv_nbytes == 0
+    assert pool.read(node.chain, 10) == prompt
+    check_invariants(store, pool)
