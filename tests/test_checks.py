@@ -19,6 +19,7 @@ from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import KVLayout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
+from genlm.backend.kv.tree import node_at
 from genlm.backend.llm import MockAsyncLM
 from genlm.backend.llm.base import check_sampling_args
 
@@ -277,8 +278,9 @@ def test_a_5000_token_chain_prints_one_short_line_per_node():
     store = PrefixKVStore(ListPool(), nbytes=len)
     root = store.root(None)
     ids = [7] * CHAIN
-    deep = store.node_at(root, ids)
-    chain, _ = store.extend(None, 0, CHAIN)
+    deep = node_at(root, ids)
+    store.reserve([(None, 0, CHAIN)])
+    (chain,), _ = store.blocks.extend_all([(None, 0, CHAIN)])
     store.set_chain(deep, chain)
     store.set_logprobs(deep, [0.0] * 8)
     store.pin(deep)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from genlm.backend.kv.pool import BLOCK_SIZE
+from genlm.backend.kv.tree import walk
 from genlm.backend.llm.hf import AsyncTransformer, cache_keyword
 
 # Rows of our HF backend (batched, padded, KV from the paged store, cascade attention) vs a
@@ -215,7 +216,7 @@ async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     assert lm.model.config._attn_implementation == paged.CASCADE_ATTENTION
     for ids, got in seen.items():
         assert_close(lm, ids, got)
-        cached = lm.store.walk(lm.cache, ids)[0].logprobs
+        cached = walk(lm.cache, ids)[0].logprobs
         if cached is not None:  # the caller's copy, not the tree's row
             assert got.untyped_storage().data_ptr() != cached.untyped_storage().data_ptr()
     # the prompt's KV is held once: its 90 tokens plus each particle's own 3 tokens, in blocks

@@ -12,6 +12,7 @@ from small_models import tiny_llama
 
 from genlm.backend.kv.pool import BlockCopy, KVLayout
 from genlm.backend.kv.torch_pool import TorchBlockPool
+from genlm.backend.kv.tree import walk
 from genlm.backend.llm.hf import AsyncTransformer
 
 TOL = 1e-4  # float32 rows: batched / KV-reused / cascade vs one plain forward
@@ -148,7 +149,7 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     contexts = particles(8, prompt)
     await lm.next_token_logprobs(prompt)
     rows = lm._rows_sync([lm._query(c) for c in contexts])
-    cached = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
+    cached = [walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
     assert len({row.untyped_storage().data_ptr() for row in cached}) == 1  # one batch
     copies = {row.untyped_storage().data_ptr() for row in rows}
     assert len(copies) == 1 and copies != {cached[0].untyped_storage().data_ptr()}
@@ -158,10 +159,10 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     row_bytes = 4 * lm.vocab_size
     assert lm.store.logprobs_nbytes == 9 * row_bytes  # the prompt's row and the batch of 8
     for context in contexts[:7]:  # all but one row of the batch go: its memory stays
-        node = lm.store.walk(lm.cache, tuple(context))[0]
+        node = walk(lm.cache, tuple(context))[0]
         lm.store.set_logprobs(node, None)
     assert lm.store.logprobs_nbytes == 9 * row_bytes
-    lm.store.set_logprobs(lm.store.walk(lm.cache, tuple(contexts[7]))[0], None)
+    lm.store.set_logprobs(walk(lm.cache, tuple(contexts[7]))[0], None)
     assert lm.store.logprobs_nbytes == row_bytes
     again = lm.next_token_logprobs_sync(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
@@ -182,7 +183,7 @@ def test_a_batch_larger_than_the_logprobs_budget_keeps_the_rows_that_fit(
     )
     contexts = particles(8, list(range(3, 40)))
     lm.batch_next_token_logprobs_sync(contexts)
-    kept = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
+    kept = [walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
     assert [row is not None for row in kept] == [False] * 5 + [True] * 3
     assert lm.store.logprobs_nbytes == 3 * row_bytes
     for context, row in zip(contexts[5:], kept[5:], strict=True):

@@ -1,0 +1,170 @@
+"""The prefix trees of `PrefixKVStore`: `KVNode`, one plain record per token prefix, and
+the walks over them.
+
+A node maps its prefix to the next-token logprobs cached for it and to its *chain*: the
+ids of the blocks holding its KV, token ``j`` in block ``chain[j // block_size]`` at offset
+``j % block_size`` (`genlm.backend.kv.blocks`). `RecentNodes` remembers the nodes made
+lately, so that a decode step finds each request's node in O(new tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from genlm.backend.kv.pool import Chain
+
+
+@dataclass(eq=False, repr=False, slots=True)
+class KVNode:
+    """One token prefix: its children, cached next-token logprobs and KV chain (plain data;
+    slotted: a tree holds a node per token of every cached prefix)."""
+
+    parent: KVNode | None = None
+    token: int | None = None
+    depth: int = 0
+    children: dict[int, KVNode] = field(default_factory=dict)
+    logprobs: Any = None
+    chain: Chain | None = None
+    pinned: bool = False
+
+    def __repr__(self) -> str:
+        """One line about this node alone: a tree thousands of tokens deep (parent and
+        children link every node) prints in constant time and space."""
+        blocks = 0 if self.chain is None else len(self.chain)
+        return (
+            f"KVNode(depth={self.depth}, token={self.token}, children={len(self.children)}, "
+            f"blocks={blocks}, pinned={self.pinned}, logprobs={self.logprobs is not None})"
+        )
+
+
+def walk(node: KVNode, ids: Sequence[int]) -> tuple[KVNode, int]:
+    """Follow ``ids`` from ``node`` (a root, or a node on the path of ``ids``) as far as
+    the tree goes: ``(deepest node, tokens of ids it covers)``."""
+    for i in range(node.depth, len(ids)):
+        child = node.children.get(ids[i])
+        if child is None:
+            return node, i
+        node = child
+    return node, len(ids)
+
+
+def node_at(node: KVNode, ids: Sequence[int]) -> KVNode:
+    """The node for ``ids`` below ``node`` (at depth ``node.depth``), created as needed."""
+    for token in ids[node.depth :]:
+        child = node.children.get(token)
+        if child is None:
+            child = node.children[token] = KVNode(node, token, node.depth + 1)
+        node = child
+    return node
+
+
+def kv_source(node: KVNode, search: int = 256) -> KVNode | None:
+    """The node whose chain holds the longest KV usable for ``node``'s prefix: the nearest
+    ancestor-or-self with a chain, or a descendant's (its chain starts with ``node``'s
+    prefix; a few nodes are searched). None for a root."""
+    if node.parent is None:
+        return None
+    ancestor: KVNode | None = node
+    while ancestor is not None and ancestor.chain is None:
+        ancestor = ancestor.parent
+    if ancestor is node:
+        return node
+    stack = list(node.children.values())
+    while stack and search > 0:
+        search -= 1
+        candidate = stack.pop()
+        if candidate.chain is not None:
+            return candidate
+        stack.extend(candidate.children.values())
+    return ancestor
+
+
+def attached(node: KVNode) -> bool:
+    """Whether ``node`` is still its parent's child (`prune` detaches empty nodes)."""
+    parent, token = node.parent, node.token
+    return parent is not None and token is not None and parent.children.get(token) is node
+
+
+def prune(nodes: Sequence[KVNode]) -> None:
+    """Detach each of ``nodes`` left with no value and no children, and so on up its
+    path, so the trees stay bounded (between batches, when no caller holds a node)."""
+    for node in nodes:
+        while (
+            node.parent is not None
+            and node.token is not None
+            and not node.children
+            and node.logprobs is None
+            and node.chain is None
+            and node.parent.children.get(node.token) is node
+        ):
+            del node.parent.children[node.token]
+            node = node.parent
+
+
+def subtree(root: KVNode) -> list[KVNode]:
+    """Every node of the tree under ``root``, ``root`` included."""
+    nodes, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+class RecentNodes:
+    """The nodes `PrefixKVStore.plan` made lately, by tree key and prefix hash: two
+    generations of about ``budget`` tokens each (a hit in the older one moves to the
+    newer). A node is returned only for the prefix it was added with, told by the
+    prefix's encoding (`TokenIds.encoding`: a prefix-free code of its ids, kept with the
+    node; prefixes whose hashes collide only miss), and only while `attached`; the store
+    starts a new one when it drops a tree. An entry holds an int, bytes and the node: no
+    prefix (a tuple of references the collector would walk) and no object of its own."""
+
+    def __init__(self, budget: int = 1 << 20):
+        self.budget = budget
+        self._current: dict[Hashable, _RecentTree] = {}
+        self._previous: dict[Hashable, _RecentTree] = {}
+        self._tokens = 0
+
+    def get(self, key: Hashable, prefix_hash: int, depth: int, encoding: bytes) -> KVNode | None:
+        """The node of the first ``depth`` ids of a prefix encoded by ``encoding``, if it was
+        added with hash ``prefix_hash``."""
+        tree = self._current.get(key, _NO_TREE)
+        node = tree.nodes.get(prefix_hash)
+        if node is None:
+            tree = self._previous.get(key, _NO_TREE)
+            node = tree.nodes.get(prefix_hash)
+            if node is None:
+                return None
+            self.add(key, prefix_hash, tree.encodings[prefix_hash], node)
+        if node.depth != depth or not encoding.startswith(tree.encodings[prefix_hash]):
+            return None
+        return node if attached(node) else None
+
+    def add(self, key: Hashable, prefix_hash: int, encoding: bytes, node: KVNode) -> None:
+        """Remember ``node``, the node of the prefix with this hash and encoding."""
+        self._tokens += node.depth
+        if self._tokens > self.budget:
+            self._previous, self._current, self._tokens = self._current, {}, node.depth
+        tree = self._current.get(key)
+        if tree is None:
+            tree = self._current[key] = _RecentTree()
+        tree.nodes[prefix_hash] = node
+        tree.encodings[prefix_hash] = encoding
+
+
+class _RecentTree:
+    """The recent nodes of one tree in one generation of `RecentNodes`, by prefix hash,
+    and their prefixes' encodings."""
+
+    __slots__ = ("encodings", "nodes")
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, KVNode] = {}
+        self.encodings: dict[int, bytes] = {}
+
+
+# What `RecentNodes.get` looks in for a tree key it has no nodes of (only read).
+_NO_TREE = _RecentTree()
