@@ -200,20 +200,20 @@ def long_prompt(smollm2_tokenizer):
 async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     lm, long_prompt, monkeypatch, random_walks
 ):
-    import genlm.backend.llm.hf.paged as paged
+    import genlm.backend.llm.hf.attention as attention
 
     calls = []
-    cascade = paged.cascade_attention
+    cascade = attention.cascade_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return cascade(*args, **kwargs)
 
-    monkeypatch.setattr(paged, "cascade_attention", counted)
+    monkeypatch.setattr(attention, "cascade_attention", counted)
     seen = await random_walks(lm, long_prompt, 5)
     assert calls  # the shared prompt was read once per layer for all rows
     # the model's own attention: transformers' sdpa but for the forwards that pass their cache
-    assert lm.model.config._attn_implementation == paged.CASCADE_ATTENTION
+    assert lm.model.config._attn_implementation == attention.CASCADE_ATTENTION
     for ids, got in seen.items():
         assert_close(lm, ids, got)
         cached = walk(lm.cache, ids)[0].logprobs

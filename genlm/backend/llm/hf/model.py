@@ -67,6 +67,8 @@ from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore, RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.base import check_vocab_fits
+from genlm.backend.llm.hf.attention import CASCADE_ATTENTION, use_cascade
+from genlm.backend.llm.hf.cache import paged_cache, step_cache
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import (
@@ -75,16 +77,7 @@ from genlm.backend.llm.hf.options import (
     normalize_dtype,
     quiet_bitsandbytes,
 )
-from genlm.backend.llm.hf.paged import (
-    CASCADE_ATTENTION,
-    StepInputs,
-    attention_mask,
-    cascade_blocks,
-    paged_cache,
-    step_cache,
-    step_inputs,
-    use_cascade,
-)
+from genlm.backend.llm.hf.paged import StepInputs, attention_mask, cascade_blocks, step_inputs
 from genlm.backend.llm.prefix import PrefixCachedLM, row_groups, rows_in_order
 
 # peft's name for "no adapter" in a mixed-adapter batch.
