@@ -1,26 +1,17 @@
 """`BlockAllocator`: who holds each block of a `BlockPool`, and the pool's size.
 
 A chain (`genlm.backend.kv.pool.Chain`) is the ids of the blocks holding a prefix's KV.
-Blocks are reference-counted: every chain holding a block (a node's, or a row's while a
-batch runs) counts once, so particles that share a prompt share its blocks; a pinned
-chain counts again in the block's pins. The blocks held by some chain and by no pinned
-one are the ``budgeted`` ones (what a KV budget counts), the others held the ``pinned``.
+Every chain holding a block (a node's, or a row's while a batch runs) counts once, so
+particles that share a prompt share its blocks; a pinned chain counts again in the
+block's pins. Extending a chain (`extend_all`) shares its full blocks and appends to its
+partly filled last block in place when nobody has written past the prefix in it yet, else
+copies it (copy-on-write). A decode step costs O(new tokens) per row: shared blocks are
+held by one count in C, a chain appended to within its last block keeps its tuple.
 
-- Extending a chain (`extend_all`) shares its full blocks; its partly filled last block is
-  appended to in place when nobody has written past the prefix in it yet (each block's
-  ``fill``), and copied otherwise (copy-on-write: only a partly filled last block is ever
-  copied). The rows of a batch hold the blocks they share by one count in C, a row
-  appended to in place within its last block keeps its source's chain tuple, and a
-  chain's blocks are let go in one loop: a decode step costs O(new tokens) per row.
-- The pool's size (`capacity`) follows what is held: the lowest free block is handed out
-  first, so held blocks stay at the low end; before a batch `grow_for` grows the pool once,
-  in steps of a quarter (at least `INITIAL_BLOCKS`) but never past the budget's blocks
-  plus the pinned ones or, when the rows need more, past what they need (without a budget
-  it doubles); `clear` and `shrink` take it back to `INITIAL_BLOCKS`, `trim` halves it
-  while three quarters of it are free, and `free` lets go of all of it.
-- A pool sized once (``fixed_capacity``: on CUDA, where captured graphs hold its
-  addresses) is allocated at construction and never resized: `grow_for` raises when it
-  has too few free blocks.
+The pool's size (`capacity`) follows what is held: the lowest free block is handed out
+first, `grow_for` grows the pool once per batch, `trim` halves it while three quarters of
+it are free. A pool sized once (``fixed_capacity``: on CUDA, where captured graphs hold its
+addresses) is allocated at construction and never resized.
 """
 
 from __future__ import annotations
@@ -78,13 +69,8 @@ class BlockAllocator:
 
     @property
     def capacity(self) -> int:
-        """Blocks in the pool (block 0 included).
-
-        With a budget, growing never takes it past ``1 + budget blocks + pinned blocks``,
-        or, when more are held or reserved, past ``1 + held blocks + the blocks asked for``
-        (the rows of a running batch may hold blocks beyond the budget). A pool sized once
-        has ``fixed_capacity`` blocks (1 after `free`, until it is needed again).
-        """
+        """Blocks in the pool (block 0 included): with a budget, at most ``1 + budget
+        blocks + pinned blocks``, or ``1 + held blocks + the blocks a batch asked for``."""
         return len(self._refs)
 
     @property

@@ -1,5 +1,5 @@
-"""What the store's budgets count: the memory cached values occupy, shared memory counted
-once (`SharedMemory`), and whether a least-recently-used budget is exceeded (`over`).
+"""What the store's logprobs budget counts: the memory cached values occupy, shared memory
+counted once (`SharedMemory`).
 
 Next-token log-probabilities cached at the nodes are usually rows of one batch, views of
 its memory (`memory_key`): the batch's bytes count once while any of its rows is cached.
@@ -23,12 +23,6 @@ def memory_nbytes(value: Any) -> int:
     storage, else ``value.nbytes``."""
     storage = getattr(value, "untyped_storage", None)
     return int(value.nbytes) if storage is None else storage().nbytes()
-
-
-def over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:
-    """Whether an LRU budget is exceeded: ``used`` over ``limit`` or ``kept`` entries over
-    ``entries`` (None: no bound)."""
-    return (limit is not None and used > limit) or (entries is not None and kept > entries)
 
 
 class SharedMemory:

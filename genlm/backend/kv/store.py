@@ -1,30 +1,20 @@
-"""`PrefixKVStore`: a paged prefix-KV store shared by particles (framework-agnostic policy).
+"""`PrefixKVStore`: the policy of a paged prefix-KV store shared by particles.
 
-KV states live in fixed-size blocks of ``block_size`` tokens inside a `BlockPool`
-(`genlm.backend.kv.pool`). The store decides what the blocks hold and when they go:
+A prefix tree per adapter (`genlm.backend.kv.tree`) maps a prefix to its cached next-token
+logprobs and its *chain*, the blocks of a `BlockPool` holding its KV, which a
+`genlm.backend.kv.blocks.BlockAllocator` hands out. The store decides what stays: the KV
+budget counts the blocks held by unpinned chains (optionally also how many chains), the
+logprobs budget the bytes of the memory the values occupy (`genlm.backend.kv.budget`),
+least recently used first; pinned chains (`pin`) are outside the budget.
 
-- A prefix tree per adapter (`genlm.backend.kv.tree`) maps a prefix to its cached
-  next-token logprobs and its *chain*, the blocks holding its KV, which a
-  `genlm.backend.kv.blocks.BlockAllocator` hands out, shares between prefixes by reference
-  counts and copies on write. The node a row reads its KV from is kept out of eviction
-  while its batch runs (`protect`).
-- A decode step costs O(new tokens) per request in Python, whatever its context: `find`
-  starts from the node that `plan` made for the request's prefix on an earlier step.
-- The KV budget counts exactly the blocks held by unpinned chains (optionally also how
-  many such chains there are); least recently used chains are let go first. Pinned
-  chains (`pin`) are outside the budget.
-- Next-token log-probabilities cached at the nodes have their own LRU budget (bytes,
-  optionally also entries), the bytes those of the memory the values occupy
-  (`genlm.backend.kv.budget`: rows that are views of one batch count it once).
-
-A batch goes through three verbs that hold its order of work: `plan` (each query's node,
-its cached logprobs or a `RowPlan` to compute: the deepest usable KV source touched and
-protected, with KV reuse room made for the rows' blocks, their chains made and their
-copy-on-write copies applied to the pool, room made in the logprobs budget), then either
-`commit` (each row's logprobs cached at its node, its chain given to the node) or
-`release` (the rows' chains let go); both end by unprotecting the sources and evicting,
-trimming and pruning. A backend's forward, between the two, reads each row's chain and
-writes its new tokens' KV into the blocks its chain holds past ``start``.
+A batch's order of work is three verbs: `plan` (each query's cached logprobs, or a
+`RowPlan`: its node made, the deepest usable KV source touched and kept from eviction,
+room made for its blocks, its own chain made and the copy-on-write copies applied, room
+made for its logprobs), then `commit` (each row's logprobs cached at its node, its chain
+given to the node) or `release` (the chains let go); both then unprotect the sources,
+evict, trim and prune. Between them a backend's forward reads each row's chain and writes
+its new tokens' KV into it. A decode step costs O(new tokens) per request in Python,
+whatever its context: `find` starts from the node `plan` made on an earlier step.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ from typing import Any
 
 from genlm.backend.checks import check_budget, check_int
 from genlm.backend.kv.blocks import BlockAllocator, Extension
-from genlm.backend.kv.budget import SharedMemory, memory_nbytes, over
+from genlm.backend.kv.budget import SharedMemory, memory_nbytes
 
 # BlockCopy is also this module's name (SPEC lists it with the store's).
 from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain, NoKVPool
@@ -218,7 +208,7 @@ class PrefixKVStore:
                     cached.append(node.logprobs)
                     continue
                 cached.append(None)
-                source, start = self._kv_start(node, len(ids))
+                source, start = self.kv_start(node, len(ids))
                 if source is not None:
                     self.touch(source)
                     self.protect(source)
@@ -226,8 +216,11 @@ class PrefixKVStore:
                 rows.append(RowPlan(slot, ids, lora, target, start, len(ids) - start, source))
             if rows and self.kv_reuse:
                 rows = self._with_chains(rows)
-            if rows:
-                self._make_room_for_rows(len(rows), row_nbytes)
+            if rows:  # a batch over the budget: the budget's worth (its rows are kept apart)
+                nbytes, budget = len(rows) * row_nbytes, self.max_logprobs_bytes
+                self.make_room_for_logprobs(
+                    nbytes if budget is None else min(nbytes, budget), len(rows)
+                )
         except BaseException:
             self._finish(rows, 0)
             raise
@@ -264,14 +257,10 @@ class PrefixKVStore:
         left without values, are pruned), unprotect the sources, evict, trim and prune."""
         self._finish(plan.rows, 0)
 
-    def kv_start(self, key: Hashable, ids: Sequence[int]) -> tuple[KVNode | None, int]:
-        """Where a request for ``ids`` in the tree of ``key`` starts (`walk_cache`): the node
-        whose chain holds the KV it reuses and the first token still to run, at most
-        ``len(ids) - 1`` (``(None, 0)``: no KV to reuse)."""
-        return self._kv_start(self.find(key, ids)[0], len(ids))
-
-    def _kv_start(self, node: KVNode, length: int) -> tuple[KVNode | None, int]:
-        """`kv_start` of a prefix of ``length`` ids from ``node``, the deepest node on its path."""
+    def kv_start(self, node: KVNode, length: int) -> tuple[KVNode | None, int]:
+        """Where a request for a prefix of ``length`` ids starts (``node``: the deepest node
+        on its path): the node whose chain holds the KV it reuses and the first token still
+        to run, at most ``length - 1`` (``(None, 0)``: no KV to reuse)."""
         source = kv_source(node) if self.kv_reuse else None
         if source is None or source.chain is None:
             return None, 0
@@ -280,7 +269,9 @@ class PrefixKVStore:
     def _with_chains(self, rows: list[RowPlan]) -> list[RowPlan]:
         """The rows with their own chains: room made for them in the pool first, then the
         copy-on-write copies applied (the chains let go if that fails)."""
-        needs = [(_chain_of(row.source), row.start, len(row.ids)) for row in rows]
+        needs = [
+            (row.source.chain if row.source else None, row.start, len(row.ids)) for row in rows
+        ]
         self.reserve(needs)
         chains, copies = self.blocks.extend_all(needs)
         try:
@@ -295,13 +286,6 @@ class PrefixKVStore:
             )
             for row, chain in zip(rows, chains, strict=True)
         ]
-
-    def _make_room_for_rows(self, rows: int, row_nbytes: int) -> None:
-        """`make_room_for_logprobs` for a batch of ``rows`` rows (a batch larger than the
-        budget: the budget's worth, as its rows are then kept apart)."""
-        nbytes = rows * row_nbytes
-        budget = self.max_logprobs_bytes
-        self.make_room_for_logprobs(nbytes if budget is None else min(nbytes, budget), rows)
 
     def _finish(self, rows: Sequence[RowPlan], given: int) -> None:
         """End a batch: the chains of ``rows[given:]`` let go (their nodes, if left empty,
@@ -410,7 +394,7 @@ class PrefixKVStore:
         chains are left)."""
         limit = self.blocks.limit(reserve_blocks)
         lru = self._kv_lru
-        while lru and over(self.blocks.budgeted, limit, len(lru), self.max_kv_entries):
+        while lru and _over(self.blocks.budgeted, limit, len(lru), self.max_kv_entries):
             node = next(iter(lru.values()))
             if id(node) in self._protected:
                 break
@@ -450,11 +434,13 @@ class PrefixKVStore:
 
     def _evict_logprobs(self, limit: int | None, entries: int | None) -> None:
         lru = self._logprobs_lru
-        while lru and over(self._memory.nbytes, limit, len(lru), entries):
+        while lru and _over(self._memory.nbytes, limit, len(lru), entries):
             oldest = next(iter(lru.values()))
             self.set_logprobs(oldest, None)
             self._emptied.append(oldest)
 
 
-def _chain_of(source: KVNode | None) -> Chain | None:
-    return None if source is None else source.chain
+def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:
+    """Whether an LRU budget is exceeded: ``used`` over ``limit`` or ``kept`` entries over
+    ``entries`` (None: no bound)."""
+    return (limit is not None and used > limit) or (entries is not None and kept > entries)

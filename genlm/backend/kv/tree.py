@@ -1,11 +1,5 @@
-"""The prefix trees of `PrefixKVStore`: `KVNode`, one plain record per token prefix, and
-the walks over them.
-
-A node maps its prefix to the next-token logprobs cached for it and to its *chain*: the
-ids of the blocks holding its KV, token ``j`` in block ``chain[j // block_size]`` at offset
-``j % block_size`` (`genlm.backend.kv.blocks`). `RecentNodes` remembers the nodes made
-lately, so that a decode step finds each request's node in O(new tokens).
-"""
+"""The prefix trees of `PrefixKVStore`: `KVNode`, one plain record per token prefix (its
+cached next-token logprobs and its chain of KV blocks), and the walks over them."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         self._run_plan(self.store.plan([(ids, lora)], self._row_nbytes, pin=True))
 
     def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
-        source, start = self.store.kv_start(lora, ids)
+        source, start = self.store.kv_start(self.store.find(lora, ids)[0], len(ids))
         if source is None or source.chain is None or not start:
             return CacheWalk(self.store.root(lora), 0, None, 0)
         return CacheWalk(source, start, self._read_past(source.chain, start), source.depth)
