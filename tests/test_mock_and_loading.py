@@ -194,7 +194,7 @@ def test_default_backend_is_vllm_only_with_cuda_and_vllm(
     _machine(monkeypatch, cuda, vllm)
     loaded = {}
     for name in ("vllm", "hf"):  # what each backend would load, without a model or a GPU
-        monkeypatch.setitem(loading.BACKENDS, name, ("genlm.backend.llm.base", "MockAsyncLM"))
+        monkeypatch.setitem(loading.BACKENDS, name, ("genlm.backend.llm.mock", "MockAsyncLM"))
     monkeypatch.setattr(
         MockAsyncLM, "from_name", classmethod(lambda cls, name, **kw: loaded.setdefault("x", cls))
     )

@@ -18,7 +18,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "hf": ("genlm.backend.llm.hf", "AsyncTransformer"),
     "mlx": ("genlm.backend.llm.mlx", "AsyncMlxLM"),
     "sgl": ("genlm.backend.llm.sgl", "AsyncSGLTransformer"),
-    "mock": ("genlm.backend.llm.base", "MockAsyncLM"),
+    "mock": ("genlm.backend.llm.mock", "MockAsyncLM"),
 }
 
 
