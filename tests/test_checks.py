@@ -20,7 +20,7 @@ from genlm.backend.kv.pool import KVLayout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm import MockAsyncLM
-from genlm.backend.llm.base import check_sampling_args
+from genlm.backend.sampling import check_sampling_args
 
 NAN, INF = float("nan"), float("inf")
 

@@ -10,6 +10,9 @@ kernel per device and one device-to-host copy per batch (`sample_rows`).
 Exact: a token is the argmax of its scaled log-probability plus Gumbel noise (the
 Gumbel-max trick), which follows ``softmax(logprobs / temperature)``; scores are taken
 relative to each row's largest, so a tiny temperature gives the greedy token.
+
+`AsyncLM.sample` draws one particle's tokens in turn with `sample_token`, its arguments
+checked first by `check_sampling_args`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import math
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from genlm.backend.batching import AutoBatcher, BatchResults
 from genlm.backend.checks import SEED_LIMIT, check_int
@@ -143,3 +148,45 @@ def sample_rows(
         )
         for token, good in zip(answers, ok, strict=True)
     ]
+
+
+def check_sampling_args(
+    max_tokens: Any,
+    temperature: Any,
+    seed: Any = None,
+    seeds: int = 1,
+    *,
+    max_temperature: float = math.inf,
+) -> None:
+    """Raise for a ``max_tokens`` that is not an int >= 0, a ``temperature`` that is not a
+    finite number in ``(0, max_temperature]``, or a ``seed`` that is not an int with
+    ``seed + seeds - 1`` in ``[0, 2**63)``. Any finite temperature > 0 works with
+    `sample_token`, which scales in float64, from the top; an engine's own sampler may accept
+    fewer (`AsyncLM.max_temperature`)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
+        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and 0 < temperature <= max_temperature):
+        allowed = "> 0" if max_temperature == math.inf else f"in (0, {max_temperature}]"
+        raise ValueError(f"temperature must be a finite number {allowed}, got {temperature}")
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed <= SEED_LIMIT - max(seeds, 1):
+        which = "" if seeds <= 1 else f" (prompt i uses seed + i, for {seeds} prompts)"
+        raise ValueError(f"seed must be in [0, 2**63){which}, got {seed}")
+
+
+def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """One token from ``softmax(logprobs / temperature)``. Scaled in float64 after subtracting
+    the largest logprob, so the top token stays at 0 and a tiny temperature (down to the
+    smallest positive float) gives the greedy token rather than inf or nan."""
+    import torch
+
+    scores = logprobs.detach().double().cpu()
+    probs = torch.softmax((scores - scores.max()) / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -30,28 +30,11 @@ import torch
 
 from genlm.backend._lazy import lazy_exports
 from genlm.backend.batching import AutoBatcher, BatchResults
-from genlm.backend.checks import (
-    SEED_LIMIT,
-    OptionCheck,
-    check_options,
-    check_seconds,
-    int_option,
-)
+from genlm.backend.checks import OptionCheck, check_options, check_seconds, int_option
+from genlm.backend.sampling import check_sampling_args, sample_token
 from genlm.backend.tokenization import decode_vocab
 
 R = TypeVar("R")
-
-
-def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
-    """Refuse a tokenizer that does not belong to the model: it has more tokens than the
-    model has output rows, or far fewer (a model pads its output layer beyond its tokenizer
-    by a little: at most max(128, 1%) rows here; Qwen2.5 pads 271 of 151,936)."""
-    padding = model_vocab - tokenizer_vocab
-    if padding < 0 or padding > max(128, model_vocab // 100):
-        raise ValueError(
-            f"The tokenizer has {tokenizer_vocab} tokens but the model's output layer "
-            f"{model_vocab}: they do not belong together (pass the model's own tokenizer)"
-        )
 
 
 # CPython's tuple hash (xxHash-based, Objects/tupleobject.c): an accumulator folded over
@@ -680,46 +663,6 @@ class AsyncLM(ABC):
             "a worker thread. Send the model's name instead and load it in the other process "
             "(genlm.backend.load_model_by_name)"
         )
-
-
-def check_sampling_args(
-    max_tokens: Any,
-    temperature: Any,
-    seed: Any = None,
-    seeds: int = 1,
-    *,
-    max_temperature: float = math.inf,
-) -> None:
-    """Raise for a ``max_tokens`` that is not an int >= 0, a ``temperature`` that is not a
-    finite number in ``(0, max_temperature]``, or a ``seed`` that is not an int with
-    ``seed + seeds - 1`` in ``[0, 2**63)``. Any finite temperature > 0 works with
-    `sample_token`, which scales in float64, from the top; an engine's own sampler may accept
-    fewer (`AsyncLM.max_temperature`)."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
-        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and 0 < temperature <= max_temperature):
-        allowed = "> 0" if max_temperature == math.inf else f"in (0, {max_temperature}]"
-        raise ValueError(f"temperature must be a finite number {allowed}, got {temperature}")
-    if seed is None:
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    if not 0 <= seed <= SEED_LIMIT - max(seeds, 1):
-        which = "" if seeds <= 1 else f" (prompt i uses seed + i, for {seeds} prompts)"
-        raise ValueError(f"seed must be in [0, 2**63){which}, got {seed}")
-
-
-def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """One token from ``softmax(logprobs / temperature)``. Scaled in float64 after subtracting
-    the largest logprob, so the top token stays at 0 and a tiny temperature (down to the
-    smallest positive float) gives the greedy token rather than inf or nan."""
-    scores = logprobs.detach().double().cpu()
-    probs = torch.softmax((scores - scores.max()) / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 class BatchedAsyncLM(AsyncLM):

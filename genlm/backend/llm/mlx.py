@@ -54,7 +54,7 @@ from genlm.backend.checks import check_budget, check_options, first_line, int_op
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
-from genlm.backend.llm.base import check_vocab_fits
+from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, run_grouped
 
 if TYPE_CHECKING:

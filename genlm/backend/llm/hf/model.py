@@ -65,7 +65,6 @@ from genlm.backend.checks import check_budget, check_options, choice_option, int
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import (
@@ -84,6 +83,7 @@ from genlm.backend.llm.hf.paged import (
     step_cache,
     step_inputs,
 )
+from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, plan_groups
 
 # peft's name for "no adapter" in a mixed-adapter batch.
