@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.trie.base import TokenCharacterTrie, as_weights, check_weights_shape
+from genlm.backend.trie._weights import checked_weights
+from genlm.backend.trie.base import TokenCharacterTrie
 
 _BACKENDS = ("sequential", "parallel")
 
@@ -105,8 +106,7 @@ class AsyncTokenCharacterTrie:
         """A copy of checked weights (numpy copy, or a clone on the tensor's own device), or
         the error bad weights get: raised when awaited, to their caller alone."""
         try:
-            ws = as_weights(ws)
-            check_weights_shape(tuple(ws.shape), len(self.trie.decode), batched=False)
+            ws = checked_weights(ws, len(self.trie.decode))
         except (TypeError, ValueError) as error:
             return error
         return ws.copy() if isinstance(ws, np.ndarray) else ws.detach().clone()
