@@ -159,8 +159,8 @@ class _PagedCache:
 class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
     """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
 
-    Returned log-probability vectors are shared with the cache (each a tensor of its own):
-    read them, do not modify them in place.
+    Each returned log-probability vector is the caller's own copy: editing it in place
+    changes nothing the cache holds.
 
     Args:
         mlx_lm_model: a model from ``mlx_lm.load``.
