@@ -238,3 +238,44 @@ async def test_a_batcher_closed_for_good_refuses_work_at_once():
     with pytest.raises(RuntimeError, match=closed):
         await batcher.submit(2)
     assert batcher._executor is None
+
+
+async def test_closing_for_good_tells_queued_callers_why_instead_of_cancelling_them():
+    """Callers waiting at the close never cancelled anything: they get the owner's error
+    (their tasks fail, not cancelled), and nothing of theirs runs."""
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=8, timeout=10)
+    waiting = [asyncio.ensure_future(batcher.submit(k)) for k in (1, 2, 3)]
+    await asyncio.sleep(0)  # queued; the idle flush has not run
+    batcher.close(for_good=True, message="Owner used after close()")
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert [type(r) for r in results] == [RuntimeError] * 3
+    assert {str(r) for r in results} == {"Owner used after close()"}
+    assert not any(task.cancelled() for task in waiting)
+    assert model.batches == []
+    with pytest.raises(RuntimeError, match=r"^Owner used after close\(\)$"):
+        await batcher.submit(4)
+
+
+async def test_closing_from_another_thread_answers_queued_callers_on_their_loop():
+    """A close from another thread (an owner closed in ``asyncio.to_thread``) answers the
+    queued callers through their loop: they wake up at once rather than hang."""
+    batcher = AutoBatcher(StandIn(), batch_size=8, timeout=10)
+    waiting = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0)
+    closing = threading.Thread(target=batcher.close, args=(True, "closed elsewhere"))
+    closing.start()
+    closing.join()  # the loop waits here, before its idle flush
+    with pytest.raises(RuntimeError, match="^closed elsewhere$"):
+        await first_of(waiting, 5)
+
+
+async def test_a_pause_cancels_queued_callers_and_serves_again():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=8, timeout=10)
+    queued = asyncio.ensure_future(batcher.submit(5))
+    await asyncio.sleep(0)
+    batcher.close()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert await batcher.submit(6) == 36 and model.batches == [[6]]

@@ -630,10 +630,14 @@ class AsyncLM(ABC):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(
-                f"{type(self).__name__} used after cleanup() or close(): its worker thread "
-                "and engine are gone; create a new one"
-            )
+            raise RuntimeError(self._closed_message())
+
+    def _closed_message(self) -> str:
+        """What a call after `close` is told (and a request that still waited at it)."""
+        return (
+            f"{type(self).__name__} used after cleanup() or close(): its worker thread "
+            "and engine are gone; create a new one"
+        )
 
     def close(self) -> None:
         """Stop worker threads and engines and free caches. Idempotent; later calls raise."""
@@ -771,7 +775,7 @@ class BatchedAsyncLM(AsyncLM):
         self.batcher.reset()
 
     def _close(self) -> None:
-        self.batcher.close(for_good=True)
+        self.batcher.close(for_good=True, message=self._closed_message())
 
 
 # SPEC's path of the mock LM, which `genlm.backend.llm.mock` builds on this module to define:
