@@ -91,7 +91,9 @@ def as_numpy(ws: Any) -> np.ndarray:
 
 
 def checked_out(out: Any, shape: tuple[int, ...]) -> Any:
-    """``out`` if it is a float32 numpy array or torch tensor of ``shape``, else `ValueError`."""
+    """``out`` if it is a float32 numpy array or torch tensor of ``shape`` that a result can
+    be written into, else `TypeError` (not an array or tensor) or `ValueError` naming what
+    is wrong: its dtype or shape, or why it cannot be written (`_unwritable`)."""
     if is_tensor(out):
         dtype_ok = out.dtype == sys.modules["torch"].float32
     elif isinstance(out, np.ndarray):
@@ -103,7 +105,36 @@ def checked_out(out: Any, shape: tuple[int, ...]) -> Any:
             f"out must be a float32 array or tensor of shape {shape}, "
             f"got {out.dtype} {tuple(out.shape)}"
         )
+    problem = _unwritable(out)
+    if problem is not None:
+        raise ValueError(f"out {problem}: pass a writable float32 array or tensor")
     return out
+
+
+def _unwritable(out: Any) -> str | None:
+    """Why a result cannot be written into ``out`` (None: it can): a read-only array (numpy's
+    own error, or numba's typing error in the compiled sweeps, or torch writing it anyway), a
+    meta tensor (a write does nothing), a tensor autograd tracks or an inference tensor
+    outside inference mode (torch refuses the write after the work), or elements sharing
+    memory (a stride of 0, as in an expanded view)."""
+    if isinstance(out, np.ndarray):
+        if not out.flags.writeable:
+            return "is read-only"
+    else:
+        torch = sys.modules["torch"]
+        if out.is_meta:
+            return "is a meta tensor, which has no memory to write into"
+        if out.requires_grad:
+            return "requires grad (autograd forbids writing into it)"
+        if out.is_inference() and not torch.is_inference_mode_enabled():
+            return "is an inference tensor, writable only under torch.inference_mode()"
+    if any(stride == 0 and size > 1 for stride, size in zip(_strides(out), out.shape, strict=True)):
+        return "has elements that share memory (a stride of 0, as in an expanded view)"
+    return None
+
+
+def _strides(out: Any) -> tuple[int, ...]:
+    return tuple(out.strides) if isinstance(out, np.ndarray) else tuple(out.stride())
 
 
 def write_into(result: Any, out: Any) -> Any:
