@@ -279,3 +279,44 @@ async def test_a_pause_cancels_queued_callers_and_serves_again():
     with pytest.raises(asyncio.CancelledError):
         await queued
     assert await batcher.submit(6) == 36 and model.batches == [[6]]
+
+
+async def produce(batcher, first, done):
+    """Queue two new keys (from ``first`` on) every turn of the loop until ``done()``: the
+    idle flush never finds the queue settled, so only the size or the timeout flushes.
+    Returns the callers and the number of batches formed while producing."""
+    callers, key = [], first
+    while not done():
+        callers += [asyncio.ensure_future(batcher.submit(k)) for k in (key, key + 1)]
+        key += 2
+        await asyncio.sleep(0)
+    return callers, batcher.num_batches
+
+
+async def test_an_assigned_timeout_flushes_a_queue_that_keeps_growing():
+    batcher = AutoBatcher(StandIn(), batch_size=100_000, timeout=None)
+    turns = iter(range(300))
+    callers, formed = await produce(batcher, 0, lambda: next(turns, None) is None)
+    assert formed == 0  # no timeout, no full batch: it waits for the loop to settle
+    assert await asyncio.gather(*callers) == [k * k for k in range(len(callers))]
+    assert batcher.num_batches == 1
+    batcher.timeout = 0.01
+    deadline = time.monotonic() + 60
+    callers, formed = await produce(
+        batcher, 10**6, lambda: batcher.num_batches >= 3 or time.monotonic() > deadline
+    )
+    assert formed >= 3  # fired by the timeout while the queue kept growing
+    await asyncio.gather(*callers)
+
+
+def test_batch_size_and_timeout_are_checked_when_assigned():
+    batcher = AutoBatcher(StandIn(), batch_size=4, timeout=0.5)
+    for name, bad, error in [
+        ("batch_size", 0, ValueError),
+        ("batch_size", 1.5, TypeError),
+        ("timeout", -1, ValueError),
+        ("timeout", float("nan"), ValueError),
+    ]:
+        with pytest.raises(error, match=name):
+            setattr(batcher, name, bad)
+    assert (batcher.batch_size, batcher.timeout) == (4, 0.5)

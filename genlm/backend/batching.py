@@ -35,7 +35,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
-from genlm.backend.checks import check_batching
+from genlm.backend.checks import check_batching, check_int, check_seconds
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
@@ -66,8 +66,8 @@ class AutoBatcher(Generic[K, R]):
     ):
         check_batching(batch_size, timeout)
         self.process_batch = process_batch
-        self.batch_size = batch_size
-        self.timeout = timeout
+        self._batch_size = int(batch_size)
+        self._timeout = None if timeout is None else float(timeout)
         self.name = name
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -78,6 +78,29 @@ class AutoBatcher(Generic[K, R]):
         self.batch_sizes: deque[int] = deque(maxlen=self.STATS_WINDOW)
         self.num_batches = 0
         self.num_requests = 0
+
+    @property
+    def batch_size(self) -> int:
+        """Most distinct keys per batch; assigning it (checked as the constructor checks it)
+        changes the batches formed after it: a queue that reaches it flushes."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        check_int("batch_size", value, minimum=1)
+        self._batch_size = int(value)
+
+    @property
+    def timeout(self) -> float | None:
+        """Longest wait (seconds) from the first queued request while the loop stays busy;
+        assigning it (checked as the constructor checks it) applies from the next
+        request that finds the queue empty."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        check_seconds("timeout", value)
+        self._timeout = None if value is None else float(value)
 
     def _reset_loop_state(self) -> None:
         self._pending = {}
@@ -115,12 +138,12 @@ class AutoBatcher(Generic[K, R]):
         future: asyncio.Future[R] = loop.create_future()
         waiters = self._pending.setdefault(key, [])
         waiters.append(future)
-        if len(self._pending) >= self.batch_size:
+        if len(self._pending) >= self._batch_size:
             self._maybe_flush(full=True)
         else:
-            if len(self._pending) == 1 and len(waiters) == 1 and self.timeout is not None:
+            if len(self._pending) == 1 and len(waiters) == 1 and self._timeout is not None:
                 self._cancel_timer()
-                self._timer_handle = loop.call_later(self.timeout, self._on_timeout)
+                self._timer_handle = loop.call_later(self._timeout, self._on_timeout)
             self._schedule_idle_flush(loop)
         return await future
 
@@ -180,7 +203,7 @@ class AutoBatcher(Generic[K, R]):
             waiters = [f for f in self._pending.pop(key) if not f.done()]
             if waiters:
                 batch[key] = waiters
-            if len(batch) == self.batch_size:
+            if len(batch) == self._batch_size:
                 break
         if not self._pending:
             self._cancel_timer()
@@ -217,7 +240,7 @@ class AutoBatcher(Generic[K, R]):
         if self._pending:
             # Callers just answered usually ask again at once: give them one turn of
             # the loop to join the next batch, unless that batch is already due.
-            if len(self._pending) >= self.batch_size or self._deadline_passed:
+            if len(self._pending) >= self._batch_size or self._deadline_passed:
                 self._maybe_flush(full=True)
             elif self._loop is not None:
                 self._schedule_idle_flush(self._loop)

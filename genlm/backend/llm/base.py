@@ -468,6 +468,13 @@ class AsyncLM(ABC):
         """Forget cached results (no-op for backends without a cache)."""
         self._check_open()
 
+    @property
+    def device(self) -> torch.device:
+        """The device the returned log-probability rows are on: the CPU wherever rows come
+        back to the host (the engines', the mock's, MLX's); a backend computing them on a
+        device of its own says which."""
+        return torch.device("cpu")
+
     # -- LoRA adapters ---------------------------------------------------------------------
 
     def resolve_lora(self, lora_name: str | None) -> str | None:
@@ -688,6 +695,29 @@ class BatchedAsyncLM(AsyncLM):
     @abstractmethod
     def _process_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """The answers for distinct ``keys``, in order, for one batch."""
+
+    @property
+    def batch_size(self) -> int:
+        """Most distinct requests per batch. Assignable, checked as the constructor's
+        ``batch_size``: the batches formed after it hold at most the new number."""
+        return self.batcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        check_options(self.OPTION_CHECKS, {"batch_size": value})
+        self.batcher.batch_size = value
+
+    @property
+    def timeout(self) -> float | None:
+        """Longest wait (seconds) for a batch to fill while the event loop stays busy (None:
+        until it is full or the loop idles). Assignable, checked as the constructor's
+        ``timeout``: it applies from the next batch that starts gathering."""
+        return self.batcher.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        check_options(self.OPTION_CHECKS, {"timeout": value})
+        self.batcher.timeout = value
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], *, lora_name: str | None = None

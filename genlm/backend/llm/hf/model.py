@@ -230,6 +230,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         """The model's ``max_position_embeddings`` (None if its config has none)."""
         return self._max_positions
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's output layer, where the returned rows are."""
+        return self._output_device
+
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
