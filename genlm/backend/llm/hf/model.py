@@ -66,7 +66,6 @@ from genlm.backend.checks import check_budget, check_options, choice_option, int
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import (
@@ -84,6 +83,7 @@ from genlm.backend.llm.hf.paged import (
     step_cache,
     step_inputs,
 )
+from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, plan_groups
 
 # peft's name for "no adapter" in a mixed-adapter batch.
@@ -241,6 +241,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     def max_context_length(self) -> int | None:
         """The model's ``max_position_embeddings`` (None if its config has none)."""
         return self._max_positions
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's output layer, where the returned rows are."""
+        return self._output_device
 
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
