@@ -63,8 +63,9 @@ class TokenSampler:
 
     def sample(self, logprobs: torch.Tensor) -> Coroutine[Any, Any, int]:
         """A token id drawn from ``logprobs`` (a 1-D float tensor on any device), batched
-        with the concurrent calls: await the result. The row is copied here (on its
-        device), so an edit of it before the batch runs does not change the draw.
+        with the concurrent calls: await the result. The row is read when its batch runs,
+        not copied here (on a GPU a copy per particle is a kernel launch each): leave it
+        unedited until the draw is awaited.
 
         Raises:
             TypeError: ``logprobs`` is not a floating-point torch tensor.
@@ -80,7 +81,7 @@ class TokenSampler:
             raise ValueError(
                 f"logprobs must be one non-empty row, got shape {tuple(logprobs.shape)}"
             )
-        return self.batcher.submit(_Row(logprobs.detach().clone()))
+        return self.batcher.submit(_Row(logprobs.detach()))
 
     def _sample_batch(self, rows: list[_Row]) -> BatchResults[int]:
         """One `sample_rows` per (device, vocabulary size) among ``rows``, in order."""
