@@ -16,7 +16,7 @@
 # from a --latest set-up (scripts/lock.sh).
 #
 # The main venv also gets the client libraries of scripts/client-requirements.txt
-# (genlm-control, genlm-bytes; Python >= 3.11), installed with pip's ordinary dependency
+# (genlm-control, genlm-bytes, llamppl; Python >= 3.11), installed with pip's ordinary dependency
 # resolution next to the editable package, as a user installs them: their requirement on
 # genlm-backend is satisfied by this repository's version, so pip keeps it, and their own
 # dependencies are in locks/main.txt. tests/test_clients.py runs them.

@@ -69,8 +69,8 @@ class FakeStreamingInput:
     sampling_params: FakeSamplingParams
 
 
-@pytest.fixture(autouse=True)
-def fake_vllm_api(monkeypatch):
+def use_fake_vllm_api(monkeypatch):
+    """vLLM's API (``genlm.backend.llm.vllm.api``) as the fakes above, for the stand-in."""
     api = SimpleNamespace(
         SamplingParams=FakeSamplingParams,
         LoRARequest=FakeLoRARequest,
@@ -78,6 +78,11 @@ def fake_vllm_api(monkeypatch):
         DELTA="delta",
     )
     monkeypatch.setattr(api_module, "vllm_api", lambda: api)
+
+
+@pytest.fixture(autouse=True)
+def fake_vllm_api(monkeypatch):
+    use_fake_vllm_api(monkeypatch)
 
 
 def stand_in_logits(prompt, vocab_size):

@@ -66,7 +66,6 @@ from genlm.backend.checks import check_budget, check_options, choice_option, int
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore, RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.hf.attention import CASCADE_ATTENTION, use_cascade
 from genlm.backend.llm.hf.cache import paged_cache, step_cache
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
@@ -78,6 +77,7 @@ from genlm.backend.llm.hf.options import (
     quiet_bitsandbytes,
 )
 from genlm.backend.llm.hf.paged import StepInputs, attention_mask, cascade_blocks, step_inputs
+from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, row_groups, rows_in_order
 
 # peft's name for "no adapter" in a mixed-adapter batch.
@@ -235,6 +235,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     def max_context_length(self) -> int | None:
         """The model's ``max_position_embeddings`` (None if its config has none)."""
         return self._max_positions
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's output layer, where the returned rows are."""
+        return self._output_device
 
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
