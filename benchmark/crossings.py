@@ -7,11 +7,14 @@ event loop's and the batcher's worker): each call of a named Python function in 
 which CPython 3.11 runs as functions of their own), calls elsewhere (asyncio, torch,
 transformers) are skipped, so are coroutines resumed, and a crossing is a call whose file is not the previous
 recorded call's. Printed: the path, file by file (with the function first called in it),
-and the number of crossings (deterministic; no timing).
+and the number of crossings (deterministic; no timing). ``--packages`` counts the
+crossings between packages instead, each of `PACKAGES` one (the store and its parts, the
+HF backend's modules, ...), every other module one of its own.
 
     python benchmark/crossings.py            # one decode step of one particle
     python benchmark/crossings.py --prompt-tokens 300 --cascade
         # 2 particles on a shared prompt of >= 64 tokens: the step runs cascade attention
+    python benchmark/crossings.py --packages
 """
 
 from __future__ import annotations
@@ -36,11 +39,14 @@ from bench_host import tiny_model  # noqa: E402
 
 PACKAGE = "genlm/backend/"
 RESUMABLE = inspect.CO_COROUTINE | inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
+# Packages counted as one place by ``--packages``.
+PACKAGES = ("kv/", "llm/hf/", "llm/vllm/", "trie/", "tokenization/")
 
 
-def traced_files(run: Any, everything: bool = False) -> list[str]:
-    """The ``genlm/backend`` files of the Python calls made while ``run()`` runs, in order,
-    consecutive repeats merged, each with the function first called in it."""
+def traced_files(run: Any, everything: bool = False, packages: bool = False) -> list[str]:
+    """The ``genlm/backend`` files (with ``packages``: the `PACKAGES`, or files) of the
+    Python calls made while ``run()`` runs, in order, consecutive repeats merged, each with
+    the function first called in it."""
     files: list[str] = []
     started: dict[int, Any] = {}
     lock = threading.Lock()
@@ -59,6 +65,8 @@ def traced_files(run: Any, everything: bool = False) -> list[str]:
         if at < 0:
             return
         name = path[at + len(PACKAGE) :]
+        if packages:
+            name = next((package for package in PACKAGES if name.startswith(package)), name)
         with lock:
             if not files or files[-1].partition(":")[0] != name:
                 files.append(f"{name}:{frame.f_code.co_name}")
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         "--cascade", action="store_true", help="two particles (cascade attention's path)"
     )
     parser.add_argument("--all", action="store_true", help="count comprehensions and lambdas")
+    parser.add_argument("--packages", action="store_true", help="count crossings of packages")
     args = parser.parse_args(argv)
 
     from genlm.backend.llm.hf import AsyncTransformer
@@ -95,15 +104,18 @@ def main(argv: list[str] | None = None) -> None:
 
         asyncio.run(step(contexts))  # the prompt's prefill and the particles' nodes
         contexts = [c + [7] for c in contexts]
-        lm.batcher.close()  # its next worker thread starts inside the trace (and is traced)
+        lm.batcher.pause()  # its next worker thread starts inside the trace (and is traced)
         loop = asyncio.new_event_loop()
         try:
-            files = traced_files(lambda: loop.run_until_complete(step(contexts)), args.all)
+            files = traced_files(
+                lambda: loop.run_until_complete(step(contexts)), args.all, args.packages
+            )
         finally:
             loop.close()
     print("\n".join(files))
     distinct = {entry.partition(":")[0] for entry in files}
-    print(f"crossings: {len(files) - 1} ({len(files)} files in a row, {len(distinct)} distinct)")
+    places = "packages or files" if args.packages else "files"
+    print(f"crossings: {len(files) - 1} ({len(files)} {places} in a row, {len(distinct)} distinct)")
 
 
 if __name__ == "__main__":

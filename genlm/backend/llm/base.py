@@ -792,7 +792,7 @@ class BatchedAsyncLM(AsyncLM):
         self.batcher.reset()
 
     def _close(self) -> None:
-        self.batcher.close(for_good=True, message=self._closed_message())
+        self.batcher.close(self._closed_message())
 
 
 # SPEC's path of the mock LM, which `genlm.backend.llm.mock` builds on this module to define:
