@@ -369,7 +369,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             offset = 0
             for indices in groups:
                 same = [rows[i] for i in indices]
-                batch = out[offset : offset + len(same)]
+                batch = out if len(groups) == 1 else out[offset : offset + len(same)]
                 offset += len(same)
                 if pool is None:
                     self._run_without_kv(same, batch)
