@@ -53,9 +53,9 @@ from genlm.backend._install import install_hint
 from genlm.backend.checks import check_budget, check_options, first_line, int_option
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
-from genlm.backend.kv.store import PrefixKVStore, RowPlan
+from genlm.backend.kv.store import PrefixKVStore, RowPlan, plan_order, row_groups
 from genlm.backend.llm.loading import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM, row_groups, rows_in_order
+from genlm.backend.llm.prefix import PrefixCachedLM
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
@@ -297,8 +297,8 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
             batches.append(
                 self._run_without_kv(same) if pool is None else self._run_paged(pool, same)
             )
-        batch = batches[0] if len(batches) == 1 else np.concatenate(batches)
-        return rows_in_order(torch.from_numpy(batch), groups)
+        order = plan_order(groups)
+        return torch.from_numpy(batches[0] if order is None else np.concatenate(batches)[order])
 
     def _run_paged(self, pool: MlxBlockPool, plans: list[RowPlan]) -> np.ndarray:
         """Rows of one adapter through the block pool: a prefill of their new tokens but the

@@ -14,7 +14,7 @@ calls the store or back up into this class.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -236,24 +236,3 @@ def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each row, each with storage of its own (one dispatcher call, a kernel per
     row on CUDA): for a batch the logprobs budget cannot hold whole."""
     return list(torch._foreach_clone(rows))
-
-
-def row_groups(rows: Sequence[RowPlan], key: Callable[[RowPlan], Hashable]) -> list[list[int]]:
-    """The positions of ``rows`` grouped by ``key``, groups in order of first appearance."""
-    groups: dict[Hashable, list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault(key(row), []).append(index)
-    return list(groups.values())
-
-
-def rows_in_order(batch: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
-    """A batch computed group after group (`row_groups`: each group's rows together, in
-    the order of ``groups``) with its rows put back in the order of the plan's rows (one
-    group, the usual step: ``batch`` itself)."""
-    if len(groups) == 1:
-        return batch
-    order = [index for indices in groups for index in indices]
-    inverse = [0] * len(order)
-    for position, index in enumerate(order):
-        inverse[index] = position
-    return batch[torch.tensor(inverse, device=batch.device)]

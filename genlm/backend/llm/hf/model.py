@@ -64,7 +64,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from genlm.backend.checks import check_budget, check_options, choice_option, int_option
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
-from genlm.backend.kv.store import PrefixKVStore, RowPlan
+from genlm.backend.kv.store import PrefixKVStore, RowPlan, plan_order, row_groups
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.attention import CASCADE_ATTENTION, use_cascade
 from genlm.backend.llm.hf.cache import paged_cache, step_cache
@@ -78,7 +78,7 @@ from genlm.backend.llm.hf.options import (
 )
 from genlm.backend.llm.hf.paged import StepInputs, attention_mask, cascade_blocks, step_inputs
 from genlm.backend.llm.loading import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM, row_groups, rows_in_order
+from genlm.backend.llm.prefix import PrefixCachedLM
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -377,7 +377,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 per_forward = max(1, self.max_batch_tokens // same[0].new_tokens)
                 for i in range(0, len(same), per_forward):
                     self._run_group(pool, same[i : i + per_forward], batch[i : i + per_forward])
-            return rows_in_order(out, groups)
+            order = plan_order(groups)
+            return out if order is None else out[torch.tensor(order, device=out.device)]
 
     def _run_group(self, pool: TorchBlockPool, plans: list[RowPlan], out: torch.Tensor) -> None:
         """One forward for plans sharing their number of new tokens: their logprobs into
