@@ -56,3 +56,12 @@ def vllm_api() -> SimpleNamespace:
         StreamingInput=StreamingInput,
         DELTA=RequestOutputKind.DELTA,
     )
+
+
+def engine_config(args: Any) -> Any:
+    """The ``VllmConfig`` of an engine of ``AsyncEngineArgs`` ``args``, made as
+    ``AsyncLLM.from_engine_args`` makes it: `AsyncVirtualLM.from_name` checks it (its model
+    runner, `genlm.backend.llm.vllm.runners`), then starts the engine from it."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return args.create_engine_config(UsageContext.ENGINE_CONTEXT)
