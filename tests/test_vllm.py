@@ -8,6 +8,7 @@ Runs in the vLLM environment: ``.venv-vllm/bin/pytest tests/test_vllm.py``.
 
 import asyncio
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -957,3 +958,23 @@ def test_the_cli_on_vllm_exits_cleanly_and_a_failed_engine_exits_non_zero(small_
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     assert run.returncode == 1
     assert any(": error: the vllm engine failed: " in line for line in run.stderr.splitlines())
+
+
+def test_the_gpu_command_dry_runs_on_the_cpu(tmp_path):
+    """``benchmark/gpu_vllm.py`` (for the day vLLM and a GPU meet): without CUDA it says so
+    and exits 0; its CPU dry run builds the LM with each capture, runs an SIS step and
+    ``sample``, and every row agrees with the other capture's and transformers'."""
+    command = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmark/gpu_vllm.py")]
+    if not torch.cuda.is_available():
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "no CUDA device: nothing checked" in run.stdout
+    run = subprocess.run(
+        [*command, "--device", "cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu_vllm.json").read_text())
+    assert {engine["model_runner"] for engine in record["engines"].values()} == {"V1"}
+    assert len(record["checks"]) == 10 and all(check["passed"] for check in record["checks"])

@@ -662,6 +662,17 @@ def test_module_imports_without_vllm_and_from_name_names_the_extra():
     assert out.stdout.strip() == "ok", out.stderr
 
 
+def test_without_vllm_on_an_older_python_the_error_names_the_python_vllm_needs(monkeypatch):
+    """vLLM's tested releases need Python 3.11: below it the extra installs no vllm."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError) as error:
+        AsyncVirtualLM.from_name("m")
+    assert "Python 3.11" not in str(error.value) or sys.version_info < (3, 11)
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14))
+    with pytest.raises(ImportError, match=r"\[vllm\]' on Python 3\.11 or newer"):
+        AsyncVirtualLM.from_name("m")
+
+
 @pytest.mark.parametrize("version", ["0.30.2", "0.11.0+cpu", "unknown"])
 def test_a_vllm_older_than_the_floor_is_refused_naming_the_release_needed(monkeypatch, version):
 
