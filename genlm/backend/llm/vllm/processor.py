@@ -249,6 +249,9 @@ def processor_class() -> type:
         # Both runners'.
 
         def apply(self, logits: torch.Tensor, ctx: LogitsContext | None = None) -> torch.Tensor:
+            """Write the asked-for rows (``ctx``: V2's batch layout, None under V1): one
+            device-to-host copy of them a step, which waits for the step's logits (its
+            cost under async scheduling: docs/backends.md)."""
             if not self.targets:
                 return logits
             rows, targets = rows_to_write(self.targets, logits.shape[0], ctx)
