@@ -46,9 +46,7 @@ class BlockAllocator:
             resized (None: the pool follows what is held).
     """
 
-    def __init__(
-        self, pool: BlockPool, budget_blocks: int | None, fixed_capacity: int | None = None
-    ):
+    def __init__(self, pool: BlockPool, budget_blocks: int | None, fixed_capacity: int | None):
         self.pool = pool
         self.block_size = pool.block_size
         self.budget_blocks = budget_blocks
@@ -189,18 +187,11 @@ class BlockAllocator:
     # -- chains ---------------------------------------------------------------------------------
 
     def extend_all(self, extensions: Sequence[Extension]) -> tuple[list[Chain], list[BlockCopy]]:
-        """A new chain for each ``(chain, length, total)`` of a batch, in order, and the
-        copies to apply before writing into them: ``total`` tokens whose first ``length``
-        are those of ``chain`` (a held chain).
-
-        Full blocks of the shared part are shared, held by one count over the batch (a
-        decode step's rows all share the prompt's blocks): each is held already, by the
-        chain extended, so holding it again changes its count alone, never what is free or
-        budgeted. A partly filled last block is appended to in place if nothing was
-        written past ``length`` in it (a chain appended to within its last block is
-        returned as it is: no new tuple), else copied (a `BlockCopy`). A new chain is held
-        by the caller until it gives it to a node or lets it go (`let_go`). If an
-        extension fails, the chains made before it are let go."""
+        """A new chain for each `Extension` of a batch, in order, held by the caller until
+        a node takes it or it is let go (`let_go`), and the copies to apply before writing.
+        The full blocks shared are held by one count over the batch: each is held already,
+        by the chain extended, so holding it again changes its count alone, never what is
+        free or budgeted. If an extension fails, the chains made before it are let go."""
         size, fill = self.block_size, self._fill
         chains: list[Chain] = []
         copies: list[BlockCopy] = []
