@@ -154,16 +154,51 @@ def one_output_buffer(graphs):
     return storages == {graphs._out.untyped_storage().data_ptr()}
 
 
-def sized_once(monkeypatch, tiny_model, smollm2_tokenizer):
-    """Give the LMs made after this the pool a CUDA device gets (sized once from the KV
-    budget) on the CPU; returns the bytes of one block."""
+def sized_once(monkeypatch, tiny_model, smollm2_tokenizer, free_blocks=0):
+    """Give the LMs made after this the pool a CUDA device gets on the CPU: the real
+    `fixed_pool_capacity`, as on a device with ``free_blocks`` blocks' worth of free
+    memory per `CUDA_KV_MEMORY_FRACTION` (0: the pool is the KV budget's); returns the
+    bytes of one block."""
     block = AsyncTransformer(tiny_model, smollm2_tokenizer).store.block_bytes
-
-    def capacity(device, layout, max_kv_bytes):
-        return 1 + max_kv_bytes // block
-
-    monkeypatch.setattr(hf_model, "fixed_pool_capacity", capacity)
+    free = int(free_blocks * block / hf_model.CUDA_KV_MEMORY_FRACTION)
+    sized = hf_model.fixed_pool_capacity
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    monkeypatch.setattr(
+        hf_model, "fixed_pool_capacity", lambda device, *args: sized(torch.device("cuda"), *args)
+    )
     return block
+
+
+def test_a_cuda_pool_is_the_larger_of_the_budget_and_a_share_of_the_free_memory(
+    tiny_model, smollm2_tokenizer, monkeypatch
+):
+    layout = AsyncTransformer(tiny_model, smollm2_tokenizer)._pool.layout
+    block = layout.block_bytes(16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * block, 0))
+    cuda = torch.device("cuda")
+    assert hf_model.fixed_pool_capacity(torch.device("cpu"), layout, block, 0.5) is None
+    assert hf_model.fixed_pool_capacity(cuda, layout, 10 * block, 0.5) == 1 + 50
+    assert hf_model.fixed_pool_capacity(cuda, layout, 80 * block + 5, 0.5) == 1 + 80
+    assert hf_model.fixed_pool_capacity(cuda, layout, None, 0.25) == 1 + 25
+
+
+def test_the_budget_is_what_a_cuda_pool_keeps_and_a_running_batch_may_use_the_rest(
+    tiny_model, smollm2_tokenizer, recorder, monkeypatch
+):
+    """A budget of 8 blocks in a pool of 40 (a share of the free memory): a batch of 12
+    blocks runs, then what is kept shrinks back to the budget; a batch over the pool fails
+    before any work, and the next one is served."""
+    block = sized_once(monkeypatch, tiny_model, smollm2_tokenizer, free_blocks=40)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=8 * block)
+    assert lm.store.capacity == 41
+    rows = [[i + 1] * 40 for i in range(4)]  # 3 blocks each: 12 of 8
+    assert_rows(tiny_model, lm, rows, lm.batch_next_token_logprobs_sync(rows))
+    assert lm.kv_nbytes <= 8 * block
+    too_many = [[i + 100] * 40 for i in range(14)]  # 42 blocks
+    with pytest.raises(RuntimeError, match=r"the KV pool, sized once at 40 blocks, cannot hold"):
+        lm.batch_next_token_logprobs_sync(too_many)
+    assert_rows(tiny_model, lm, too_many[:13], lm.batch_next_token_logprobs_sync(too_many[:13]))
+    assert lm.kv_nbytes <= 8 * block and lm.store.capacity == 41
 
 
 def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
