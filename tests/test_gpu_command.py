@@ -104,7 +104,7 @@ def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
     failed = [row for row in checks["rows"] if row["passed"] is not True]
     assert not failed
     names = " | ".join(row["check"] for row in checks["rows"])
-    for needle in ("batched rows", "KV-reused rows", "CPU rows", "bfloat16", "bad ids"):
+    for needle in ("batched rows", "KV-reused rows", "CPU rows", "bfloat16", "bad ids", "graphs"):
         assert needle in names
     assert "parallel trie" in names and "pytest -m gpu tests/test_cuda.py" in names
 

@@ -91,9 +91,13 @@ def test_buckets_round_up_by_at_most_a_quarter_and_widths_by_powers_of_four():
     assert bucket_shape(StepShape(rows=2, new=1, past=MAX_WIDTH, shared=0)) is None
 
 
-def test_no_graphs_on_a_cpu_or_when_turned_off(tiny_model, smollm2_tokenizer, recorder):
+def test_graphs_are_off_by_default_and_on_a_cpu(tiny_model, smollm2_tokenizer, recorder):
+    """The default is the eager step, the path a GPU has run; graphs only when asked for,
+    and only where a recorder is (a CUDA device; here the stand-in)."""
     assert recorder_for(torch.device("cpu")) is None
-    assert AsyncTransformer(tiny_model, smollm2_tokenizer)._graphs is not None  # recorder
+    assert AsyncTransformer(tiny_model, smollm2_tokenizer)._graphs is None
+    asked = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True)
+    assert asked._graphs is not None and asked._graphs.recorder is recorder
     assert AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=False)._graphs is None
 
 
@@ -109,7 +113,7 @@ async def test_replayed_steps_are_the_plain_forwards(
     """Padded rows (9 -> 10), padded shared slots (144 shared tokens -> 160), one row
     reading its whole past as "shared", forks copying a partial block: each step's rows
     are the plain forwards', and later steps (which read the KV the replays wrote) too."""
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=16)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=16)
     prompt = [(13 * j) % 700 + 2 for j in range(prompt_tokens)]
     await lm.next_token_logprobs(prompt)
     contexts = [prompt + [i + 1] for i in range(particles)]
@@ -126,7 +130,7 @@ async def test_replayed_steps_are_the_plain_forwards(
 def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
     tiny_model, smollm2_tokenizer, recorder
 ):
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=32)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=32)
     prompt = list(range(3, 90))
     lm.next_token_logprobs_sync(prompt)
     few = [prompt + [i + 1] for i in range(3)]
@@ -189,7 +193,9 @@ def test_the_budget_is_what_a_cuda_pool_keeps_and_a_running_batch_may_use_the_re
     blocks runs, then what is kept shrinks back to the budget; a batch over the pool fails
     before any work, and the next one is served."""
     block = sized_once(monkeypatch, tiny_model, smollm2_tokenizer, free_blocks=40)
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=8 * block)
+    lm = AsyncTransformer(
+        tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=64, max_kv_bytes=8 * block
+    )
     assert lm.store.capacity == 41
     rows = [[i + 1] * 40 for i in range(4)]  # 3 blocks each: 12 of 8
     assert_rows(tiny_model, lm, rows, lm.batch_next_token_logprobs_sync(rows))
@@ -207,7 +213,9 @@ def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
     """A burst that fills the pool evicts instead of growing it; clears keep it: the layers'
     addresses never change, and the bucket captured first is replayed after all that."""
     block = sized_once(monkeypatch, tiny_model, smollm2_tokenizer)
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=40 * block)
+    lm = AsyncTransformer(
+        tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=64, max_kv_bytes=40 * block
+    )
     assert lm.store.capacity == lm.store.fixed_capacity == 41
     addresses = [layer.data_ptr() for layer in lm._pool.layers]
     prompt = list(range(3, 40))
@@ -236,7 +244,9 @@ def test_a_batch_that_a_pool_sized_once_cannot_hold_fails_before_any_work(
 ):
     """... with an error that names the budget; the LM serves the next batch that fits."""
     block = sized_once(monkeypatch, tiny_model, smollm2_tokenizer)
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=8 * block)
+    lm = AsyncTransformer(
+        tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=64, max_kv_bytes=8 * block
+    )
     too_many = [[i + 1] * 40 for i in range(4)]  # 3 blocks each: 12 of 8
     with pytest.raises(RuntimeError, match=r"the KV pool, sized once at 8 blocks, cannot hold"):
         lm.batch_next_token_logprobs_sync(too_many)
@@ -250,7 +260,7 @@ def test_a_lone_row_reads_no_shared_prefix_and_captures_once(
     """A lone row takes the model's no-cascade decision (`cascade_blocks`): its whole past
     is its own keys, in a width bucket that a long generation meets rarely, not shared
     slots whose bucket changes every 16 tokens and then every quarter."""
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=4)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=4)
     context = [(13 * j) % 700 + 2 for j in range(70)]
     for step in range(96):
         row = lm.next_token_logprobs_sync(context)
@@ -265,7 +275,7 @@ def test_a_lone_row_reads_no_shared_prefix_and_captures_once(
 def test_rows_sharing_fewer_than_the_cascade_minimum_take_no_shared_slots(
     tiny_model, smollm2_tokenizer, recorder
 ):
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=8)
     prompt = list(range(3, 51))  # 3 full blocks: 48 shared tokens, under CASCADE_MIN_SHARED
     lm.next_token_logprobs_sync(prompt)
     contexts = [prompt + [i + 1] for i in range(4)]
@@ -317,7 +327,7 @@ def test_a_replay_that_differs_from_the_eager_forward_turns_graphs_off(
     every later one run eagerly, and every row served is right."""
     recorder = recorder()
     monkeypatch.setattr(hf_model, "recorder_for", lambda device: recorder)
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=8)
     prompt = list(range(3, 50))
     lm.next_token_logprobs_sync(prompt)
     contexts = [prompt + [i + 1] for i in range(4)]
@@ -341,7 +351,7 @@ def test_a_capture_that_fails_turns_graphs_off(tiny_model, smollm2_tokenizer, mo
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(hf_model, "recorder_for", lambda device: Refusing())
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=8)
     prompt = list(range(3, 50))
     contexts = [prompt + [i + 1] for i in range(4)]
     lm.batch_next_token_logprobs_sync([prompt])
@@ -359,7 +369,7 @@ def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
     from op_count import OpCounter
 
     def kernels_besides_the_replay(n):
-        lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=n)
+        lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=n)
         contexts = [list(range(3, 90)) + [i + 1] for i in range(n)]
         for token in (2, 3, 4, 5):  # the prefill, the capture, two checked replays
             lm.batch_next_token_logprobs_sync(contexts)

@@ -24,9 +24,10 @@ same number ``t`` of new tokens:
    the requests' nodes (the batch's memory counted once in the logprobs budget).
 
 A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
-context length (tests/test_hf_step.py, benchmark/bench_host.py). On CUDA a decode step
-(one new token per row) is a replay of its shape bucket's CUDA graph instead
-(`genlm.backend.llm.hf.graphs`; ``cuda_graphs=False`` turns them off).
+context length (tests/test_hf_step.py, benchmark/bench_host.py). With ``cuda_graphs=True``
+a decode step (one new token per row) on CUDA is a replay of its shape bucket's CUDA graph
+instead (`genlm.backend.llm.hf.graphs`); off by default: the eager step is the path a GPU
+has run, and graphs become the default once a GPU run shows them right and faster.
 
 Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 
@@ -123,7 +124,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         lora_batching: ``"mixed"`` (rows of several LoRA adapters in one forward) or
             ``"grouped"`` (one forward per adapter).
         cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs (captured per
-            shape bucket; `genlm.backend.llm.hf.graphs`); no effect elsewhere.
+            shape bucket; `genlm.backend.llm.hf.graphs`); no effect elsewhere. Off by
+            default until a GPU run shows them right and faster (docs/kv-store.md).
         cuda_kv_memory_fraction: on a CUDA device, the KV pool is allocated here and never
             resized: the larger of ``max_kv_bytes`` and this share of the device's free
             memory (after the model is loaded), in ``(0, 1)``. Pinned prompts and a
@@ -152,7 +154,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
         max_batch_tokens: int = 4096,
         lora_batching: str = "mixed",
-        cuda_graphs: bool = True,
+        cuda_graphs: bool = False,
         cuda_kv_memory_fraction: float = CUDA_KV_MEMORY_FRACTION,
     ):
         check_options(
