@@ -19,6 +19,7 @@ from genlm.backend.llm.hf import AsyncTransformer
 from genlm.backend.llm.hf.graphs import (
     MAX_ROWS,
     MAX_WIDTH,
+    CudaRecorder,
     EagerRecorder,
     bucket_shape,
     recorder_for,
@@ -345,20 +346,82 @@ def test_a_replay_that_differs_from_the_eager_forward_turns_graphs_off(
     assert recorder.replays == replays  # none after the failure
 
 
-def test_a_capture_that_fails_turns_graphs_off(tiny_model, smollm2_tokenizer, monkeypatch):
-    class Refusing(CountingRecorder):
-        def capture(self, forward):
-            raise RuntimeError("operation not permitted when stream is capturing")
+class FailsAtCapture(CountingRecorder):
+    def capture(self, forward):
+        self.captures += 1
+        raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(hf_model, "recorder_for", lambda device: Refusing())
+
+class FailsAtReplay(CountingRecorder):
+    """Replays fail from the fourth on (after the capture's and the two checked ones)."""
+
+    def capture(self, forward):
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            if self.replays > 3:
+                raise RuntimeError("CUDA error: an illegal instruction was encountered")
+            forward()
+
+        return replay
+
+
+class RaisesInsideTheForward(torch.overrides.TorchFunctionMode):
+    """Raises at the second layer's KV write: what a capture does at an op it refuses,
+    after the ops before it were recorded (here: ran, writing the first layer's KV)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.index_copy_:
+            self.writes += 1
+            if self.writes > 2:
+                raise RuntimeError("operation not permitted when stream is capturing")
+        return func(*args, **(kwargs or {}))
+
+
+class FailsMidForward(CountingRecorder):
+    """Its capture records the forward by running it, and an op inside raises."""
+
+    def capture(self, forward):
+        self.captures += 1
+        with RaisesInsideTheForward():
+            forward()
+        return forward
+
+
+@pytest.mark.parametrize(
+    ("failing", "message"),
+    [
+        (FailsAtCapture, "RuntimeError: operation not permitted when stream is capturing"),
+        (FailsAtReplay, "RuntimeError: CUDA error: an illegal instruction was encountered"),
+        (FailsMidForward, "RuntimeError: operation not permitted when stream is capturing"),
+    ],
+)
+def test_a_capture_or_replay_that_raises_turns_graphs_off_and_the_step_runs_eagerly(
+    tiny_model, smollm2_tokenizer, monkeypatch, caplog, failing, message
+):
+    """The step that failed still returns its rows (eagerly), later steps too, and the
+    recorder is never used again."""
+    recorder = failing()
+    monkeypatch.setattr(hf_model, "recorder_for", lambda device: recorder)
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=8)
-    prompt = list(range(3, 50))
+    prompt = [(13 * j) % 700 + 2 for j in range(70)]
     contexts = [prompt + [i + 1] for i in range(4)]
     lm.batch_next_token_logprobs_sync([prompt])
-    for _ in range(2):
-        assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
-        contexts = [c + [3] for c in contexts]
-    assert lm._graphs.failure == ("RuntimeError: operation not permitted when stream is capturing")
+    with caplog.at_level(logging.WARNING, logger="genlm.backend.llm.hf.graphs"):
+        for step in range(6):
+            assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+            contexts = [c + [(5 * i + step) % 300 + 1] for i, c in enumerate(contexts)]
+    assert lm._graphs.failure == message
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CUDA graphs off for this model, steps run eagerly ({message})"
+    ]
+    assert lm._graphs.graphs == {} and recorder.captures == 1
+    assert recorder.replays == (4 if failing is FailsAtReplay else 0)
 
 
 def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
@@ -390,3 +453,134 @@ def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
     few, many = kernels_besides_the_replay(8), kernels_besides_the_replay(128)
     assert few == many
     assert sum(few.values()) <= 5, few  # host tensor, batch, copy in, rows out, callers' copy
+
+
+class FakeCuda:
+    """What `CudaRecorder.capture` meets on a GPU, modelled on a CPU: torch's own
+    ``torch.cuda.graph`` context manager (torch/cuda/graphs.py, run as it is) over stand-ins
+    for what it calls into. They follow ATen's ``CUDAGraph::capture_begin`` /
+    ``capture_end`` (aten/src/ATen/cuda/CUDAGraph.cpp) and the caching allocator: the
+    capture's start registers it with the allocator (``beginAllocateToPool``: a pool
+    reference, refused if the pool is being recorded to already); its end raises on an
+    invalidated capture (``cudaStreamEndCapture``) before ending that registration;
+    ``empty_cache`` asserts that no capture is underway; a graph whose capture ended gives
+    its pool reference back when it is dropped."""
+
+    def __init__(self, monkeypatch):
+        self.default = object()
+        self.current = self.default  # this thread's current stream
+        self.underway = []  # pools the allocator records to (``captures_underway``)
+        self.references = {}  # pool -> references (``use_count``)
+        self.invalidated = False
+        fake = self
+
+        class Graph:
+            def capture_begin(self, pool=None, capture_error_mode="global", **kwargs):
+                assert fake.current is not fake.default  # a side stream
+                if pool in fake.underway:
+                    raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+                fake.references[pool] = fake.references.get(pool, 0) + 1
+                fake.underway.append(pool)
+                self.pool, self.ended, fake.invalidated = pool, False, False
+
+            def capture_end(self):
+                if fake.invalidated:
+                    raise RuntimeError(
+                        "CUDA error: operation not permitted when stream is capturing"
+                    )
+                fake.underway.remove(self.pool)
+                self.ended = True
+
+            def replay(self):
+                pass
+
+            def __del__(self):
+                if getattr(self, "ended", False):
+                    fake.references[self.pool] -= 1
+
+        class Stream:
+            device_index = 0
+
+            def __init__(self, device=None):
+                pass
+
+        class StreamContext:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                self.previous, fake.current = fake.current, self.stream
+
+            def __exit__(self, *args):
+                fake.current = self.previous
+
+        def empty_cache():
+            if fake.underway:
+                raise RuntimeError("INTERNAL ASSERT FAILED: captures_underway.empty()")
+
+        def end_allocate_to_pool(device, pool):
+            if pool not in fake.underway:
+                raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+            fake.underway.remove(pool)
+
+        def release_pool(device, pool):
+            fake.references[pool] -= 1
+
+        for name, value in {
+            "CUDAGraph": Graph,
+            "Stream": Stream,
+            "stream": StreamContext,
+            "graph_pool_handle": lambda: (0, 1),
+            "current_stream": lambda device=None: fake.current,
+            "synchronize": lambda device=None: None,
+            "empty_cache": empty_cache,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: None, raising=False)
+        monkeypatch.setattr(
+            torch._C, "_cuda_endAllocateToPool", end_allocate_to_pool, raising=False
+        )
+        monkeypatch.setattr(torch._C, "_cuda_releasePool", release_pool, raising=False)
+
+    def sync(self):
+        """An op that syncs with the host: refused, and the capture invalidated."""
+        self.invalidated = True
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_the_fake_cuda_shows_what_a_plain_failed_capture_leaves_behind(monkeypatch):
+    """Without `CudaRecorder`'s care, torch's context manager leaves the capture stream
+    current and the allocator recording (so the test below can fail)."""
+    fake = FakeCuda(monkeypatch)
+    stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    with pytest.raises(RuntimeError, match="operation not permitted"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool, stream=stream):
+            fake.sync()
+    assert fake.current is stream and fake.underway == [pool]
+    with pytest.raises(RuntimeError, match="INTERNAL ASSERT"):
+        torch.cuda.empty_cache()
+
+
+def test_a_failed_cuda_capture_leaves_the_device_as_it_found_it(monkeypatch):
+    """A forward that syncs (invalidating the capture) or raises in Python: the error
+    reaches `DecodeGraphs`, this thread's stream is the one it was, no capture is left
+    underway (empty_cache works, the pool can be captured into again) and no pool
+    reference is left but the live graphs'."""
+    fake = FakeCuda(monkeypatch)
+    recorder = CudaRecorder(torch.device("cuda"))
+    ran = []
+    replay = recorder.capture(lambda: ran.append(1))
+    assert ran == [1] and fake.current is fake.default and fake.references[recorder.pool] == 1
+
+    def fails_in_python():
+        raise ValueError("a Python error inside the forward")
+
+    for forward, error in ((fake.sync, RuntimeError), (fails_in_python, ValueError)):
+        with pytest.raises(error):
+            recorder.capture(forward)
+        assert fake.current is fake.default and fake.underway == []
+        torch.cuda.empty_cache()
+        assert fake.references[recorder.pool] == 1  # the first graph's, still alive
+    recorder.capture(lambda: None)  # the pool can be recorded to again
+    del replay
+    assert fake.references[recorder.pool] == 0

@@ -11,9 +11,10 @@ Python and its hundreds of kernel launches per step are gone.
 
 A bucket's first step runs the forward eagerly on the static buffers (its answer, and the
 warm-up a capture needs), then is captured and replayed; its first two replays are checked
-against the eager forward. If one differs, or capture fails (a forward that syncs with the
-host, or whose kernels depend on the data), a warning is logged and the LM runs every later
-step eagerly: a wrong row is never served. A bucket captured again (dropped from the LRU,
+against the eager forward. If one differs, or a capture or a replay raises (a forward that
+syncs with the host, or whose kernels depend on the data), a warning is logged and the step
+and every later one run eagerly, the recorder never used again: a wrong row is never
+served, and a failed capture leaves the device as it found it (`CudaRecorder.capture`). A bucket captured again (dropped from the LRU,
 or over a larger output buffer) is not checked again: its kernels are the checked ones.
 The graphs hold the KV pool's addresses: on CUDA the pool is sized once and never moves
 (`genlm.backend.llm.hf.model.fixed_pool_capacity`).
@@ -32,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from genlm.backend.checks import first_line
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.paged import StepInputs, StepShape, cascade_blocks, exact_shape, host_step
 from genlm.backend.llm.prefix import QueryPlan
@@ -90,7 +92,10 @@ class CudaRecorder:
     """CUDA graphs: captured on a side stream, every graph in one memory pool (a graph's
     memory is scratch: its inputs and outputs are buffers allocated outside the pool, and
     replays never overlap), in ``thread_local`` mode so other threads may use the device
-    while a step is captured."""
+    while a step is captured.
+
+    A capture that fails leaves the process as it found it (`capture`), so that the LM
+    runs on eagerly and the device stays usable for everything else."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -100,17 +105,70 @@ class CudaRecorder:
     def run_eagerly(self, forward: Callable[[], None]) -> None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            forward()
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                forward()
+        finally:  # a forward that raised halfway: later work still comes after its kernels
+            current.wait_stream(self.stream)
 
     def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
+        """Capture ``forward`` with ``torch.cuda.graph``; if that raises, undo what a
+        failed capture leaves behind, then raise.
+
+        What torch 2.13 leaves (torch/cuda/graphs.py, ``graph.__exit__`` calls
+        ``CUDAGraph.capture_end``, then its stream context's ``__exit__``; ATen's
+        ``CUDAGraph::capture_end`` in aten/src/ATen/cuda/CUDAGraph.cpp): when an op
+        invalidated the capture (one that syncs, say), ``cudaStreamEndCapture`` fails and
+        ``AT_CUDA_CHECK`` raises (clearing CUDA's last error) before
+        ``CUDACachingAllocator::endAllocateToPool``. Two things are then left over:
+
+        - the caching allocator still counts a capture into ``self.pool`` as underway
+          (``captures_underway``): it stops reclaiming memory used on several streams,
+          and every later ``torch.cuda.empty_cache()``, which ``graph.__enter__`` calls
+          before any capture, fails the ``captures_underway.empty()`` assertion of
+          ``synchronize_and_free_events`` (c10/cuda/CUDACachingAllocator.cpp). So the
+          pool's allocation is ended here (`_end_pool_allocation`);
+        - ``graph.__exit__`` never reaches its stream context's exit, so the capture
+          stream would stay this thread's current stream, unordered with the default
+          stream other threads use: the capture runs inside a stream context of our own,
+          whose exit restores the thread's streams however the capture ends.
+
+        The stream itself is no longer capturing (``cudaStreamEndCapture`` ends an
+        invalidated capture too), and the graph object is dropped (its ``reset`` removes
+        it from ATen's map of capturing graphs). Nothing captured ever ran, and the eager
+        warm-up's kernels are ordered before later work (`run_eagerly`), so no
+        synchronization is needed. The pinned-memory allocator's own
+        ``end_allocate_to_pool`` has no Python binding: its leftover entry costs a check
+        per pinned allocation and refuses only a capture into this same pool, which
+        `DecodeGraphs` never asks for after a failure.
+        """
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-        ):
-            forward()
+        try:
+            with (
+                torch.cuda.stream(self.stream),
+                torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ),
+            ):
+                forward()
+        except BaseException:
+            del graph
+            self._end_pool_allocation()
+            raise
         return graph.replay
+
+    def _end_pool_allocation(self) -> None:
+        """After a failed capture: end the caching allocator's allocation to the pool if it
+        is still on, and give back the pool reference that its start took (which the
+        graph's ``reset`` gives back only after a successful ``capture_end``), as
+        ``torch.cuda.memory.use_mem_pool`` ends its own. No allocation on (the capture
+        failed in Python, or after ``capture_end``'s allocator step): nothing to end."""
+        index = self.stream.device_index
+        try:
+            torch._C._cuda_endAllocateToPool(index, self.pool)
+        except RuntimeError:  # "endAllocatePool: not currently recording to mempool_id"
+            return
+        torch._C._cuda_releasePool(index, self.pool)
 
 
 class EagerRecorder:
@@ -186,7 +244,7 @@ class DecodeGraphs:
                     if not graph.checks_left:
                         self.checked.add(bucket)
         except Exception as error:  # capture refused, or a replay that is not the forward
-            self.failure = f"{type(error).__name__}: {error}"
+            self.failure = _failure(error)
             self.clear()
             logger.warning("CUDA graphs off for this model, steps run eagerly (%s)", self.failure)
             return False
@@ -247,6 +305,14 @@ class DecodeGraphs:
                 (rows, self.vocab_size), dtype=torch.float32, device=self.device
             )
         return self._out[:rows]
+
+
+def _failure(error: BaseException) -> str:
+    """``Type: first line`` of ``error``, after that of the error it was raised while
+    handling, if any (a failed capture's CUDA error hides the forward's own)."""
+    cause = error.__cause__ or error.__context__
+    described = f"{type(error).__name__}: {first_line(error)}"
+    return described if cause is None else f"{described} (after {_failure(cause)})"
 
 
 def _compare(replayed: torch.Tensor, eager: torch.Tensor) -> None:
