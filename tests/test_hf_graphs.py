@@ -23,6 +23,7 @@ from genlm.backend.llm.hf.graphs import (
     EagerRecorder,
     bucket_shape,
     recorder_for,
+    round_down,
     round_up,
 )
 from genlm.backend.llm.hf.paged import StepShape
@@ -76,16 +77,22 @@ def assert_rows(model, lm, contexts, rows):
         assert torch.allclose(row, expected(model, lm.vocab_size, ids), atol=TOL), len(ids)
 
 
-def test_buckets_round_up_by_at_most_a_quarter_and_widths_by_powers_of_four():
+def test_buckets_round_rows_up_by_at_most_half_shared_slots_to_powers_of_two_widths_of_four():
+    values = {round_up(n, 1) for n in range(1, 5000)}
     for n in range(1, 5000):
         rounded = round_up(n, 1)
-        assert n <= rounded <= max(n, 1.25 * n)
+        assert n <= rounded <= 1.5 * n
         assert round_up(rounded, 1) == rounded  # a bucket is its own bucket
+        below = round_down(n)
+        assert below <= n and below in values and not any(below < v <= n for v in values)
     assert round_up(3, 16) == 16
-    assert len({round_up(n, 1) for n in range(1, 257)}) == 28
+    assert sorted(v for v in values if v <= 256) == [
+        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256
+    ]  # fmt: skip
     shape = bucket_shape(StepShape(rows=100, new=1, past=70, shared=1030))
-    assert shape == StepShape(rows=112, new=1, past=255, shared=1280)
+    assert shape == StepShape(rows=128, new=1, past=255, shared=2048)
     assert bucket_shape(StepShape(rows=1, new=1, past=0, shared=0)) == StepShape(1, 1, 63, 16)
+    assert bucket_shape(StepShape(rows=5, new=1, past=64, shared=1024)).shared == 1024
     assert bucket_shape(StepShape(rows=4, new=2, past=9, shared=0)) is None  # not a decode step
     assert bucket_shape(StepShape(rows=MAX_ROWS + 1, new=1, past=9, shared=0)) is None
     assert bucket_shape(StepShape(rows=2, new=1, past=MAX_WIDTH - 1, shared=0)).past == 4095
@@ -111,7 +118,7 @@ def test_a_bad_cuda_graphs_option_is_refused_before_any_work(tiny_model, smollm2
 async def test_replayed_steps_are_the_plain_forwards(
     tiny_model, smollm2_tokenizer, recorder, particles, prompt_tokens
 ):
-    """Padded rows (9 -> 10), padded shared slots (144 shared tokens -> 160), one row
+    """Padded rows (9 -> 12), padded shared slots (144 shared tokens -> 256), one row
     reading its whole past as "shared", forks copying a partial block: each step's rows
     are the plain forwards', and later steps (which read the KV the replays wrote) too."""
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=16)
@@ -136,21 +143,21 @@ def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
     lm.next_token_logprobs_sync(prompt)
     few = [prompt + [i + 1] for i in range(3)]
     many = [prompt + [i + 1, 7] for i in range(12)]
-    lm.batch_next_token_logprobs_sync(few + many)
+    lm.batch_next_token_logprobs_sync(few + many)  # 3 rows captured; 12 of 2 tokens: eager
     for contexts in (few, many, [prompt[:10] + [5]]):
-        # decode steps of two buckets (3 and 12 rows), two new tokens (eager), each beside
-        # a 60-token prefill (eager)
+        # decode steps of 3 and 12 rows, then a prefill of 12 tokens (eager), each beside a
+        # 60-token prefill (eager)
         contexts = [c + [9] for c in contexts]
         queries = contexts + [list(range(200, 260))]
         assert_rows(tiny_model, lm, queries, lm.batch_next_token_logprobs_sync(queries))
-    # the 12-row bucket's larger output buffer replaced the 3-row one's, and its graph
-    assert recorder.captures == 2 and [b.rows for b in lm._graphs.graphs] == [12]
-    assert one_output_buffer(lm._graphs)
+    # 12 rows after a graph of 3 with the same widths: rows that vary, captured to spare
+    assert recorder.captures == 2 and [b.rows for b in lm._graphs.graphs] == [3, 24]
+    assert one_output_buffer(lm._graphs) and lm._graphs._out.shape[0] == 32  # batch_size
     few = [c + [9, 9] for c in few]
     assert_rows(tiny_model, lm, few, lm.batch_next_token_logprobs_sync(few))
-    assert recorder.captures == 3  # a smaller bucket: added beside the larger one
-    assert [b.rows for b in lm._graphs.graphs] == [12, 3]
-    assert one_output_buffer(lm._graphs)
+    many = [c + [9, 9] for c in many]  # 12 rows: held by the 24-row graph
+    assert_rows(tiny_model, lm, many, lm.batch_next_token_logprobs_sync(many))
+    assert recorder.captures == 2 and [b.rows for b in lm._graphs.graphs] == [3, 24]
 
 
 def one_output_buffer(graphs):
@@ -584,3 +591,73 @@ def test_a_failed_cuda_capture_leaves_the_device_as_it_found_it(monkeypatch):
     recorder.capture(lambda: None)  # the pool can be recorded to again
     del replay
     assert fake.references[recorder.pool] == 0
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A tokenizer of the 256 bytes alone: a small vocabulary, so that a long run of many
+    particles costs little."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    raw = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(alphabet)}, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=raw)
+
+
+def test_smc_with_resampling_captures_a_handful_of_graphs_after_its_first_steps(
+    byte_tokenizer, recorder
+):
+    """128 particles for 256 steps, resampled every 5 (multinomially, by the probability
+    of a token under 40): after each resampling the distinct rows fall to about half and
+    recover. Past the first 16 steps at most 4 graphs are captured: a graph of 128 rows
+    holds 64 to 128, one more for the dips, at each width the particles' own keys grow
+    into (255 and 1,023 keys). Rows checked against plain forwards along the way."""
+    model = tiny_llama(len(byte_tokenizer), attn_implementation="sdpa", **MODEL)
+    lm = AsyncTransformer(model, byte_tokenizer, cuda_graphs=True, batch_size=128)
+    generator = torch.Generator().manual_seed(0)
+    prompt = [(13 * j) % 250 + 2 for j in range(70)]
+    particles, weights = [prompt] * 128, torch.zeros(128)
+    captured, distinct = [], []
+    for step in range(256):
+        rows = lm.batch_next_token_logprobs_sync(particles)
+        if step % 64 == 63:
+            assert_rows(model, lm, particles[::40], rows[::40])
+        tokens = torch.multinomial(rows.exp(), 1, generator=generator)[:, 0].tolist()
+        weights += rows[:, :40].logsumexp(1)
+        particles = [p + [t] for p, t in zip(particles, tokens, strict=True)]
+        if step % 5 == 4:
+            chosen = torch.multinomial(weights.softmax(0), 128, True, generator=generator)
+            particles, weights = [particles[i] for i in chosen.tolist()], torch.zeros(128)
+        captured.append(recorder.captures)
+        distinct.append(len(set(map(tuple, particles))))
+    assert min(distinct[16:]) < 80 and max(distinct[16:]) == 128  # falling and recovering
+    assert captured[-1] - captured[15] <= 4, captured
+    assert lm._graphs.failure is None and lm._graphs.replays >= 240
+
+
+def test_a_shared_prefix_that_grows_runs_on_the_graph_it_had(
+    tiny_model, smollm2_tokenizer, recorder
+):
+    """Particles all descending from one of them (SMC's genealogy collapsing): their
+    shared prefix grows from 64 to 96 tokens, whose bucket has no graph; the graph of 64
+    shared slots holds them, reading the 32 new shared tokens as each row's own keys."""
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=8)
+    prompt = [(13 * j) % 700 + 2 for j in range(70)]
+    lm.next_token_logprobs_sync(prompt)
+    contexts = [prompt + [i + 1] for i in range(6)]
+    for step in range(30):
+        rows = lm.batch_next_token_logprobs_sync(contexts)
+        if step in (0, 29):
+            assert_rows(tiny_model, lm, contexts, rows)
+        contexts = [c + [(11 * i + step) % 400 + 1] for i, c in enumerate(contexts)]
+    (bucket,) = lm._graphs.graphs
+    assert (bucket.shared, recorder.captures) == (64, 1)
+    ancestor = contexts[0]  # 101 tokens: 6 full blocks
+    contexts = [ancestor + [i + 1] for i in range(6)]
+    for step in range(3):
+        assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+        contexts = [c + [step + 2] for c in contexts]
+    assert list(lm._graphs.graphs) == [bucket] and recorder.captures == 1

@@ -195,7 +195,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._cascade = self._pool is not None and register_cascade(
             self.model, self._pool.layout.num_layers
         )
-        self._graphs = self._decode_graphs() if cuda_graphs else None
+        self._graphs = self._decode_graphs(batch_size) if cuda_graphs else None
         store = PrefixKVStore(
             self._pool or NoKVPool(reason),
             max_kv_bytes,
@@ -275,10 +275,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         if self._graphs is not None:
             self._graphs.clear()
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps, where they can be captured: cascade attention over
-        the paged KV (the step's shapes are then its bucket's), on a CUDA device, with no
-        quantized weights (their kernels are not checked for capture)."""
+    def _decode_graphs(self, batch_size: int) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps of up to ``batch_size`` rows, where they can be
+        captured: cascade attention over the paged KV (the step's shapes are then its
+        bucket's), on a CUDA device, with no quantized weights (their kernels are not
+        checked for capture)."""
         recorder = recorder_for(self._input_device)
         if (
             recorder is None
@@ -287,7 +288,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             or getattr(self.model, "hf_quantizer", None) is not None
         ):
             return None
-        return DecodeGraphs(self._graph_forward, recorder, self._input_device, self.vocab_size)
+        return DecodeGraphs(
+            self._graph_forward, recorder, self._input_device, self.vocab_size, batch_size
+        )
 
     # -- LoRA ----------------------------------------------------------------------------------
 
