@@ -133,6 +133,8 @@ async def test_replayed_steps_are_the_plain_forwards(
     assert recorder.captures == 1  # one bucket: the rows, widths and shared slots stay in it
     assert recorder.replays == 5
     assert lm._graphs.failure is None
+    # the capture's eager forward and two checked replays; no step ran eagerly
+    assert (lm._graphs.checks, lm._graphs.eager_steps) == (3, 0)
 
 
 def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
@@ -429,6 +431,7 @@ def test_a_capture_or_replay_that_raises_turns_graphs_off_and_the_step_runs_eage
     ]
     assert lm._graphs.graphs == {} and recorder.captures == 1
     assert recorder.replays == (4 if failing is FailsAtReplay else 0)
+    assert lm._graphs.eager_steps == (3 if failing is FailsAtReplay else 6)  # incl. the failed
 
 
 def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(

@@ -238,20 +238,28 @@ class DecodeGraphs:
         self.graphs: OrderedDict[StepShape, _Graph] = OrderedDict()
         self.checked: set[StepShape] = set()  # buckets whose replays matched the eager forward
         self.failure: str | None = None  # why graphs are off for good
+        # what the decode steps ran as: captures, replays, eager forwards a capture or a
+        # replay was checked against, and steps that ran eagerly (no bucket, or graphs off)
         self.captures = 0
         self.replays = 0
+        self.checks = 0
+        self.eager_steps = 0
         self._out: torch.Tensor | None = None  # allocated at the first capture
 
     def run(self, plans: Sequence[QueryPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
         """The plans' decode step from a captured graph, rows into ``out``. False (nothing
         computed) when the step fits no bucket or graphs are off: run it eagerly."""
-        if self.failure is not None or plans[0].new_tokens != 1:
+        if plans[0].new_tokens != 1:
+            return False
+        if self.failure is not None:
+            self.eager_steps += 1
             return False
         size = pool.block_size
         skip = cascade_blocks(plans, size)
         exact = exact_shape(plans, size, skip)
         bucket = bucket_shape(exact)
         if bucket is None or bucket.rows > self.max_rows:
+            self.eager_steps += 1
             return False
         if bucket not in self.graphs:
             bucket, skip = self._covering(exact, skip, size) or (self._spare(bucket, exact), skip)
@@ -274,6 +282,7 @@ class DecodeGraphs:
             self.failure = _failure(error)
             self.clear()
             logger.warning("CUDA graphs off for this model, steps run eagerly (%s)", self.failure)
+            self.eager_steps += 1
             return False
         out.copy_(graph.out[:rows])
         return True
@@ -338,6 +347,7 @@ class DecodeGraphs:
         checked = bucket in self.checked
         if not checked:
             self.recorder.run_eagerly(forward)
+            self.checks += 1
             eager = graph.out.clone()
         graph.replay = self.recorder.capture(forward)
         self.captures += 1
@@ -357,6 +367,7 @@ class DecodeGraphs:
         the same KV again)."""
         replayed = graph.out[:rows].clone()
         self.recorder.run_eagerly(lambda: self.forward(graph.step, graph.out))
+        self.checks += 1
         _compare(replayed, graph.out[:rows])
         graph.checks_left -= 1
 
