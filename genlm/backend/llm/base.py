@@ -733,9 +733,9 @@ class BatchedAsyncLM(AsyncLM):
 
     Subclasses create ``self.batcher = AutoBatcher(self._serve_batch, ...,
     copy_results=stacked_copies)`` (callers of the same prefix in one batch each get a row
-    of their own) and implement `_process_batch` over `Query` keys; this class routes the public calls
-    through it (the blocking ones run on the batcher's worker thread too, so they never
-    race a batch). `_serve_batch` answers a request whose adapter was removed while it
+    of their own) and implement `_process_batch` over `Query` keys; this class routes the
+    public calls through it (the blocking ones run on the batcher's worker thread too, so
+    they never race a batch). `_serve_batch` answers a request whose adapter was removed while it
     waited with its own `ValueError`, so the rest of its batch is served.
     """
 
