@@ -17,7 +17,7 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.checks import OptionCheck, dict_option, int_option
-from genlm.backend.llm.base import BatchedAsyncLM, Query
+from genlm.backend.llm.base import BatchedAsyncLM, Query, stacked_copies
 
 
 def check_cache_opts(name: str, value: Any) -> None:
@@ -67,7 +67,9 @@ class EngineLM(BatchedAsyncLM):
         self.output_cache = (
             OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         )
-        self.batcher = AutoBatcher(self._answer_batch, batch_size, timeout, name=name)
+        self.batcher = AutoBatcher(
+            self._answer_batch, batch_size, timeout, name=name, copy_results=stacked_copies
+        )
         super().__init__(tokenizer)
 
     def _stop_engine(self) -> None:

@@ -22,7 +22,7 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import BatchPlan, KVNode, PrefixKVStore, RowPlan
-from genlm.backend.llm.base import BatchedAsyncLM, Query
+from genlm.backend.llm.base import BatchedAsyncLM, Query, stacked_copies
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
 
@@ -70,7 +70,9 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     ) -> None:
         self.store = store
         self._row_nbytes = 4 * self.vocab_size  # a row of float32 logprobs
-        self.batcher = AutoBatcher(self._answer_batch, batch_size, timeout, name=name)
+        self.batcher = AutoBatcher(
+            self._answer_batch, batch_size, timeout, name=name, copy_results=stacked_copies
+        )
         self._queries: list[Query] = []  # prefixes queued by `add_query`
 
     @property
@@ -194,7 +196,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         """The callers' rows: one copy of the batch's rows (one op, one kernel up to 128
         rows on CUDA), a view of it each, so that a row edited in place changes neither
         what the tree holds nor another caller's row."""
-        return list(torch.stack(rows).unbind()) if rows else rows
+        return stacked_copies(rows) if rows else rows
 
     def _run_plan(self, plan: BatchPlan) -> list[torch.Tensor]:
         """The plan's rows computed and committed (the plan released if the forward fails):
