@@ -282,3 +282,46 @@ def test_a_bad_id_inside_a_validated_prefix_is_named(mock, bad, error, message):
     request[10] = bad
     with pytest.raises(error, match=message):
         mock.validate_token_ids(request)
+
+
+def first_bad_position(request, vocab_size):
+    """The position of the first id that is not an integer (bools excluded) in
+    ``[0, vocab_size)``, or None: the check validation must agree with."""
+    for position, token_id in enumerate(request):
+        integer = isinstance(token_id, int | np.integer) and not isinstance(token_id, bool)
+        if not integer or not 0 <= token_id < vocab_size:
+            return position
+    return None
+
+
+def test_validation_agrees_with_an_independent_check_over_random_forks():
+    """Prefixes extended, forked, repeated and altered at random, on an index whose
+    generations turn over every few requests: each request is validated exactly as a
+    check of every id says (its ids as exact ints, or the error naming the first bad id),
+    whichever validated prefix it extends, equals or nearly equals."""
+    from genlm.backend.llm.request import PrefixIndex
+
+    rng = random.Random(0)
+    vocab = 50
+    index = PrefixIndex(vocab, budget=3000)
+    bad = [-1, vocab, 2.0, True, [3], np.float64(4)]
+    history = [[1]]
+    for _ in range(3000):
+        request = list(rng.choice(history[-20:] if rng.random() < 0.9 else history))
+        move = rng.random()
+        if move < 0.6:
+            request.append(rng.randrange(vocab))
+        elif move < 0.75:
+            request.append(rng.choice(bad))
+        elif move < 0.9:
+            request[rng.randrange(len(request))] = rng.choice([*bad, np.int64(7), 7, 8])
+            request.append(rng.randrange(vocab))
+        position = first_bad_position(request, vocab)
+        if position is None:
+            checked = index.validated(request)
+            assert checked == tuple(int(i) for i in request)
+            assert all(type(i) is int for i in checked)
+            history.append(request)
+        else:
+            with pytest.raises((TypeError, ValueError), match=f" at position {position} "):
+                index.validated(request)

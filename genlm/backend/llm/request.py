@@ -30,20 +30,36 @@ class Query(NamedTuple):
 
 
 class PrefixEntry:
-    """A validated prefix in a `PrefixIndex`.
+    """A validated prefix in a `PrefixIndex`, made from ``prefix`` (a plain tuple of exact
+    ints) and the entry of ``prefix[:-1]`` (``parent``), if any.
 
-    ``ids``: a plain tuple of exact ints, which the collector stops tracking at its first
-    collection (a tuple subclass, `TokenIds`, it would walk at every one). ``nodes``: by
-    tree key (an adapter), a node on the path of ``ids`` in that prefix tree: the node made
-    for ``ids`` (`remember_node`), or until then its parent prefix's (an entry starts with
-    a copy of its parent's).
+    Its ids are ``head + tail``, plain tuples, which the collector walks once and then
+    stops tracking (a tuple subclass, `TokenIds`, it would walk at every collection).
+    ``head`` is its parent's, shared: a decode step's entry holds only the ids since that
+    head, not a copy of the prompt per particle for the collector to walk; once the tail
+    would outgrow the head, the whole prefix becomes the head. ``nodes``: by tree key (an
+    adapter), a node on the path of its ids in that prefix tree: the node made for them
+    (`remember_node`), or until then its parent's.
     """
 
-    __slots__ = ("ids", "nodes")
+    __slots__ = ("head", "nodes", "tail")
 
-    def __init__(self, ids: tuple[int, ...], nodes: dict[Hashable, KVNode]):
-        self.ids = ids
-        self.nodes = nodes
+    def __init__(self, prefix: tuple[int, ...], parent: PrefixEntry | None = None):
+        if parent is None or len(prefix) > 2 * len(parent.head):
+            self.head: tuple[int, ...] = prefix
+            self.tail: tuple[int, ...] = ()
+        else:
+            self.head, self.tail = parent.head, prefix[len(parent.head) :]
+        self.nodes: dict[Hashable, KVNode] = {} if parent is None else dict(parent.nodes)
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def holds(self, prefix: tuple[int, ...], end: int) -> bool:
+        """Whether its ids are ``prefix[:end]`` (tuple equality)."""
+        head, tail = self.head, self.tail
+        split = len(head)
+        return split + len(tail) == end and prefix[:split] == head and prefix[split:end] == tail
 
 
 class TokenIds(tuple[int, ...]):
@@ -122,18 +138,17 @@ class PrefixIndex:
         prefix = tuple(ids)
         key = _index_key(len(prefix), prefix[-TAIL_IDS:])
         entry = self._get(key)
-        if entry is not None and entry.ids == prefix:
+        if entry is not None and entry.holds(prefix, len(prefix)):
             return TokenIds(prefix, entry)
         parent = self._get(_index_key(len(prefix) - 1, prefix[-TAIL_IDS - 1 : -1]))
-        if parent is not None and parent.ids == prefix[:-1]:
+        if parent is not None and parent.holds(prefix, len(prefix) - 1):
             valid = 0 <= prefix[-1] < self.vocab_size
-            nodes = dict(parent.nodes)
         else:
+            parent = None
             valid = 0 <= min(prefix) and max(prefix) < self.vocab_size
-            nodes = {}
         if not valid:
             raise_for_bad_id(prefix, self.vocab_size)
-        entry = PrefixEntry(prefix, nodes)
+        entry = PrefixEntry(prefix, parent)
         self._add(key, entry)
         return TokenIds(prefix, entry)
 
@@ -155,7 +170,7 @@ class PrefixIndex:
         return entry
 
     def _add(self, key: int, entry: PrefixEntry) -> None:
-        length = len(entry.ids)
+        length = len(entry)
         self._tokens += length
         if self._tokens > self.budget:
             self._previous, self._current, self._tokens = self._current, {}, length
