@@ -2,9 +2,12 @@
 #   make demo   set up, then run the autobatched SIS demo on the offline default model
 #   make test   set up (both venvs), then lint, run every test suite and build the docs
 # Both install the locked set (locks/*.txt). For maintainers:
-#   make test-latest   the same checks on the newest releases inside pyproject's ranges
+#   make test-latest   the same checks on the newest releases inside pyproject's ranges,
+#                      and the gate against vLLM's newest release
+#   make gate-vllm     the gate alone: the vLLM backend against vLLM's newest release
+#                      (scripts/vllm_gate.py; no GPU, no vllm install)
 #   make lock          refresh locks/*.txt from those newest releases
-.PHONY: demo test test-latest lock setup
+.PHONY: demo test test-latest gate-vllm lock setup
 
 demo:
 	bash scripts/setup.sh
@@ -15,6 +18,10 @@ test:
 
 test-latest:
 	bash scripts/test.sh --latest
+
+gate-vllm:
+	bash scripts/setup.sh
+	.venv/bin/python scripts/vllm_gate.py
 
 lock:
 	bash scripts/lock.sh

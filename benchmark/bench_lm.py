@@ -601,7 +601,7 @@ def mock_concurrency(args: argparse.Namespace) -> dict[str, Any]:
     """Wall time for C concurrent ``next_token_logprobs`` calls on distinct prefixes (MockAsyncLM)."""
     import statistics
 
-    from genlm.backend.llm.base import MockAsyncLM
+    from genlm.backend.llm.mock import MockAsyncLM
     from genlm.backend.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.model or str(_default_model_dir()))

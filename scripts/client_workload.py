@@ -9,14 +9,16 @@ repository (so nothing is imported from the checkout):
 
 Where things are: ``genlm.backend`` is imported from the venv's site-packages, and is the
 distribution pip installed from WHEEL (its direct_url.json names that file) at VERSION,
-not PyPI's genlm-backend; genlm-control and genlm-bytes are there too, and ``genlm`` is
-still a namespace package (no wheel installed ``genlm/__init__.py``).
+not PyPI's genlm-backend; genlm-control, genlm-bytes and llamppl are there too, and
+``genlm`` is still a namespace package (no wheel installed ``genlm/__init__.py``).
 
 The workload, on the offline default model (converted beforehand by the caller) with our
 HF backend: genlm-control's ``PromptedLLM`` gives the next-token weights our backend
 computes; SMC with direct token sampling (no resampling) finishes every particle with EOS
 within the token budget; genlm-bytes' beam prefills a few bytes and gives a normalized next-byte
-distribution. It prints the sampled continuations.
+distribution; LLaMPPL's ``CachedCausalLM`` gives our rows, and its SMC (``smc_standard``)
+runs a model of a few tokens, each particle's weight the sum of what its ``observe`` calls
+added. It prints the sampled continuations.
 """
 
 import argparse
@@ -39,8 +41,9 @@ def check_install(wheel: Path, version: str, clients: bool = True) -> None:
     if clients:
         import genlm.bytes
         import genlm.control
+        import llamppl
 
-        modules += [genlm.control, genlm.bytes]
+        modules += [genlm.control, genlm.bytes, llamppl]
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     for module in modules:
         where = Path(module.__file__).resolve()
@@ -56,7 +59,7 @@ def check_install(wheel: Path, version: str, clients: bool = True) -> None:
         f"(direct_url.json: {direct_url or 'none: a registry download'})"
     )
     print(f"genlm-backend {dist.version}, from {wheel.name}, imported from {site}")
-    for name in ("genlm-control", "genlm-bytes") if clients else ():
+    for name in ("genlm-control", "genlm-bytes", "llamppl") if clients else ():
         print(f"  next to {name} {importlib.metadata.version(name)}")
 
 
@@ -109,6 +112,47 @@ async def workload() -> None:
     best = int(next_byte.argmax())  # 256 and up: genlm-bytes' end markers
     shown = bytes([best]) if best < 256 else best
     print(f"  byte beam after b'Hello, wor': most likely next byte {shown!r}")
+
+    await llamppl_workload(lm, ours, llm.prompt_ids)
+
+
+async def llamppl_workload(lm, ours, prompt_ids) -> None:
+    """LLaMPPL's rows are ours; its SMC runs a model that observes, at each step, that the
+    next token has no letter "e" and then draws one from the model."""
+    import numpy as np
+    import torch
+    from llamppl import CachedCausalLM, LMContext, Model, smc_standard
+
+    llamppl_lm = CachedCausalLM(lm)
+    rows = torch.from_numpy(await llamppl_lm.next_token_logprobs(prompt_ids))
+    diff = (rows - ours).abs().max().item()
+    assert diff <= 1e-4, f"CachedCausalLM.next_token_logprobs differs from ours by {diff}"
+
+    forbidden = {i for i, token in enumerate(lm.str_vocab) if "e" in token}
+
+    class NoE(Model):
+        def __init__(self):
+            super().__init__()
+            self.context = LMContext(llamppl_lm, PROMPT)
+            self.added = 0.0
+
+        async def step(self):
+            before = self.weight
+            await self.observe(self.context.mask_dist(forbidden), False)
+            self.added += self.weight - before
+            await self.sample(self.context.next_token())
+            if self.context.token_count >= MAX_TOKENS:
+                self.finish()
+
+    np.random.seed(0)
+    for particle in await smc_standard(NoE(), 4, ess_threshold=1e-300):  # no resampling
+        drawn = [int(t) for t in particle.context.tokens[particle.context.prompt_token_count :]]
+        assert len(drawn) == MAX_TOKENS and not set(drawn) & forbidden, drawn
+        assert abs(particle.weight - particle.added) <= 1e-4, (particle.weight, particle.added)
+        print(
+            f"  LLaMPPL particle: {PROMPT!r} + {str(particle.context)!r} (log weight "
+            f"{particle.weight:.3f})"
+        )
 
 
 def main() -> None:

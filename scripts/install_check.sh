@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The installation a user makes, tested: build the sdist and the wheel, install the wheel into
-# a fresh venv, then the client libraries (genlm-control, genlm-bytes) with pip's ordinary
-# dependency resolution, and run a short client workload there. scripts/test.sh runs it
+# a fresh venv, then the client libraries (genlm-control, genlm-bytes, llamppl) with pip's
+# ordinary dependency resolution, and run a short client workload there. scripts/test.sh runs it
 # after the main suite.
 #
 #   scripts/install_check.sh            constrained by locks/main.txt (`make test`)
@@ -13,14 +13,15 @@
 #     genlm/__init__.py: genlm stays a namespace package;
 #   - in a fresh venv (torch first, from TORCH_SPEC as in scripts/setup.sh: a plain torch
 #     requirement would pull a multi-GB CUDA build), the wheel installs, then the clients
-#     of scripts/client-requirements.txt with resolution: their requirement on
-#     genlm-backend (>=0.3.0) is met by ours, so pip keeps the wheel's build rather than
-#     PyPI's genlm-backend; `pip check` is clean and (locked) nothing outside
-#     locks/main.txt got installed, so the tested set is what a locked install gets;
-#   - from outside the repository, genlm.backend, genlm.control and genlm.bytes import from
-#     that venv's site-packages, and genlm-backend is the wheel's, at pyproject's version;
-#     genlm-control's PromptedLLM gives our HF backend's log-probabilities, its SMC samples a
-#     few tokens, genlm-bytes' beam reads a few bytes (scripts/client_workload.py);
+#     of scripts/client-requirements.txt with resolution: their requirements on
+#     genlm-backend (>=0.3.0, >=0.2.0, >=0.1.0a1) are met by ours, so pip keeps the wheel's
+#     build rather than PyPI's genlm-backend; `pip check` is clean and (locked) nothing
+#     outside locks/main.txt got installed, so the tested set is what a locked install gets;
+#   - from outside the repository, genlm.backend, genlm.control, genlm.bytes and llamppl
+#     import from that venv's site-packages, and genlm-backend is the wheel's, at pyproject's
+#     version; genlm-control's PromptedLLM gives our HF backend's log-probabilities, its SMC
+#     samples a few tokens, genlm-bytes' beam reads a few bytes, LLaMPPL's CachedCausalLM
+#     gives our rows and its SMC runs a few tokens (scripts/client_workload.py);
 #   - the reverse order: with the clients installed first, which pulls PyPI's genlm-backend
 #     (0.3.1, a different library under our name), installing the wheel replaces it.
 # The default model comes from the cache that the main venv converts it into.

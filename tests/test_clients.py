@@ -1,12 +1,13 @@
-"""The released client libraries on our backends: genlm-control 0.4.1 and genlm-bytes 0.2.0.
+"""The released client libraries on our backends: genlm-control 0.4.1, genlm-bytes 0.2.0 and
+LLaMPPL 0.2.3.
 
 scripts/setup.sh installs them into .venv with pip's ordinary dependency resolution, next to
 this repository's editable package (pins in scripts/client-requirements.txt and
 locks/main.txt), so they import ``genlm.backend`` as a user's installation does; the first
-test checks that it is this repository's. They need Python >= 3.11: on 3.10 the module is
-skipped. Every client answer is checked against an independent computation: a plain
-transformers forward of the whole prefix for HF, the mock's synchronous (unbatched) path
-for the mock.
+test checks that it is this repository's. The set-up installs them on Python >= 3.11 (the
+first two need it): on 3.10 the module is skipped. Every client answer is checked against
+an independent computation: a plain transformers forward of the whole prefix for HF, the
+mock's synchronous (unbatched) path for the mock.
 """
 
 import asyncio
@@ -32,6 +33,7 @@ from genlm.control import (  # noqa: E402
     direct_token_sampler,
     eager_token_sampler,
 )
+from llamppl import CachedCausalLM, LMContext, Model, smc_standard, smc_steer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,7 +101,8 @@ def test_clients_import_this_repository_backend():
 
     assert Path(genlm.backend.__file__).resolve().is_relative_to(REPO / "genlm")
     site_packages = Path(sysconfig.get_paths()["purelib"]).resolve()
-    assert Path(inspect.getfile(PromptedLLM)).resolve().is_relative_to(site_packages)
+    for client in (PromptedLLM, CachedCausalLM):
+        assert Path(inspect.getfile(client)).resolve().is_relative_to(site_packages)
     assert not [p for p in genlm.__path__ if (Path(p) / "__init__.py").exists()]
     pyproject = (REPO / "pyproject.toml").read_text()
     version = re.search(r'^version = "(.+)"$', pyproject, re.MULTILINE)[1]
@@ -268,3 +271,108 @@ async def test_byte_beam_matches_reference(lm):
         expected = committed + np.log(byte_mass(steps[-1].exp(), lm.byte_vocab, partial))
         # a beam weight: a sum of a few logprobs within TOL plus a log byte mass (float32)
         assert state.weight == pytest.approx(expected, rel=1e-4, abs=1e-3)
+
+
+# -- LLaMPPL 0.2.3 ------------------------------------------------------------------------------
+# Its CachedCausalLM wraps our LMs (it builds AsyncTransformer, AsyncVirtualLM, MockAsyncLM or
+# AsyncMlxLM by from_name and reads their tokenizer and vocabularies); its LMContext asks for
+# next_token_logprobs (batched: numpy rows) and next_token_logprobs_sync, and draws with numpy's
+# global generator.
+
+
+class NoLetter(Model):
+    """LLaMPPL's README model: tokens without a given letter, conditioned on one per step
+    (``observe`` of the mask), then drawn from the masked distribution; ends at EOS or after
+    ``max_tokens``. Records each step's prefix and the weight its ``observe`` added."""
+
+    def __init__(self, lm, prompt, letter, max_tokens):
+        super().__init__()
+        self.context = LMContext(lm, prompt)
+        self.eos = lm.tokenizer.eos_token_id
+        self.forbidden = {i for i, v in enumerate(lm.str_vocab) if letter in v}
+        self.max_tokens = max_tokens
+        self.observed = []
+
+    async def step(self):
+        prefix, before = list(self.context.tokens), self.weight
+        await self.observe(self.context.mask_dist(self.forbidden), False)
+        self.observed.append((prefix, self.weight - before))
+        token = await self.sample(self.context.next_token())
+        if token.token_id == self.eos or self.context.token_count >= self.max_tokens:
+            self.finish()
+
+    def immutable_properties(self):
+        return {"forbidden"}
+
+
+def check_no_letter_particles(lm, model, particles, max_tokens):
+    """Each particle drew only tokens without the letter, and each ``observe`` added log P(a
+    token without it | the step's prefix) by the reference rows (one forward per particle)."""
+    keep = torch.ones(lm.vocab_size, dtype=torch.bool)
+    keep[sorted(model.forbidden)] = False
+    for particle in particles:
+        tokens = [int(t) for t in particle.context.tokens]
+        start = particle.context.prompt_token_count
+        assert particle.finished and 1 <= len(tokens) - start <= max_tokens
+        assert not set(tokens[start:]) & model.forbidden
+        assert [prefix for prefix, _ in particle.observed] == [
+            tokens[: start + i] for i in range(len(particle.observed))
+        ]
+        steps = reference_steps(lm, tokens).double()
+        for prefix, added in particle.observed:
+            expected = torch.logsumexp(steps[len(prefix) - 1][keep], 0).item()
+            assert added == pytest.approx(expected, abs=TOL)
+
+
+async def test_llamppl_rows_are_our_rows(lm):
+    llm = CachedCausalLM(lm)
+    ids = lm.tokenizer.encode(PROMPT)
+    if isinstance(lm, AsyncTransformer):
+        llm.cache_kv(ids[:-1])  # pins the prompt's KV, as LLaMPPL's examples do
+    batched, unbatched = await llm.next_token_logprobs(ids), llm.next_token_logprobs_unbatched(ids)
+    for got in (batched, unbatched):
+        assert isinstance(got, np.ndarray) and got.shape == (lm.vocab_size,)
+        assert_close(torch.from_numpy(got), reference(lm, ids))
+    llm.clear_kv_cache()
+    llm.clear_cache()
+    llm.reset_async_queries()
+    assert_close(torch.from_numpy(await llm.next_token_logprobs(ids)), reference(lm, ids))
+
+
+async def test_llamppl_smc_standard_weights_are_the_lms_masses(lm):
+    """Without resampling (an ESS threshold no run falls under), a particle's weight is the
+    sum of what its steps' ``observe`` added."""
+    np.random.seed(0)
+    model = NoLetter(CachedCausalLM(lm), PROMPT, "e", max_tokens=4)
+    particles = await smc_standard(model, 4, ess_threshold=1e-300)
+    check_no_letter_particles(lm, model, particles, 4)
+    for particle in particles:
+        assert particle.weight == pytest.approx(sum(a for _, a in particle.observed), abs=1e-4)
+
+
+async def test_llamppl_smc_steer_draws_and_weighs_by_the_lm(lm):
+    np.random.seed(1)
+    model = NoLetter(CachedCausalLM(lm), PROMPT, "a", max_tokens=3)
+    particles = await smc_steer(model, 3, 2)
+    assert len(particles) == 3 and all(np.isfinite(p.weight) for p in particles)
+    check_no_letter_particles(lm, model, particles, 3)
+
+
+async def test_llamppl_runs_the_same_whatever_the_batch_size(default_model_dir):
+    """The same SMC run (numpy seeded alike) with every request a batch of its own, after
+    ``batch_size`` is assigned as the reference's LMs allow: the same tokens and weights;
+    the particles' requests were batched together before."""
+    llm = CachedCausalLM.from_pretrained(default_model_dir, backend="mock", batch_size=32)
+    assert isinstance(llm.model, MockAsyncLM) and llm.model.batch_size == 32
+
+    async def run():
+        np.random.seed(2)
+        particles = await smc_standard(NoLetter(llm, PROMPT, "e", 5), 6, ess_threshold=0.5)
+        return [(list(map(int, p.context.tokens)), p.weight) for p in particles]
+
+    batched = await run()
+    assert max(llm.model.batcher.batch_sizes) > 1
+    llm.model.batch_size = 1
+    before = llm.model.batcher.num_batches
+    assert await run() == batched
+    assert set(list(llm.model.batcher.batch_sizes)[before - llm.model.batcher.num_batches :]) == {1}

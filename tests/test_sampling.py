@@ -9,7 +9,7 @@ import pytest
 import torch
 from op_count import OpCounter
 
-from genlm.backend.sampling import TokenSampler, sample_rows
+from genlm.backend.sampling import TokenSampler, check_sampling_args, sample_rows
 
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.07, 0.03, 0.0], dtype=torch.float64)
 LOGPROBS = PROBS.log().float()  # the last token is impossible (-inf)
@@ -124,12 +124,12 @@ async def test_bad_rows_fail_their_caller_alone():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"seed": -1}, ValueError, "seed must be >= 0"),
+        ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
         ({"seed": 2**63}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
         ({"seed": 1.5}, TypeError, "seed must be an int or None"),
         ({"temperature": 0}, ValueError, "temperature must be a finite number > 0"),
         ({"temperature": math.nan}, ValueError, "temperature must be a finite number > 0"),
-        ({"temperature": "1"}, TypeError, "temperature must be a number"),
+        ({"temperature": "1"}, TypeError, "temperature must be a real number"),
         ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
     ],
 )
@@ -141,3 +141,50 @@ def test_bad_arguments_are_refused(kwargs, error, match):
 def test_numpy_rows_are_not_tensors():
     with TokenSampler() as sampler, pytest.raises(TypeError, match="got float32"):
         sampler.sample(np.zeros(3, np.float32))
+
+
+# Temperatures: every real number (Python's or numpy's) that is finite and > 0, nothing else.
+GOOD_TEMPERATURES = [0.5, 2, np.float32(0.7), np.float64(0.7), np.float16(1.5), np.int64(3)]
+BAD_TEMPERATURES = [
+    (True, TypeError),
+    (np.bool_(True), TypeError),
+    (np.complex64(1), TypeError),
+    ("1", TypeError),
+    (torch.tensor(1.0), TypeError),
+    (0, ValueError),
+    (-1.0, ValueError),
+    (np.float32("nan"), ValueError),
+    (np.float64("inf"), ValueError),
+    (10**400, ValueError),  # an int beyond float's range: not an OverflowError
+]
+
+
+@pytest.mark.parametrize("temperature", GOOD_TEMPERATURES, ids=repr)
+async def test_any_real_temperature_is_accepted_and_drawn_with_as_its_float(temperature):
+    """As by `AsyncLM.sample`; a numpy float32 draws what the same float does."""
+    check_sampling_args(1, temperature)
+    rows = [LOGPROBS] * 64
+    with TokenSampler(seed=4, temperature=temperature) as given:
+        with TokenSampler(seed=4, temperature=float(temperature)) as as_float:
+            assert given.temperature == float(temperature)
+            drawn = await asyncio.gather(*(given.sample(row) for row in rows))
+            assert drawn == await asyncio.gather(*(as_float.sample(row) for row in rows))
+
+
+@pytest.mark.parametrize("temperature, error", BAD_TEMPERATURES, ids=repr)
+def test_a_bad_temperature_is_refused_as_sample_refuses_it(temperature, error):
+    with pytest.raises(error, match="temperature must be a") as by_sample:
+        check_sampling_args(1, temperature)
+    with pytest.raises(error) as by_sampler:
+        TokenSampler(temperature=temperature)
+    assert str(by_sampler.value) == str(by_sample.value)
+
+
+async def test_a_row_is_read_when_its_batch_runs_not_when_sample_is_called():
+    """As documented: ``sample`` keeps the row, not a copy (no kernel per particle on a GPU),
+    so the draw follows the row as it is when the batch runs."""
+    row = torch.tensor([0.0, -math.inf, -math.inf])
+    with TokenSampler(seed=0) as sampler:
+        pending = asyncio.ensure_future(sampler.sample(row))
+        row.copy_(torch.tensor([-math.inf, 0.0, -math.inf]))  # the batch has not run yet
+        assert await pending == 1

@@ -167,6 +167,15 @@ def test_kv_cache_flush_and_cleanup(lm, engine):
         lm.next_token_logprobs_sync([1])
 
 
+async def test_requests_waiting_at_cleanup_get_the_closed_error(lm, engine):
+    waiting = asyncio.ensure_future(lm.next_token_logprobs([1, 2]))
+    await asyncio.sleep(0)  # queued; its batch has not run
+    lm.cleanup()
+    with pytest.raises(RuntimeError, match=r"AsyncSGLTransformer used after cleanup\(\)"):
+        await waiting
+    assert not waiting.cancelled() and engine.calls == [] and engine.shutdowns == 1
+
+
 def test_module_imports_without_sglang_and_from_name_names_the_extra():
     code = (
         "import sys\n"

@@ -327,6 +327,48 @@ def test_a_bad_out_is_refused(trie_class):
         trie.batch_weight_max(ws, out=[[0.0] * trie.num_nodes] * 2)
 
 
+def read_only(shape):
+    array = np.zeros(shape, np.float32)
+    array.flags.writeable = False
+    return array
+
+
+def inference_tensor(shape):
+    with torch.inference_mode():
+        return torch.zeros(shape)
+
+
+UNWRITABLE_OUTS = {  # kind -> (a float32 out of a given shape that cannot be written, why)
+    "read-only": (read_only, "is read-only"),
+    "meta": (lambda shape: torch.empty(shape, device="meta"), "is a meta tensor"),
+    "grad": (lambda shape: torch.zeros(shape, requires_grad=True), "requires grad"),
+    "inference": (inference_tensor, "is an inference tensor"),
+    "expanded": (lambda shape: torch.zeros(1).expand(shape), "has elements that share memory"),
+}
+
+
+@pytest.mark.parametrize("trie_class", TRIES)
+@pytest.mark.parametrize("kind", UNWRITABLE_OUTS)
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(trie_class, kind, batched):
+    """One plain `ValueError` from every trie (not numba's typing error, torch's error after
+    the work, or a meta tensor silently left unwritten); a writable one of the same kind
+    is filled."""
+    vocab = random_vocab(7)
+    trie = trie_class(vocab)
+    ws = np.random.default_rng(7).random((2, len(vocab)))
+    make, message = UNWRITABLE_OUTS[kind]
+    shape = (2, trie.num_nodes) if batched else (trie.num_nodes,)
+    for method in ("sum", "max"):
+        call = getattr(trie, f"batch_weight_{method}" if batched else f"weight_{method}")
+        with pytest.raises(ValueError, match=f"^out {message}"):
+            call(ws if batched else ws[0], out=make(shape))
+    writable = np.zeros(shape, np.float32)
+    expected = np.stack([brute_force(trie, vocab, w, sum) for w in ws])
+    trie.batch_weight_sum(ws, out=writable) if batched else trie.weight_sum(ws[0], out=writable)
+    np.testing.assert_allclose(writable, expected if batched else expected[0], rtol=1e-5)
+
+
 def test_result_blocks_are_leased_until_every_view_is_gone():
     from genlm.backend.trie._results import ResultBlocks
 

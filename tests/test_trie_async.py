@@ -244,6 +244,29 @@ async def test_close_is_idempotent_and_the_with_blocks_close_quietly_after_it():
         trie.pause()
 
 
+def close_on_another_thread(trie):
+    """``trie.close()`` on a thread of its own, while this loop waits for it."""
+    thread = threading.Thread(target=trie.close)
+    thread.start()
+    thread.join()
+
+
+@pytest.mark.parametrize("close", [AsyncTokenCharacterTrie.close, close_on_another_thread])
+async def test_requests_waiting_at_close_get_the_closed_error_not_a_cancellation(close):
+    trie = AsyncTokenCharacterTrie(TokenCharacterTrie(VOCAB))
+    ws = distributions(1)[0]
+    waiting = [
+        asyncio.ensure_future(trie.weight_sum(ws)),
+        asyncio.ensure_future(trie.weight_max(ws)),
+    ]
+    await asyncio.sleep(0)  # queued; their batches have not run
+    close(trie)
+    for task in waiting:
+        with pytest.raises(RuntimeError, match=CLOSED):
+            await task
+        assert not task.cancelled()
+
+
 def test_the_weight_kernels_release_the_gil():
     """So the event loop keeps running while the async trie's worker thread sweeps."""
     from genlm.backend.trie import _kernels

@@ -8,6 +8,7 @@ Runs in the vLLM environment: ``.venv-vllm/bin/pytest tests/test_vllm.py``.
 
 import asyncio
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -959,109 +960,21 @@ def test_the_cli_on_vllm_exits_cleanly_and_a_failed_engine_exits_non_zero(small_
     assert any(": error: the vllm engine failed: " in line for line in run.stderr.splitlines())
 
 
-def test_the_processor_loads_as_one_class_by_its_name_and_its_old_name():
-    """``genlm.backend.llm.vllm_capture:FullLogitsCapture`` (the name before the vLLM
-    package, which users may have written into engine_opts) still loads, as vLLM loads it."""
-    import importlib
-
-    from vllm.v1.sample.logits_processor import LogitsProcessor, _load_logitsprocs_by_fqcns
-
-    from genlm.backend.llm.vllm import CAPTURE_PROCESSOR
-
-    old_name = "genlm.backend.llm.vllm_capture:FullLogitsCapture"
-    module, name = old_name.split(":")
-    by_old_name = getattr(importlib.import_module(module), name)
-    new, old = _load_logitsprocs_by_fqcns([CAPTURE_PROCESSOR, old_name])
-    assert new is old is by_old_name and issubclass(new, LogitsProcessor)
-    assert CAPTURE_PROCESSOR == f"{new.__module__}:{new.__qualname__}"
-
-
-@pytest.mark.parametrize(
-    "name", ["genlm.backend.llm.vllm.capture", "genlm.backend.llm.vllm_capture"]
-)
-def test_the_engine_side_processor_imports_nothing_of_the_client(name):
-    """vLLM's processes import the processor's module: it brings in no LM, base class or
-    batcher (nor their imports)."""
-    client = ["genlm.backend.llm.base", "genlm.backend.llm.vllm.lm", "genlm.backend.batching"]
-    code = (
-        "import importlib, sys\n"
-        f"processor = importlib.import_module({name!r}).FullLogitsCapture\n"
-        "print(processor.__name__, 'vllm' in sys.modules, "
-        f"[m for m in {client!r} if m in sys.modules])\n"
+def test_the_gpu_command_dry_runs_on_the_cpu(tmp_path):
+    """``benchmark/gpu_vllm.py`` (for the day vLLM and a GPU meet): without CUDA it says so
+    and exits 0; its CPU dry run builds the LM with each capture, runs an SIS step and
+    ``sample``, and every row agrees with the other capture's and transformers'."""
+    command = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmark/gpu_vllm.py")]
+    if not torch.cuda.is_available():
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "no CUDA device: nothing checked" in run.stdout
+    run = subprocess.run(
+        [*command, "--device", "cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split("\n")[-2] == "FullLogitsCapture True []"
-
-
-def test_batch_update_bookkeeping_follows_added_removed_and_moved_requests():
-    from vllm import SamplingParams
-    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
-
-    from genlm.backend.llm.vllm import CAPTURE_KEY
-    from genlm.backend.llm.vllm.capture import apply_batch_update
-
-    def added(index, row):
-        extra = None if row is None else {CAPTURE_KEY: ("rows.f32", row, 4)}
-        return (index, SamplingParams(max_tokens=1, extra_args=extra), [1, 2], [])
-
-    def update(removed=(), new=(), moved=()):
-        return BatchUpdate(batch_size=4, removed=list(removed), added=list(new), moved=list(moved))
-
-    targets = {}
-    apply_batch_update(targets, update(new=[added(0, 10), added(1, None), added(2, 12)]))
-    assert targets == {0: ("rows.f32", 10, 4), 2: ("rows.f32", 12, 4)}
-    apply_batch_update(targets, None)
-    assert set(targets) == {0, 2}
-    # Request 0 finishes and a new one takes its slot; the last row is condensed into slot 1.
-    apply_batch_update(
-        targets,
-        update(
-            removed=[0],
-            new=[added(0, 20)],
-            moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)],
-        ),
-    )
-    assert targets == {0: ("rows.f32", 20, 4), 1: ("rows.f32", 12, 4)}
-    apply_batch_update(targets, update(moved=[(0, 1, MoveDirectionality.SWAP)]))
-    assert targets == {1: ("rows.f32", 20, 4), 0: ("rows.f32", 12, 4)}
-    # An untagged request replacing a tagged one clears the slot.
-    apply_batch_update(targets, update(new=[added(1, None)]))
-    assert targets == {0: ("rows.f32", 12, 4)}
-
-
-def test_write_row_pads_or_cuts_to_the_row_width(tmp_path):
-    import numpy as np
-
-    from genlm.backend.llm.vllm.capture import MappedFiles, write_row
-
-    path = tmp_path / "rows.f32"
-    np.zeros(2 * 3, dtype=np.float32).tofile(path)
-    files = MappedFiles()
-    write_row(files, (str(path), 1, 3), torch.tensor([1.0, 2.0]))
-    write_row(files, (str(path), 0, 3), torch.tensor([4.0, 5.0, 6.0, 7.0]))
-    assert list(files.maps) == [str(path)]  # mapped once, for both rows
-    rows = np.fromfile(path, dtype=np.float32).reshape(2, 3)
-    assert rows.tolist() == [[4.0, 5.0, 6.0], [1.0, 2.0, float("-inf")]]
-
-
-def test_mapped_files_keep_a_few_unused_maps_and_drop_replaced_files(tmp_path):
-    """The caller reuses its files between steps, when no request names them: their maps
-    stay (the `KEEP_UNUSED` most recent), and a path that names a new file is mapped anew."""
-    import numpy as np
-
-    from genlm.backend.llm.vllm.capture import MappedFiles, write_row
-
-    paths = [str(tmp_path / f"rows{i}.f32") for i in range(MappedFiles.KEEP_UNUSED + 2)]
-    files = MappedFiles()
-    for path in paths:
-        np.zeros(3, dtype=np.float32).tofile(path)
-        write_row(files, (path, 0, 3), torch.tensor([1.0, 2.0, 3.0]))
-    files.keep_only({paths[0]})  # paths[0] in use: now the most recently used
-    assert list(files.maps) == paths[-MappedFiles.KEEP_UNUSED :] + [paths[0]]
-    os.unlink(paths[-1])
-    np.full(3, 9.0, dtype=np.float32).tofile(paths[-1])  # a new file at the same path
-    files.check({paths[-1], paths[-2]})
-    assert paths[-1] not in files.maps and paths[-2] in files.maps
-    write_row(files, (paths[-1], 0, 3), torch.tensor([4.0, 5.0, 6.0]))
-    assert np.fromfile(paths[-1], dtype=np.float32).tolist() == [4.0, 5.0, 6.0]
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    record = json.loads((tmp_path / "gpu_vllm.json").read_text())
+    assert {engine["model_runner"] for engine in record["engines"].values()} == {"V1"}
+    assert len(record["checks"]) == 10 and all(check["passed"] for check in record["checks"])

@@ -7,6 +7,7 @@ chunked prefill first writes a wrong row that a later write replaces. Expected
 log-probabilities come from the stand-in's own logits function, not from the backend.
 """
 
+import abc
 import asyncio
 import gc
 import hashlib
@@ -39,6 +40,7 @@ from genlm.backend.llm.vllm import (
 from genlm.backend.llm.vllm import api as api_module
 from genlm.backend.llm.vllm import loop as vllm_loop
 from genlm.backend.llm.vllm.loop import EngineLoop, EngineLoopClosedError
+from genlm.backend.llm.vllm.processor import processor_class
 from genlm.backend.llm.vllm.sessions import EngineLimits, StepStalledError
 
 
@@ -69,8 +71,8 @@ class FakeStreamingInput:
     sampling_params: FakeSamplingParams
 
 
-@pytest.fixture(autouse=True)
-def fake_vllm_api(monkeypatch):
+def use_fake_vllm_api(monkeypatch):
+    """vLLM's API (``genlm.backend.llm.vllm.api``) as the fakes above, for the stand-in."""
     api = SimpleNamespace(
         SamplingParams=FakeSamplingParams,
         LoRARequest=FakeLoRARequest,
@@ -78,6 +80,11 @@ def fake_vllm_api(monkeypatch):
         DELTA="delta",
     )
     monkeypatch.setattr(api_module, "vllm_api", lambda: api)
+
+
+@pytest.fixture(autouse=True)
+def fake_vllm_api(monkeypatch):
+    use_fake_vllm_api(monkeypatch)
 
 
 def stand_in_logits(prompt, vocab_size):
@@ -660,6 +667,17 @@ def test_module_imports_without_vllm_and_from_name_names_the_extra():
     assert out.stdout.strip() == "ok", out.stderr
 
 
+def test_without_vllm_on_an_older_python_the_error_names_the_python_vllm_needs(monkeypatch):
+    """vLLM's tested releases need Python 3.11: below it the extra installs no vllm."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError) as error:
+        AsyncVirtualLM.from_name("m")
+    assert "Python 3.11" not in str(error.value) or sys.version_info < (3, 11)
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14))
+    with pytest.raises(ImportError, match=r"\[vllm\]' on Python 3\.11 or newer"):
+        AsyncVirtualLM.from_name("m")
+
+
 @pytest.mark.parametrize("version", ["0.30.2", "0.11.0+cpu", "unknown"])
 def test_a_vllm_older_than_the_floor_is_refused_naming_the_release_needed(monkeypatch, version):
 
@@ -825,17 +843,48 @@ class OutputHandlerEngine(StandInEngine):
         return await answer
 
 
+class FakeEngineArgs(SimpleNamespace):
+    """``vllm.AsyncEngineArgs``: the options, and vLLM's defaults of the fields that
+    `AsyncVirtualLM.from_name` reads."""
+
+    enable_log_requests = False
+    disable_log_stats = False
+
+
+class FakeV1Processor(abc.ABC):
+    """Like vLLM's V1 ``LogitsProcessor``: the V1 runner loads its subclasses only."""
+
+    @abc.abstractmethod
+    def apply(self, logits): ...
+
+
+class FakeV2Processor(abc.ABC):
+    """Like ``vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor`` (Model Runner V2)."""
+
+    @abc.abstractmethod
+    def apply(self, logits, ctx): ...
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch, smollm2_tokenizer):
     """``import vllm`` gives a module whose engine is an `OutputHandlerEngine`, so
-    `AsyncVirtualLM.from_name` runs on the stand-in; ``built`` lists the engines, and
-    ``rows_reach_us = False`` makes their capture write nothing."""
+    `AsyncVirtualLM.from_name` runs on the stand-in; ``built`` lists the engines,
+    ``rows_reach_us = False`` makes their capture write nothing, and ``runner`` ("V1" or
+    "V2") is the model runner the engine's config picks, each loading the subclasses of its
+    own processor base class (`FakeV1Processor`, `FakeV2Processor`)."""
     built = []
-    state = SimpleNamespace(built=built, rows_reach_us=True)
+    state = SimpleNamespace(built=built, rows_reach_us=True, runner="V1")
 
-    def from_engine_args(args):
+    def engine_config(args):
+        model_config = SimpleNamespace(logits_processors=getattr(args, "logits_processors", None))
+        return SimpleNamespace(
+            args=args, use_v2_model_runner=state.runner == "V2", model_config=model_config
+        )
+
+    def from_vllm_config(config, enable_log_requests, disable_log_stats):
         engine = OutputHandlerEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()), 16)
-        engine.vllm_config.model_config = SimpleNamespace(max_logprobs=args.get("max_logprobs", 20))
+        max_logprobs = getattr(config.args, "max_logprobs", 20)
+        engine.vllm_config.model_config = SimpleNamespace(max_logprobs=max_logprobs)
         if not state.rows_reach_us:  # a sampling worker on another machine: no file to write
             engine._write_capture = lambda target, logits: None
         built.append(engine)
@@ -843,14 +892,23 @@ def fake_vllm(monkeypatch, smollm2_tokenizer):
 
     module = SimpleNamespace(
         __version__="0.32.0",
-        AsyncEngineArgs=lambda **opts: opts,
-        AsyncLLMEngine=SimpleNamespace(from_engine_args=from_engine_args),
+        AsyncEngineArgs=FakeEngineArgs,
+        AsyncLLMEngine=SimpleNamespace(from_vllm_config=from_vllm_config),
     )
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setattr(api_module, "engine_config", engine_config)
+    bases = {
+        "vllm.v1.sample.logits_processor": FakeV1Processor,
+        "vllm.v1.worker.gpu.sample.logits_processor": FakeV2Processor,
+    }
+    for name, base in bases.items():
+        monkeypatch.setitem(sys.modules, name, SimpleNamespace(LogitsProcessor=base))
     platforms = SimpleNamespace(current_platform=SimpleNamespace(is_cpu=lambda: False))
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
-    return state
+    processor_class.cache_clear()  # made on the stand-in's base classes
+    yield state
+    processor_class.cache_clear()
 
 
 async def serves_and_closes(lm):
@@ -864,6 +922,88 @@ async def serves_and_closes(lm):
     row = await asyncio.wait_for(asyncio.to_thread(lm.next_token_logprobs_sync, [6]), 10)
     torch.testing.assert_close(row, expected_logprobs([6], lm.vocab_size))
     await asyncio.wait_for(asyncio.to_thread(lm.close), timeout=10)
+
+
+class V1OnlyProcessor(FakeV1Processor):
+    def apply(self, logits):
+        return logits
+
+
+class V2OnlyProcessor(FakeV2Processor):
+    def apply(self, logits, ctx):
+        return logits
+
+
+class OwnCapture:
+    """A caller's own capture object, with its own logits processor."""
+
+    def __init__(self, processor):
+        self.engine_opts = {"logits_processors": [processor]}
+
+    def batch(self, n, width):
+        raise AssertionError("never used: refused before the engine starts")
+
+    def close(self):
+        pass
+
+
+async def test_from_name_under_model_runner_v2_serves_with_the_default_capture(fake_vllm):
+    fake_vllm.runner = "V2"
+    await serves_and_closes(AsyncVirtualLM.from_name("m"))
+    assert len(fake_vllm.built) == 1
+
+
+@pytest.mark.parametrize(
+    "runner, processor, switch",
+    [("V2", V1OnlyProcessor, "VLLM_USE_V2_MODEL_RUNNER=0"), ("V1", V2OnlyProcessor, "=1")],
+)
+@pytest.mark.parametrize("named_by", ["capture", "engine_opts"])
+def test_from_name_refuses_a_processor_the_engines_runner_cannot_run_before_it_starts(
+    fake_vllm, runner, processor, switch, named_by
+):
+    """A processor of the caller's (a capture object's, or in engine_opts) that subclasses
+    the other runner's base class: refused with the ways out, no engine built, no loop."""
+    fake_vllm.runner = runner
+    loops = engine_loops()
+    options = (
+        {"capture": OwnCapture(processor)}
+        if named_by == "capture"
+        else {"engine_opts": {"logits_processors": [processor]}}
+    )
+    with pytest.raises(ValueError) as error:
+        AsyncVirtualLM.from_name("m", **options)
+    message = str(error.value)
+    runner_name = {"V1": "V1 model runner", "V2": "Model Runner V2"}[runner]
+    assert processor.__name__ in message and runner_name in message
+    assert "capture='processor'" in message and "capture='logprobs'" in message
+    assert switch in message
+    assert fake_vllm.built == [] and engine_loops() <= loops
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("genlm_no_such_module:Processor", "cannot load the logits processor"),
+        ("genlm.backend.llm.vllm.processor:NoSuchClass", "cannot load the logits processor"),
+        ("genlm.backend.llm.vllm.processor", "named 'module:qualname'"),
+        ("genlm.backend.llm.vllm.processor:CAPTURE_KEY", "cannot run on this vLLM engine"),
+    ],
+)
+def test_from_name_refuses_a_processor_name_that_loads_no_class(fake_vllm, name, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncVirtualLM.from_name("m", engine_opts={"logits_processors": [name]})
+    assert fake_vllm.built == []
+
+
+def test_an_engine_with_kv_blocks_but_no_block_size_is_refused(smollm2_tokenizer):
+    """The KV budget of the sessions needs the engine's own block size; none is assumed."""
+    engine = StandInEngine(smollm2_tokenizer, len(smollm2_tokenizer.get_vocab()), 8, 16)
+    engine.vllm_config.cache_config.block_size = None
+    loops = engine_loops()
+    with pytest.raises(ValueError, match="16 KV blocks but no block size"):
+        AsyncVirtualLM(engine, LogitsProcessorCapture())
+    assert engine_loops() <= loops
+    assert EngineLimits(max_num_seqs=8).blocks(1000) == 0  # no blocks to budget
 
 
 async def test_from_name_inside_a_running_loop_builds_the_engine_on_its_own_loop(fake_vllm):
@@ -1147,7 +1287,7 @@ def test_from_name_on_a_cpu_build_passes_the_cpu_defaults_under_the_callers(
     monkeypatch.setattr(defaults, "available_memory", lambda: 16 * GIB)
     seen = []
     module = sys.modules["vllm"]
-    module.AsyncEngineArgs = lambda **opts: seen.append(opts) or opts
+    module.AsyncEngineArgs = lambda **opts: seen.append(opts) or FakeEngineArgs(**opts)
     AsyncVirtualLM.from_name(default_model_dir).close()
     AsyncVirtualLM.from_name(default_model_dir, engine_opts={"max_model_len": 512}).close()
     assert seen[0]["kv_cache_memory_bytes"] == 4 * GIB and "max_model_len" not in seen[0]

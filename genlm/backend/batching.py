@@ -13,6 +13,9 @@ Callers ``await batcher.submit(key)``; the batcher
 - delivers a failure to every caller of the failed batch and keeps serving; a result
   that is an exception instance fails only that key's callers; a cancelled caller never
   disturbs the others;
+- `close` stops the worker: a pause (queued callers get ``CancelledError``, as from
+  `reset`), or for good, when queued and later callers get its owner's ``RuntimeError``
+  saying it was closed, never a cancellation they did not ask for;
 - works from successive event loops (``asyncio.run`` twice); a second event loop
   running at the same time (another thread) gets a clear ``RuntimeError``, never a hang;
 - keeps bounded statistics: ``num_batches``, ``num_requests`` and the sizes of the
@@ -32,7 +35,7 @@ from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
-from genlm.backend.checks import check_batching
+from genlm.backend.checks import check_batching, check_int, check_seconds
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
@@ -63,18 +66,41 @@ class AutoBatcher(Generic[K, R]):
     ):
         check_batching(batch_size, timeout)
         self.process_batch = process_batch
-        self.batch_size = batch_size
-        self.timeout = timeout
+        self._batch_size = int(batch_size)
+        self._timeout = None if timeout is None else float(timeout)
         self.name = name
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
-        self._closed_for_good = False
+        self._closed_message: str | None = None  # closed for good: what every call is told
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[K, list[asyncio.Future[R]]] = {}
         self._reset_loop_state()
         self.batch_sizes: deque[int] = deque(maxlen=self.STATS_WINDOW)
         self.num_batches = 0
         self.num_requests = 0
+
+    @property
+    def batch_size(self) -> int:
+        """Most distinct keys per batch; assigning it (checked as the constructor checks it)
+        changes the batches formed after it: a queue that reaches it flushes."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        check_int("batch_size", value, minimum=1)
+        self._batch_size = int(value)
+
+    @property
+    def timeout(self) -> float | None:
+        """Longest wait (seconds) from the first queued request while the loop stays busy;
+        assigning it (checked as the constructor checks it) applies from the next
+        request that finds the queue empty."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        check_seconds("timeout", value)
+        self._timeout = None if value is None else float(value)
 
     def _reset_loop_state(self) -> None:
         self._pending = {}
@@ -106,18 +132,18 @@ class AutoBatcher(Generic[K, R]):
 
     async def submit(self, key: K) -> R:
         """Queue ``key`` and wait for its result."""
-        if self._closed_for_good:
-            raise self._closed_error()
+        if self._closed_message is not None:
+            raise RuntimeError(self._closed_message)
         loop = self._bind_loop()
         future: asyncio.Future[R] = loop.create_future()
         waiters = self._pending.setdefault(key, [])
         waiters.append(future)
-        if len(self._pending) >= self.batch_size:
+        if len(self._pending) >= self._batch_size:
             self._maybe_flush(full=True)
         else:
-            if len(self._pending) == 1 and len(waiters) == 1 and self.timeout is not None:
+            if len(self._pending) == 1 and len(waiters) == 1 and self._timeout is not None:
                 self._cancel_timer()
-                self._timer_handle = loop.call_later(self.timeout, self._on_timeout)
+                self._timer_handle = loop.call_later(self._timeout, self._on_timeout)
             self._schedule_idle_flush(loop)
         return await future
 
@@ -177,7 +203,7 @@ class AutoBatcher(Generic[K, R]):
             waiters = [f for f in self._pending.pop(key) if not f.done()]
             if waiters:
                 batch[key] = waiters
-            if len(batch) == self.batch_size:
+            if len(batch) == self._batch_size:
                 break
         if not self._pending:
             self._cancel_timer()
@@ -214,45 +240,75 @@ class AutoBatcher(Generic[K, R]):
         if self._pending:
             # Callers just answered usually ask again at once: give them one turn of
             # the loop to join the next batch, unless that batch is already due.
-            if len(self._pending) >= self.batch_size or self._deadline_passed:
+            if len(self._pending) >= self._batch_size or self._deadline_passed:
                 self._maybe_flush(full=True)
             elif self._loop is not None:
                 self._schedule_idle_flush(self._loop)
 
     def _get_executor(self) -> ThreadPoolExecutor:
         with self._executor_lock:
-            if self._closed_for_good:
-                raise self._closed_error()
+            if self._closed_message is not None:
+                raise RuntimeError(self._closed_message)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.name)
             return self._executor
 
-    def _closed_error(self) -> RuntimeError:
-        return RuntimeError(f"{self.name}: used after its owner was closed")
-
     def reset(self) -> None:
         """Drop queued (not yet running) requests; their callers get ``CancelledError``."""
+        self._drop_queued(None)
+
+    def _drop_queued(self, message: str | None) -> None:
+        """Drop queued requests: their callers get ``RuntimeError(message)``, or
+        ``CancelledError`` for None. From another thread than the running loop's, the
+        callers are answered on that loop's thread (a future is not thread-safe)."""
         pending, self._pending = self._pending, {}
-        for waiters in pending.values():
-            for future in waiters:
-                future.cancel()
         self._cancel_timer()
         self._deadline_passed = False
         if self._idle_handle is not None:
             self._idle_handle.cancel()
             self._idle_handle = None
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _running(loop):
+            loop.call_soon_threadsafe(_answer_dropped, pending, message)
+        else:
+            _answer_dropped(pending, message)
 
     def run_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the worker thread and wait, serialising it with batches."""
         return self._get_executor().submit(fn, *args).result()
 
-    def close(self, for_good: bool = False) -> None:
-        """Drop queued requests and stop the worker thread (a new one starts if used again,
-        unless ``for_good``: then every later batch raises `RuntimeError`, so that a call
-        racing its owner's close never runs on what the close freed)."""
-        self.reset()
+    def close(self, for_good: bool = False, message: str | None = None) -> None:
+        """Drop queued requests and stop the worker thread, once the running batch is done.
+
+        By default a pause: queued callers get ``CancelledError`` (as from `reset`) and a
+        new worker starts if the batcher is used again. ``for_good``: queued callers, and
+        every later call, get ``RuntimeError(message)`` (default: the batcher's own, naming
+        it), so that a call racing its owner's close never runs on what the close freed,
+        and a caller waiting at the close learns why, not that it was cancelled.
+        """
+        if for_good and self._closed_message is None:
+            self._closed_message = message or f"{self.name}: used after its owner was closed"
+        self._drop_queued(self._closed_message)
         with self._executor_lock:
-            self._closed_for_good = self._closed_for_good or for_good
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+
+
+def _answer_dropped(pending: dict[Any, list[asyncio.Future[Any]]], message: str | None) -> None:
+    for waiters in pending.values():
+        for future in waiters:
+            if future.done():
+                continue
+            if message is None:
+                future.cancel()
+            else:
+                future.set_exception(RuntimeError(message))
+
+
+def _running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is the loop running in this thread."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

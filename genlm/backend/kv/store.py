@@ -32,6 +32,9 @@ decides what they hold.
   to `INITIAL_BLOCKS`, and `trim` halves it between batches while three quarters of it
   are free. Without a byte budget the pool doubles. `free` (a closed LM) lets go of all
   of it.
+- A pool sized once (``fixed_capacity``: on CUDA, where captured graphs hold its
+  addresses) is allocated at construction and never resized: `reserve` evicts until the
+  batch's blocks are free, and raises when even that leaves too few.
 
 The caller applies the copies `extend` asks for (`BlockPool.copy`); a backend's forward
 then reads a row's chain and writes its new tokens' KV into the blocks `extend` returned.
@@ -94,6 +97,8 @@ class PrefixKVStore:
             a torch tensor's storage, counted once for the values sharing it).
         max_kv_entries: most unpinned chains kept (None: unbounded).
         max_logprobs_entries: most logprobs values kept (None: unbounded).
+        fixed_capacity: the pool's blocks (block 0 included), allocated here and never
+            resized (None: the pool follows what is held, see `capacity`).
     """
 
     def __init__(
@@ -104,11 +109,13 @@ class PrefixKVStore:
         nbytes: Callable[[Any], int] | None = None,
         max_kv_entries: int | None = None,
         max_logprobs_entries: int | None = None,
+        fixed_capacity: int | None = None,
     ):
         check_budget("max_kv_bytes", max_kv_bytes)
         check_budget("max_logprobs_bytes", max_logprobs_bytes)
         check_int("max_kv_entries", max_kv_entries, optional=True)
         check_int("max_logprobs_entries", max_logprobs_entries, optional=True)
+        check_int("fixed_capacity", fixed_capacity, minimum=1, optional=True)
         check_int("the pool's block_size", pool.block_size, minimum=1)
         self.pool = pool
         self.block_size = pool.block_size
@@ -117,40 +124,45 @@ class PrefixKVStore:
         self.max_logprobs_bytes = max_logprobs_bytes
         self.max_kv_entries = max_kv_entries
         self.max_logprobs_entries = max_logprobs_entries
+        self.fixed_capacity = fixed_capacity
         self._nbytes = memory_nbytes if nbytes is None else nbytes
         self.roots: dict[Hashable, KVNode] = {}
-        self.reset()
+        self._forget(1)
+        self._resize(fixed_capacity or INITIAL_BLOCKS)
 
     # -- state -------------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every tree, chain and logprob (the trees' nodes emptied: see `_forget`);
-        the pool goes back to `INITIAL_BLOCKS`."""
-        self._forget()
-        self._resize(INITIAL_BLOCKS)
+        the pool goes back to `INITIAL_BLOCKS` (a pool sized once keeps its blocks)."""
+        self._forget(self.capacity)
+        self._resize(self.fixed_capacity or INITIAL_BLOCKS)
 
     def free(self) -> None:
         """Forget every tree, chain and logprob, and let go of all the pool's memory
         (`BlockPool.free`), not just shrink it (a closed LM's store). Block 0 alone is left
         (`capacity` 1, no free block), so the store stays consistent: the next `reserve` or
-        `extend` grows the pool again, allocating it afresh."""
-        self._forget()
+        `extend` grows the pool again (to ``fixed_capacity``, if set), allocating it afresh."""
+        self._forget(1)
         self.pool.free()
 
-    def _forget(self) -> None:
-        """Empty state: no tree, no chain, no logprob; block 0 alone, held (`capacity` 1).
-        The old trees' nodes are emptied, so that one a caller still holds (an old root, a
-        node remembered for `find`) keeps no tree alive and is no longer attached."""
+    def _forget(self, capacity: int) -> None:
+        """Empty state over ``capacity`` blocks: no tree, no chain, no logprob; block 0
+        alone held. The old trees' nodes are emptied, so that one a caller still holds (an
+        old root, a node remembered for `find`) keeps no tree alive and is no longer
+        attached."""
         for root in self.roots.values():
             for node in _subtree(root):
                 node.children.clear()
                 node.logprobs = node.chain = None
                 node.pinned = False
         self.roots = {}
-        self._refs: list[int] = [1]  # block 0 (ZERO_BLOCK) is held forever
-        self._pins: list[int] = [1]
-        self._fill: list[int] = [0]
-        self._free: list[int] = []  # a heap: the lowest free block is handed out first
+        free = capacity - 1
+        self._refs: list[int] = [1] + [0] * free  # block 0 (ZERO_BLOCK) is held forever
+        self._pins: list[int] = [1] + [0] * free
+        self._fill: list[int] = [0] * capacity
+        # a heap (sorted, so already one): the lowest free block is handed out first
+        self._free: list[int] = list(range(1, capacity))
         self._counted = 0  # blocks held by some chain and by no pinned one
         self._pinned = 0  # blocks held by some pinned chain
         self._kv_lru: OrderedDict[int, KVNode] = OrderedDict()
@@ -166,7 +178,8 @@ class PrefixKVStore:
 
         With a budget, growing never takes it past ``1 + budget blocks + pinned blocks``,
         or, when more are held or reserved, past ``1 + held blocks + the blocks asked for``
-        (the rows of a running batch may hold blocks beyond the budget).
+        (the rows of a running batch may hold blocks beyond the budget). A pool sized once
+        has ``fixed_capacity`` blocks (1 after `free`, until it is needed again).
         """
         return len(self._refs)
 
@@ -274,7 +287,8 @@ class PrefixKVStore:
     def reserve(self, extensions: Sequence[tuple[Chain | None, int, int]]) -> None:
         """Make room for the `extend` calls ``(chain, length, total)`` of a batch about to
         run: release least recently used chains for the blocks they will allocate, then
-        grow the pool once if the free blocks fall short (see `capacity`)."""
+        grow the pool once if the free blocks fall short (see `capacity`). A pool sized
+        once that eviction leaves short raises ``RuntimeError`` (nothing allocated)."""
         size = self.block_size
         claimed: set[int] = set()  # partly filled blocks an earlier extension appends to in place
         blocks = 0
@@ -315,12 +329,13 @@ class PrefixKVStore:
         chains: list[Chain] = []
         copies: list[BlockCopy] = []
         shared: list[Chain] = []  # the full blocks each new chain shares, held at the end
+        tail: list[int] = []  # the blocks after the shared full ones, of the chain being made
         try:
             for chain, length, total in extensions:
                 full, partial = divmod(length, size)
                 if chain is None:
                     chain, full, partial = (), 0, 0
-                tail: list[int] = []  # the blocks after the shared full ones
+                tail = []
                 if partial:
                     last = chain[full]
                     if fill[last] == partial:  # appended to in place
@@ -339,6 +354,7 @@ class PrefixKVStore:
                 # a decode step's row, appended to within its last block: the same blocks
                 same = len(chain) == full + 1 and tail == [chain[full]]
                 chains.append(chain if same else head + tuple(tail))
+                tail = []
                 if full:
                     shared.append(head)
         finally:
@@ -346,6 +362,7 @@ class PrefixKVStore:
             for block, count in Counter(itertools.chain.from_iterable(shared)).items():
                 refs[block] += count
             if len(chains) < len(extensions):
+                self._hold_blocks(tail, -1)
                 for made in chains:
                     self.release(made)
         return chains, copies
@@ -384,10 +401,14 @@ class PrefixKVStore:
 
     def evict(self, reserve_blocks: int = 0) -> None:
         """Release least recently used unpinned chains until ``reserve_blocks`` more fit
-        (and at most ``max_kv_entries`` chains are left)."""
+        the budget and, in a pool sized once, are free (and at most ``max_kv_entries``
+        chains are left)."""
         limit = None
         if self.max_kv_bytes is not None:
             limit = self.max_kv_bytes // self.block_bytes - reserve_blocks
+        if self.fixed_capacity is not None:
+            room = self.fixed_capacity - 1 - self._pinned - reserve_blocks
+            limit = room if limit is None or room < limit else limit
         lru = self._kv_lru
         while lru and _over(self._counted, limit, len(lru), self.max_kv_entries):
             node = next(iter(lru.values()))
@@ -398,16 +419,19 @@ class PrefixKVStore:
 
     def clear_kv(self) -> None:
         """Release every chain (pinned ones too); logprobs stay. The pool shrinks back to
-        `INITIAL_BLOCKS` (or to the highest block a caller still holds)."""
+        `INITIAL_BLOCKS` (or to the highest block a caller still holds), unless sized once."""
         for root in self.roots.values():
             for node in _subtree(root):
                 self.set_chain(node, None)
-        self._resize(max(INITIAL_BLOCKS, self._top()))
+        if self.fixed_capacity is None:
+            self._resize(max(INITIAL_BLOCKS, self._top()))
 
     def trim(self) -> None:
         """Halve the pool (not below `INITIAL_BLOCKS`) when its upper three quarters are
         free; call between batches. Repeated calls follow a lasting drop in use without
-        shrinking a pool that the next batch will grow again."""
+        shrinking a pool that the next batch will grow again. A pool sized once stays."""
+        if self.fixed_capacity is not None:
+            return
         capacity = self.capacity
         if capacity > INITIAL_BLOCKS and 4 * (self.held_blocks + 1) <= capacity:
             if 4 * self._top() <= capacity:
@@ -513,11 +537,25 @@ class PrefixKVStore:
     def _grow_for(self, blocks: int) -> None:
         """Grow the pool so that ``blocks`` blocks are free: doubling without a budget; with
         one, by a quarter (at least `INITIAL_BLOCKS`), capped at the budget's blocks plus
-        the pinned ones, unless what is held and asked for needs more (then exactly that)."""
+        the pinned ones, unless what is held and asked for needs more (then exactly that).
+        A pool sized once is only allocated again (after `free`); ``RuntimeError`` if it
+        has too few free blocks."""
         short = blocks - len(self._free)
         if short <= 0:
             return
         capacity = self.capacity
+        if self.fixed_capacity is not None:
+            if capacity < self.fixed_capacity:
+                self._resize(self.fixed_capacity)
+            if blocks > len(self._free):
+                raise RuntimeError(
+                    f"the KV pool, sized once at {self.fixed_capacity - 1} blocks, cannot "
+                    f"hold this batch: its rows need {blocks} new blocks and {len(self._free)} "
+                    f"are free after evicting what the batch does not read ({self._pinned} "
+                    f"blocks pinned, {self._counted} held by prefixes in use); give the LM a "
+                    "larger KV budget (max_kv_bytes) or run fewer or shorter rows at once"
+                )
+            return
         needed = capacity + short
         if self.max_kv_bytes is None:
             self._resize(max(needed, 2 * capacity))

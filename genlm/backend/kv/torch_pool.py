@@ -16,28 +16,16 @@ from genlm.backend.kv.pool import BLOCK_SIZE, BlockCopy, Chain, KVLayout
 class TorchBlockPool:
     """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
 
-    One tensor per layer, so that a resize holds only one layer twice while it copies.
-    ``generation`` counts the times the layers were replaced: what holds their addresses
-    (a captured CUDA graph) is stale once it changes. With ``keep_memory`` the layers are
-    replaced rarely: a resize that fits the memory held keeps it (a smaller pool only
-    stops using its end), and a larger one at least doubles it, up to ``max_blocks``
-    (the KV budget's blocks; more only when more is asked for).
+    One tensor per layer, so that a resize holds only one layer twice while it copies. A
+    store that sizes the pool once (on CUDA: captured graphs hold the layers' addresses)
+    resizes it only to allocate it.
     """
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        block_size: int = BLOCK_SIZE,
-        keep_memory: bool = False,
-        max_blocks: int | None = None,
-    ):
+    def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
         check_int("block_size", block_size, minimum=1)
         self.layout = layout
         self.block_size = block_size
-        self.keep_memory = keep_memory
-        self.max_blocks = max_blocks
         self.layers: list[torch.Tensor] = []
-        self.generation = 0
 
     @property
     def block_bytes(self) -> int:
@@ -47,13 +35,6 @@ class TorchBlockPool:
         """Hold ``blocks`` blocks, keeping the contents of the blocks both sizes have (block 0
         stays zero), one layer at a time."""
         layout = self.layout
-        held = self.layers[0].shape[1] // self.block_size if self.layers else 0
-        if self.keep_memory:
-            if blocks <= held:
-                return
-            doubled = 2 * held if self.max_blocks is None else min(2 * held, self.max_blocks)
-            blocks = max(blocks, doubled)
-        self.generation += 1
         slots = blocks * self.block_size
         shape = (2, slots, layout.num_heads, layout.head_dim)
         if not self.layers:
@@ -72,7 +53,6 @@ class TorchBlockPool:
         """Drop every layer (on CPU its memory map goes back to the system once no tensor
         uses it); the next `resize` allocates afresh."""
         self.layers = []
-        self.generation += 1
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost

@@ -16,7 +16,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "AsyncLM": ".base",
-        "MockAsyncLM": ".base",
+        "MockAsyncLM": ".mock",
         "AsyncTransformer": ".hf",
         "AsyncVirtualLM": ".vllm",
         "AsyncMlxLM": ".mlx",

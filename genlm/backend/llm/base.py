@@ -1,4 +1,4 @@
-"""`AsyncLM`, the interface every backend implements, and `MockAsyncLM`.
+"""`AsyncLM`, the interface every backend implements, and `BatchedAsyncLM`.
 
 A backend provides ``next_token_logprobs`` (auto-batched, awaited by many
 particles at once) and ``next_token_logprobs_sync``; this base class adds input
@@ -14,41 +14,24 @@ an adapter or the reverse.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence, Set
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
+from genlm.backend._lazy import lazy_exports
 from genlm.backend.batching import AutoBatcher, BatchResults
-from genlm.backend.checks import (
-    SEED_LIMIT,
-    OptionCheck,
-    check_options,
-    check_seconds,
-    int_option,
-)
+from genlm.backend.checks import OptionCheck, check_options, check_seconds, int_option
 from genlm.backend.llm.request import PrefixIndex, Query, TokenIds, checked_id, tuple_of_ids
+from genlm.backend.sampling import check_sampling_args, sample_token
 from genlm.backend.tokenization import decode_vocab
 
 R = TypeVar("R")
-
-
-def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
-    """Refuse a tokenizer that does not belong to the model: it has more tokens than the
-    model has output rows, or far fewer (a model pads its output layer beyond its tokenizer
-    by a little: at most max(128, 1%) rows here; Qwen2.5 pads 271 of 151,936)."""
-    padding = model_vocab - tokenizer_vocab
-    if padding < 0 or padding > max(128, model_vocab // 100):
-        raise ValueError(
-            f"The tokenizer has {tokenizer_vocab} tokens but the model's output layer "
-            f"{model_vocab}: they do not belong together (pass the model's own tokenizer)"
-        )
 
 
 class AsyncLM(ABC):
@@ -197,6 +180,13 @@ class AsyncLM(ABC):
     def clear_cache(self) -> None:
         """Forget cached results (no-op for backends without a cache)."""
         self._check_open()
+
+    @property
+    def device(self) -> torch.device:
+        """The device the returned log-probability rows are on: the CPU wherever rows come
+        back to the host (the engines', the mock's, MLX's); a backend computing them on a
+        device of its own says which."""
+        return torch.device("cpu")
 
     # -- LoRA adapters ---------------------------------------------------------------------
 
@@ -360,10 +350,14 @@ class AsyncLM(ABC):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(
-                f"{type(self).__name__} used after cleanup() or close(): its worker thread "
-                "and engine are gone; create a new one"
-            )
+            raise RuntimeError(self._closed_message())
+
+    def _closed_message(self) -> str:
+        """What a call after `close` is told (and a request that still waited at it)."""
+        return (
+            f"{type(self).__name__} used after cleanup() or close(): its worker thread "
+            "and engine are gone; create a new one"
+        )
 
     def close(self) -> None:
         """Stop worker threads and engines and free caches. Idempotent; later calls raise."""
@@ -395,46 +389,6 @@ class AsyncLM(ABC):
         )
 
 
-def check_sampling_args(
-    max_tokens: Any,
-    temperature: Any,
-    seed: Any = None,
-    seeds: int = 1,
-    *,
-    max_temperature: float = math.inf,
-) -> None:
-    """Raise for a ``max_tokens`` that is not an int >= 0, a ``temperature`` that is not a
-    finite number in ``(0, max_temperature]``, or a ``seed`` that is not an int with
-    ``seed + seeds - 1`` in ``[0, 2**63)``. Any finite temperature > 0 works with
-    `sample_token`, which scales in float64, from the top; an engine's own sampler may accept
-    fewer (`AsyncLM.max_temperature`)."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
-        raise TypeError(f"max_tokens must be an int, got {type(max_tokens).__name__}")
-    if max_tokens < 0:
-        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and 0 < temperature <= max_temperature):
-        allowed = "> 0" if max_temperature == math.inf else f"in (0, {max_temperature}]"
-        raise ValueError(f"temperature must be a finite number {allowed}, got {temperature}")
-    if seed is None:
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    if not 0 <= seed <= SEED_LIMIT - max(seeds, 1):
-        which = "" if seeds <= 1 else f" (prompt i uses seed + i, for {seeds} prompts)"
-        raise ValueError(f"seed must be in [0, 2**63){which}, got {seed}")
-
-
-def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """One token from ``softmax(logprobs / temperature)``. Scaled in float64 after subtracting
-    the largest logprob, so the top token stays at 0 and a tiny temperature (down to the
-    smallest positive float) gives the greedy token rather than inf or nan."""
-    scores = logprobs.detach().double().cpu()
-    probs = torch.softmax((scores - scores.max()) / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
 class BatchedAsyncLM(AsyncLM):
     """An `AsyncLM` whose requests all go through one `AutoBatcher`.
 
@@ -454,6 +408,29 @@ class BatchedAsyncLM(AsyncLM):
     @abstractmethod
     def _process_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """The answers for distinct ``keys``, in order, for one batch."""
+
+    @property
+    def batch_size(self) -> int:
+        """Most distinct requests per batch. Assignable, checked as the constructor's
+        ``batch_size``: the batches formed after it hold at most the new number."""
+        return self.batcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        check_options(self.OPTION_CHECKS, {"batch_size": value})
+        self.batcher.batch_size = value
+
+    @property
+    def timeout(self) -> float | None:
+        """Longest wait (seconds) for a batch to fill while the event loop stays busy (None:
+        until it is full or the loop idles). Assignable, checked as the constructor's
+        ``timeout``: it applies from the next batch that starts gathering."""
+        return self.batcher.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        check_options(self.OPTION_CHECKS, {"timeout": value})
+        self.batcher.timeout = value
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
@@ -541,58 +518,11 @@ class BatchedAsyncLM(AsyncLM):
         self.batcher.reset()
 
     def _close(self) -> None:
-        self.batcher.close(for_good=True)
+        self.batcher.close(for_good=True, message=self._closed_message())
 
 
-class MockAsyncLM(BatchedAsyncLM):
-    """A stand-in LM with pseudo-random next-token distributions.
-
-    The distribution is a pure function of ``token_ids`` and the adapter (the same in
-    every process): a stable hash of the prefix (and of the adapter's name, for an
-    adapter) picks one of a few fixed random log-probability tables and a cyclic shift
-    of it. Any path registers as an adapter. Cheap enough to serve thousands of
-    concurrent requests, for testing code built on `AsyncLM`.
-
-    Each returned vector is a copy of its own: editing it changes nothing else.
-    """
-
-    NUM_TABLES = 8
-
-    def __init__(self, tokenizer: Any, batch_size: int = 64, timeout: float | None = 0.02):
-        # the batcher checks batch_size and timeout: before the vocabulary is decoded
-        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name="genlm-mock")
-        super().__init__(tokenizer)
-        rng = np.random.default_rng(0)
-        logits = torch.from_numpy(rng.standard_normal((self.NUM_TABLES, self.vocab_size)) * 3)
-        tables = torch.log_softmax(logits.float(), dim=-1)
-        # Each table twice in a row: any cyclic shift of it is a contiguous slice.
-        self._tables = torch.cat([tables, tables], dim=1)
-
-    @classmethod
-    def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
-        """Load only the tokenizer of ``model_name`` (a hub id, a local dir or a .gguf file)."""
-        from genlm.backend.models import load_tokenizer
-
-        cls.check_constructor_options(kwargs)
-        return cls(load_tokenizer(model_name), **kwargs)
-
-    def _logprobs(self, query: Query) -> torch.Tensor:
-        digest = hashlib.blake2b(np.asarray(query.token_ids, dtype="<i8").tobytes(), digest_size=8)
-        if query.lora is not None:
-            digest.update(b"\0lora:" + query.lora.encode("utf-8"))
-        code = int.from_bytes(digest.digest(), "little")
-        shift = (code // self.NUM_TABLES) % self.vocab_size
-        start = self.vocab_size - shift  # torch.roll(table, shift) starts here
-        return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size].clone()
-
-    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        return [self._logprobs(key) for key in keys]
-
-    def next_token_logprobs_sync(
-        self, token_ids: Sequence[int], *, lora_name: str | None = None
-    ) -> torch.Tensor:
-        """Blocking `next_token_logprobs` (computed in the calling thread: it is cheap)."""
-        return self._logprobs(self._query(token_ids, lora_name))
-
-    def _load_lora(self, lora_path: str, lora_name: str) -> None:
-        """Nothing to load: an adapter's distributions derive from its name."""
+# SPEC's path of the mock LM, which `genlm.backend.llm.mock` builds on this module to define:
+# resolved on first use, so importing this module does not import the mock.
+__getattr__, __dir__ = lazy_exports(__name__, {"MockAsyncLM": "genlm.backend.llm.mock"})
+if TYPE_CHECKING:
+    from genlm.backend.llm.mock import MockAsyncLM as MockAsyncLM

@@ -112,7 +112,7 @@ class EngineLM(BatchedAsyncLM):
             self.output_cache.discard(lambda query: query.lora == lora_name)
 
     def _close(self) -> None:
-        self.batcher.close(for_good=True)
+        self.batcher.close(for_good=True, message=self._closed_message())
         if self.output_cache is not None:
             self.output_cache.clear()
         self._shutdown_engine()

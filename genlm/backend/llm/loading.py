@@ -1,4 +1,5 @@
-"""`load_model_by_name`: pick a backend by name and load a model with it."""
+"""`load_model_by_name`: pick a backend by name and load a model with it; `check_vocab_fits`:
+the check every backend runs on a loaded model and tokenizer."""
 
 from __future__ import annotations
 
@@ -18,8 +19,20 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "hf": ("genlm.backend.llm.hf", "AsyncTransformer"),
     "mlx": ("genlm.backend.llm.mlx", "AsyncMlxLM"),
     "sgl": ("genlm.backend.llm.sgl", "AsyncSGLTransformer"),
-    "mock": ("genlm.backend.llm.base", "MockAsyncLM"),
+    "mock": ("genlm.backend.llm.mock", "MockAsyncLM"),
 }
+
+
+def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
+    """Refuse a tokenizer that does not belong to the model: it has more tokens than the
+    model has output rows, or far fewer (a model pads its output layer beyond its tokenizer
+    by a little: at most max(128, 1%) rows here; Qwen2.5 pads 271 of 151,936)."""
+    padding = model_vocab - tokenizer_vocab
+    if padding < 0 or padding > max(128, model_vocab // 100):
+        raise ValueError(
+            f"The tokenizer has {tokenizer_vocab} tokens but the model's output layer "
+            f"{model_vocab}: they do not belong together (pass the model's own tokenizer)"
+        )
 
 
 def default_backend() -> str:

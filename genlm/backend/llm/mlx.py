@@ -54,7 +54,7 @@ from genlm.backend.checks import check_budget, check_options, first_line, int_op
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
-from genlm.backend.llm.base import check_vocab_fits
+from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, run_grouped
 
 if TYPE_CHECKING:
@@ -159,8 +159,8 @@ class _PagedCache:
 class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
     """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
 
-    Returned log-probability vectors are shared with the cache (each a tensor of its own):
-    read them, do not modify them in place.
+    Each returned log-probability vector is the caller's own copy: editing it in place
+    changes nothing the cache holds.
 
     Args:
         mlx_lm_model: a model from ``mlx_lm.load``.

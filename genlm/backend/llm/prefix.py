@@ -216,8 +216,10 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
     def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        # Callers get copies: a row edited in place must not change what the tree holds.
-        return _copies(self._shared_rows(keys))
+        """The callers' rows: one copy of the batch's rows (one op, one kernel up to 128
+        rows on CUDA), a view of it each, so that a row edited in place changes neither
+        what the tree holds nor another caller's row."""
+        return list(torch.stack(self._shared_rows(keys)).unbind())
 
     def _shared_rows(self, keys: list[Query]) -> list[torch.Tensor]:
         """The rows of ``keys``, as the tree holds them (not to be edited)."""
@@ -335,10 +337,9 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
 
 def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A copy of each row, each with storage of its own, in one op (`torch._foreach_clone`:
-    a fused kernel on CUDA): not N clones, and unlike one batched clone cut into views, a
-    caller keeping one row does not keep the whole batch alive."""
-    return list(torch._foreach_clone(rows)) if rows else []
+    """A copy of each row, each with storage of its own (one dispatcher call, a kernel per
+    row on CUDA): for a batch the logprobs budget cannot hold whole."""
+    return list(torch._foreach_clone(rows))
 
 
 def _chain_of(source: KVNode | None) -> Chain | None:

@@ -10,8 +10,9 @@ reused only once every caller has dropped its row and all views of it.
 Lifecycle: `pause` stops the worker threads, which restart if the trie is used again
 (`cleanup` and `shutdown`, the reference design's names, pause too); `close` (also run
 by ``with`` / ``async with``) stops them for good: after it every method, the pausing
-ones and `start` included, raises `RuntimeError`, as on every LM; only `close` itself may
-be called again, and does nothing.
+ones and `start` included, raises `RuntimeError`, as on every LM, and so do the awaits of
+requests still queued at the close; only `close` itself may be called again, and does
+nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ from typing import Any
 import numpy as np
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.trie.base import TokenCharacterTrie, as_weights, check_weights_shape
+from genlm.backend.trie._weights import checked_weights
+from genlm.backend.trie.base import TokenCharacterTrie
 
 _BACKENDS = ("sequential", "parallel")
+# What a call after `AsyncTokenCharacterTrie.close` is told (and a request waiting at it).
+_CLOSED = (
+    "AsyncTokenCharacterTrie used after close(): create a new one (pause(), cleanup() and "
+    "shutdown() only pause it)"
+)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -105,8 +112,7 @@ class AsyncTokenCharacterTrie:
         """A copy of checked weights (numpy copy, or a clone on the tensor's own device), or
         the error bad weights get: raised when awaited, to their caller alone."""
         try:
-            ws = as_weights(ws)
-            check_weights_shape(tuple(ws.shape), len(self.trie.decode), batched=False)
+            ws = checked_weights(ws, len(self.trie.decode))
         except (TypeError, ValueError) as error:
             return error
         return ws.copy() if isinstance(ws, np.ndarray) else ws.detach().clone()
@@ -143,7 +149,8 @@ class AsyncTokenCharacterTrie:
         if self._closed:
             return
         self._closed = True
-        self._stop_workers()
+        for batcher in self._batchers.values():
+            batcher.close(for_good=True, message=_CLOSED)
 
     def _stop_workers(self) -> None:
         for batcher in self._batchers.values():
@@ -151,10 +158,7 @@ class AsyncTokenCharacterTrie:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(
-                "AsyncTokenCharacterTrie used after close(): create a new one (pause(), "
-                "cleanup() and shutdown() only pause it)"
-            )
+            raise RuntimeError(_CLOSED)
 
     def __enter__(self) -> AsyncTokenCharacterTrie:
         return self

@@ -22,7 +22,6 @@ depths (see `_kernels.batch_sum_into`). The per-node Python views clients read
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 from collections.abc import Hashable, Iterable, Sequence
@@ -33,12 +32,19 @@ import numpy as np
 
 from genlm.backend.tokenization.token import Token
 from genlm.backend.trie._results import ResultBlocks
+from genlm.backend.trie._weights import (
+    as_numpy,
+    as_weights,
+    checked_out,
+    checked_weights,
+    is_tensor,
+    write_into,
+)
 
 if TYPE_CHECKING:
     import graphviz
-    import torch
 
-    Out = np.ndarray | torch.Tensor
+    from genlm.backend.trie._weights import Out
 
 _BYTE_CODES = 256  # codes below this are byte values; others index `_symbols`
 
@@ -176,17 +182,13 @@ class TokenCharacterTrie:
     def _vector(self, ws: Any) -> np.ndarray:
         """``ws`` as a float32/float64 numpy vector of length ``len(decode)`` (no copy if
         it already is one, e.g. a CPU float32 tensor)."""
-        ws = _as_numpy(ws)
-        check_weights_shape(ws.shape, len(self.decode), batched=False)
-        return ws
+        return as_numpy(checked_weights(ws, len(self.decode)))
 
     def _rows(self, ws: Any) -> list[np.ndarray] | np.ndarray:
         """A list of vectors or a 2-D array/tensor as validated rows (see `_vector`)."""
         if isinstance(ws, (list, tuple)):
             return [self._vector(w) for w in ws]
-        ws = _as_numpy(ws)
-        check_weights_shape(ws.shape, len(self.decode), batched=True)
-        return ws
+        return as_numpy(checked_weights(ws, len(self.decode), batched=True))
 
     def _sum(self, ws: np.ndarray, out: np.ndarray, acc: np.ndarray) -> None:
         from genlm.backend.trie._kernels import sum_into
@@ -234,7 +236,7 @@ class TokenCharacterTrie:
 
         rows = self._rows(ws)
         out = self._output(len(rows), out)
-        host = self._results.take(len(rows), self.num_nodes) if _is_tensor(out) else out
+        host = self._results.take(len(rows), self.num_nodes) if is_tensor(out) else out
         assert isinstance(host, np.ndarray)
         for start in range(0, len(rows), SUM_LANES):
             chunk = rows[start : start + SUM_LANES]
@@ -254,7 +256,7 @@ class TokenCharacterTrie:
         `batch_weight_sum`)."""
         rows = self._rows(ws)
         out = self._output(len(rows), out)
-        host = self._results.take(len(rows), self.num_nodes) if _is_tensor(out) else out
+        host = self._results.take(len(rows), self.num_nodes) if is_tensor(out) else out
         assert isinstance(host, np.ndarray)
         for row, row_out in zip(rows, host, strict=True):
             self._max(row, row_out)
@@ -299,104 +301,13 @@ class TokenCharacterTrie:
         from genlm.backend.trie._draw import render
 
         if ws is not None:
-            ws = _as_numpy(ws)
+            ws = as_numpy(as_weights(ws))
             if ws.ndim != 1 or ws.shape[0] != self.num_nodes:
                 raise ValueError(
                     f"visualize needs one weight per node ({self.num_nodes}), "
                     f"got shape {tuple(ws.shape)}"
                 )
         return render(self, ws)
-
-
-def _is_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-def checked_out(out: Any, shape: tuple[int, ...]) -> Any:
-    """``out`` if it is a float32 numpy array or torch tensor of ``shape``, else `ValueError`."""
-    if _is_tensor(out):
-        dtype_ok = out.dtype == sys.modules["torch"].float32
-    elif isinstance(out, np.ndarray):
-        dtype_ok = out.dtype == np.float32
-    else:
-        raise TypeError(f"out must be a numpy array or torch tensor, got {type(out).__name__}")
-    if tuple(out.shape) != shape or not dtype_ok:
-        raise ValueError(
-            f"out must be a float32 array or tensor of shape {shape}, "
-            f"got {out.dtype} {tuple(out.shape)}"
-        )
-    return out
-
-
-def write_into(result: Any, out: Any) -> Any:
-    """``out`` holding ``result`` (the same object when ``out`` is ``result``)."""
-    if out is result:
-        return out
-    if _is_tensor(out):
-        torch = sys.modules["torch"]
-        out.copy_(torch.from_numpy(result) if isinstance(result, np.ndarray) else result)
-    else:
-        out[...] = result
-    return out
-
-
-def check_weights_shape(shape: tuple[int, ...], vocab_size: int, batched: bool) -> None:
-    """Raise `ValueError` unless ``shape`` is ``(vocab_size,)`` (or ``(B, vocab_size)``)."""
-    if batched and (len(shape) != 2 or shape[1] != vocab_size):
-        raise ValueError(
-            f"batched weights must have shape [B, {vocab_size}] (or be a list of vectors), "
-            f"got shape {tuple(shape)}"
-        )
-    if not batched and (len(shape) != 1 or shape[0] != vocab_size):
-        raise ValueError(
-            f"weights must be 1-D with one entry per vocabulary position "
-            f"(length {vocab_size}), got shape {tuple(shape)}"
-        )
-
-
-def as_weights(ws: Any) -> Any:
-    """``ws`` as a real-valued numpy array or torch tensor, checked before any work.
-
-    Tensors are returned as they are and anything else as ``np.asarray(ws)``; numbers of
-    any width (bool, int, float) pass. Raises `TypeError` for complex, string, object
-    (e.g. ``None``) weights, which a conversion to float would silently turn into NaN
-    or truncate, and `ValueError` for a meta tensor (it has no values) or a ragged list.
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(ws, torch.Tensor):
-        if ws.is_meta:
-            raise ValueError("weights are a meta tensor, which has no values: pass real data")
-        integer = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-        if not (ws.dtype.is_floating_point or ws.dtype in integer):
-            raise TypeError(f"weights must be real numbers (bool, int or float), got {ws.dtype}")
-        return ws
-    try:
-        array = np.asarray(ws)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"weights must be a numeric vector (numpy array, torch tensor or list of numbers), "
-            f"got a {type(ws).__name__} that is not one: {error}"
-        ) from None
-    if array.dtype.kind not in "biuf":
-        raise TypeError(
-            f"weights must be real numbers (bool, int or float), got dtype {array.dtype}"
-            + (" (None or other objects among them?)" if array.dtype.kind == "O" else "")
-        )
-    return array
-
-
-def _as_numpy(ws: Any) -> np.ndarray:
-    """A float32 or float64 numpy view (or copy) of a numpy array, torch tensor (any
-    device) or sequence (checked by `as_weights`); float32/float64 CPU inputs are not copied."""
-    ws = as_weights(ws)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(ws, torch.Tensor):
-        ws = ws.detach()
-        if ws.dtype not in (torch.float32, torch.float64):
-            ws = ws.to(torch.float64)
-        return ws.cpu().numpy()
-    return ws if ws.dtype in (np.float32, np.float64) else ws.astype(np.float64)
 
 
 def _encode(decode: list[Any]) -> tuple[np.ndarray, np.ndarray, list, list[Hashable] | None]:

@@ -29,17 +29,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from genlm.backend.trie._results import ResultBlocks
-from genlm.backend.trie.base import (
-    TokenCharacterTrie,
-    as_weights,
-    check_weights_shape,
-    checked_out,
-)
+from genlm.backend.trie._weights import checked_out, checked_weights
+from genlm.backend.trie.base import TokenCharacterTrie
 
 if TYPE_CHECKING:
     import torch
 
-    from genlm.backend.trie.base import Out
+    from genlm.backend.trie._weights import Out
 
 
 class ParallelTokenCharacterTrie(TokenCharacterTrie):
@@ -110,10 +106,9 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
             if not rows:
                 return torch.empty((0, len(self.decode)), device=self.device)
             return torch.stack(rows)
-        ws = as_weights(ws)
+        ws = checked_weights(ws, len(self.decode), batched)
         if not isinstance(ws, torch.Tensor):
             ws = torch.from_numpy(ws.astype(np.float32, copy=False))
-        check_weights_shape(tuple(ws.shape), len(self.decode), batched)
         ws = ws.detach().to(device=self.device, dtype=torch.float32)
         ws = ws if batched else ws[None]
         return ws.index_select(1, self._reachability[2])

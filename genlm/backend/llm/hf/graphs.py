@@ -13,9 +13,10 @@ A bucket's first step runs the forward eagerly on the static buffers (its answer
 warm-up a capture needs), then is captured and replayed; its first two replays are checked
 against the eager forward. If one differs, or capture fails (a forward that syncs with the
 host, or whose kernels depend on the data), a warning is logged and the LM runs every later
-step eagerly: a wrong row is never served. A bucket captured again only because the KV
-pool's layers moved (`TorchBlockPool.generation`) is not checked again: its kernels are the
-checked ones, over new addresses.
+step eagerly: a wrong row is never served. A bucket captured again (dropped from the LRU,
+or over a larger output buffer) is not checked again: its kernels are the checked ones.
+The graphs hold the KV pool's addresses: on CUDA the pool is sized once and never moves
+(`genlm.backend.llm.hf.model.fixed_pool_capacity`).
 
 Only the capture is CUDA's: `EagerRecorder` "replays" by running the forward again, so the
 buckets, the padding and the static buffers are tested on a CPU.
@@ -32,7 +33,7 @@ from typing import Protocol
 import torch
 
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.paged import StepInputs, StepShape, exact_shape, host_step, shared_blocks
+from genlm.backend.llm.hf.paged import StepInputs, StepShape, cascade_blocks, exact_shape, host_step
 from genlm.backend.llm.prefix import QueryPlan
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,6 @@ class DecodeGraphs:
         self.failure: str | None = None  # why graphs are off for good
         self.captures = 0
         self.replays = 0
-        self._generation = -1  # the pool's generation the graphs were captured over
         self._out = torch.empty((0, vocab_size), dtype=torch.float32, device=device)
 
     def run(self, plans: Sequence[QueryPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
@@ -166,13 +166,10 @@ class DecodeGraphs:
         computed) when the step fits no bucket or graphs are off: run it eagerly."""
         if self.failure is not None or plans[0].new_tokens != 1:
             return False
-        skip = shared_blocks(plans, pool.block_size)
+        skip = cascade_blocks(plans, pool.block_size)
         bucket = bucket_shape(exact_shape(plans, pool.block_size, skip))
         if bucket is None:
             return False
-        if pool.generation != self._generation:  # the pool's layers moved
-            self.clear()
-            self._generation = pool.generation
         host = host_step(plans, pool.block_size, skip, bucket, pin=self.device.type == "cuda")
         rows = len(plans)
         try:

@@ -37,7 +37,8 @@ Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
   for everyone; a fresh prompt or a recomputed prefix forms its own group), hence
   no fully-masked attention rows and no NaNs from them.
 - Memory: KV stays within ``max_kv_bytes`` between batches (docs/kv-store.md); the
-  pool resizes one layer at a time, so it is never held twice while it copies.
+  pool resizes one layer at a time, so it is never held twice while it copies. On CUDA
+  the pool is sized once, at construction (`fixed_pool_capacity`), and never moves.
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's
@@ -65,7 +66,6 @@ from genlm.backend.checks import check_budget, check_options, choice_option, int
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.base import check_vocab_fits
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import (
@@ -75,15 +75,15 @@ from genlm.backend.llm.hf.options import (
     quiet_bitsandbytes,
 )
 from genlm.backend.llm.hf.paged import (
-    CASCADE_MIN_SHARED,
     StepInputs,
     attention_mask,
+    cascade_blocks,
     paged_cache,
     register_cascade,
-    shared_blocks,
     step_cache,
     step_inputs,
 )
+from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, plan_groups
 
 # peft's name for "no adapter" in a mixed-adapter batch.
@@ -92,6 +92,9 @@ LORA_BATCHING = ("mixed", "grouped")
 
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
+# The share of the device's free memory (after the model is loaded) that a CUDA KV pool
+# takes when the LM has no KV budget.
+CUDA_KV_MEMORY_FRACTION = 0.5
 
 
 class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
@@ -105,7 +108,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         batch_size: most requests per batch.
         timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
         max_kv_bytes: budget for cached KV states (least recently used evicted first;
-            prompts pinned with `cache_kv` are outside it).
+            prompts pinned with `cache_kv` are outside it). On CUDA it also sizes the KV
+            pool, allocated here and never resized: pinned prompts and a running batch's
+            rows must fit in it too (None: `CUDA_KV_MEMORY_FRACTION` of the free memory).
         max_logprobs_bytes: budget for cached next-token log-probabilities.
         max_batch_tokens: most new tokens run in one forward (larger groups are split,
             a longer prefix is prefilled in chunks).
@@ -169,13 +174,20 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._output_device = self.model.get_output_embeddings().weight.device
         self._cache_keyword = cache_keyword(self.model)
         layout, reason = self._probe_kv_layout()
-        self._pool = None if layout is None else self._kv_pool(layout, cuda_graphs)
+        self._pool = None if layout is None else TorchBlockPool(layout)
         self._head = plain_head(self.model, self.vocab_size, self._input_device)
         self._cascade = self._pool is not None and register_cascade(
             self.model, self._pool.layout.num_layers
         )
         self._graphs = self._decode_graphs() if cuda_graphs else None
-        store = PrefixKVStore(self._pool or NoKVPool(reason), max_kv_bytes, max_logprobs_bytes)
+        store = PrefixKVStore(
+            self._pool or NoKVPool(reason),
+            max_kv_bytes,
+            max_logprobs_bytes,
+            fixed_capacity=None
+            if layout is None
+            else fixed_pool_capacity(self._input_device, layout, max_kv_bytes),
+        )
         self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-hf")
 
     @classmethod
@@ -230,6 +242,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         """The model's ``max_position_embeddings`` (None if its config has none)."""
         return self._max_positions
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's output layer, where the returned rows are."""
+        return self._output_device
+
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
@@ -244,15 +261,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             self._head.free()
         if self._graphs is not None:
             self._graphs.clear()
-
-    def _kv_pool(self, layout: KVLayout, cuda_graphs: bool) -> TorchBlockPool:
-        """The paged KV pool; on CUDA with graphs, one that keeps its memory and grows
-        rarely (the graphs hold its addresses), within the KV budget's blocks."""
-        if not (cuda_graphs and self._input_device.type == "cuda"):
-            return TorchBlockPool(layout)
-        budget = self.max_kv_bytes
-        cap = None if budget is None else 1 + budget // layout.block_bytes(BLOCK_SIZE)
-        return TorchBlockPool(layout, keep_memory=True, max_blocks=cap)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of decode steps, where they can be captured: cascade attention over
@@ -380,7 +388,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         new_tokens = plans[0].new_tokens
         if self._graphs is not None and self._peft is None and self._graphs.run(plans, pool, out):
             return
-        skip = self._shared_blocks(plans) if new_tokens <= self.max_batch_tokens else 0
+        cascade = self._cascade and new_tokens <= self.max_batch_tokens
+        skip = cascade_blocks(plans, pool.block_size) if cascade else 0
         step = step_inputs(plans, pool.block_size, skip, self._input_device)
         loras = [plan.lora for plan in plans]
         if skip:
@@ -437,16 +446,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         logits in memory of the step's own (the head's reused buffer would outlive it)."""
         assert self._pool is not None  # graphs go with KV reuse
         self._cascade_forward(self._pool, step, [None] * step.input_ids.shape[0], out, False)
-
-    def _shared_blocks(self, plans: list[QueryPlan]) -> int:
-        """Blocks at the start of every plan's chain and inside every plan's past: cascade
-        attention reads them once (0: no cascade, too few plans or shared tokens)."""
-        if not self._cascade or len(plans) < 2:
-            return 0
-        assert self._pool is not None  # cascade goes with KV reuse
-        size = self._pool.block_size
-        blocks = shared_blocks(plans, size)
-        return blocks if blocks * size >= CASCADE_MIN_SHARED else 0
 
     def _run_without_kv(self, plans: list[QueryPlan], out: torch.Tensor) -> None:
         """Fallback for models without reusable KV: one plain forward of whole prefixes of
@@ -518,6 +517,23 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         ):
             return None, "its cache has layers other than full attention"
         return uniform_layout(layers)
+
+
+def fixed_pool_capacity(
+    device: torch.device, layout: KVLayout, max_kv_bytes: int | None
+) -> int | None:
+    """The blocks of a KV pool on ``device`` sized once, at construction, as vLLM sizes its
+    KV cache, or None where the pool follows what is held. On CUDA: block 0 and the KV
+    budget's blocks, or without a budget `CUDA_KV_MEMORY_FRACTION` of the free memory;
+    the pool never moves, so captured graphs hold its addresses for good (and the caching
+    allocator would keep a grown pool's memory anyway). Elsewhere None: a CPU pool's
+    unwritten blocks cost no memory and a shrunk one goes back to the system."""
+    if device.type != "cuda":
+        return None
+    if max_kv_bytes is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        max_kv_bytes = int(free * CUDA_KV_MEMORY_FRACTION)
+    return 1 + max_kv_bytes // layout.block_bytes(BLOCK_SIZE)
 
 
 def _grouped_batch(

@@ -116,6 +116,17 @@ def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
     return next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
 
 
+def cascade_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
+    """The `shared_blocks` a step's cascade attention reads once for all its plans, or 0
+    (no cascade: a lone plan, or fewer than ``CASCADE_MIN_SHARED`` shared tokens). The
+    one decision for the eager step and its CUDA graph alike: a lone row reading its
+    whole past as shared would change graph buckets every few tokens."""
+    if len(plans) < 2:
+        return 0
+    blocks = shared_blocks(plans, block_size)
+    return blocks if blocks * block_size >= CASCADE_MIN_SHARED else 0
+
+
 def exact_shape(plans: Sequence[QueryPlan], block_size: int, skip_blocks: int) -> StepShape:
     """The smallest shape of the plans' step with ``skip_blocks`` shared blocks."""
     skip = skip_blocks * block_size

@@ -1,7 +1,8 @@
 """The vLLM backend: `AsyncVirtualLM` (`lm`), the engine's loop and handle (`loop`), its
-streaming-input `sessions`, the full-vocabulary `capture`, the engine options `from_name`
-sets (`defaults`) and the vLLM names used (`api`). Names resolve on first use: vLLM's
-processes import `capture`, for its logits processor, and nothing else of the client.
+streaming-input `sessions`, the full-vocabulary `capture` (the caller's half) and its
+logits `processor` (the engine's half), the model runner's check (`runners`), the engine
+options `from_name` sets (`defaults`) and the vLLM names used (`api`). Names resolve on
+first use: vLLM's processes import `processor`, and nothing of the client.
 Type checkers read them from the ``TYPE_CHECKING`` imports, which never run."""
 
 from typing import TYPE_CHECKING
@@ -9,15 +10,10 @@ from typing import TYPE_CHECKING
 from genlm.backend._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .capture import (
-        CAPTURE_KEY,
-        CAPTURE_PROCESSOR,
-        EngineLogprobsCapture,
-        LogitsProcessorCapture,
-        MissingRowsError,
-    )
+    from .capture import EngineLogprobsCapture, LogitsProcessorCapture, MissingRowsError
     from .defaults import engine_options, logging_configured
     from .lm import AsyncVirtualLM, hash_to_int
+    from .processor import CAPTURE_KEY, CAPTURE_PROCESSOR
     from .sessions import RequestEndedError, StepStalledError
 
 __all__ = [
@@ -44,8 +40,8 @@ __getattr__, __dir__ = lazy_exports(
         "MissingRowsError": ".capture",
         "RequestEndedError": ".sessions",
         "StepStalledError": ".sessions",
-        "CAPTURE_KEY": ".capture",
-        "CAPTURE_PROCESSOR": ".capture",
+        "CAPTURE_KEY": ".processor",
+        "CAPTURE_PROCESSOR": ".processor",
         "engine_options": ".defaults",
         "hash_to_int": ".lm",
         "logging_configured": ".defaults",

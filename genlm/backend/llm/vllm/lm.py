@@ -35,6 +35,7 @@ from genlm.backend.llm.vllm.capture import (
 )
 from genlm.backend.llm.vllm.defaults import from_name_options
 from genlm.backend.llm.vllm.loop import engine_handle, start_engine
+from genlm.backend.llm.vllm.runners import check_logits_processors
 from genlm.backend.llm.vllm.sessions import STALL_TIMEOUT, StepRequest
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,10 @@ class AsyncVirtualLM(EngineLM):
                 ``logprobs=-1``), or a capture object, e.g.
                 ``LogitsProcessorCapture(directory=...)`` for a directory that the
                 machines of the sampling workers share. A probe request checks that the
-                logits processor's rows reach this process (`_check_capture`).
+                logits processor's rows reach this process (`_check_capture`). Every
+                logits processor the engine options name (the capture's, engine_opts')
+                is checked against the engine's model runner before the engine starts
+                (`check_logits_processors`): the default's serves both.
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
         """
         # Every option checked before vllm is imported and an engine starts (~30 s on CPU).
@@ -194,7 +198,15 @@ class AsyncVirtualLM(EngineLM):
         vllm = api.import_vllm()
         opts = from_name_options(model_name, engine_opts, logprobs_capture)
         args = vllm.AsyncEngineArgs(model=model_name, **opts)
-        engine = start_engine(lambda: vllm.AsyncLLMEngine.from_engine_args(args))
+        vllm_config = api.engine_config(args)
+        check_logits_processors(vllm_config)
+        engine = start_engine(
+            lambda: vllm.AsyncLLMEngine.from_vllm_config(
+                vllm_config,
+                enable_log_requests=args.enable_log_requests,
+                disable_log_stats=args.disable_log_stats,
+            )
+        )
         try:
             lm = cls(engine, logprobs_capture, **kwargs)
         except BaseException:

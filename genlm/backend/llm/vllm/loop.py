@@ -155,9 +155,13 @@ class EngineHandle:
     `Sessions` (so their budget is the engine's), made together by `engine_handle`."""
 
     def __init__(self, engine: Any, loop: EngineLoop):
+        try:
+            self.sessions = Sessions(engine)
+        except BaseException:
+            loop.close()  # an engine whose limits cannot be read: nothing left running
+            raise
         self.engine = engine
         self.loop = loop
-        self.sessions = Sessions(engine)
         watch_shared_memory(engine)
 
     def stop(self) -> None:

@@ -74,11 +74,20 @@ def _ended(request_id: str, output: Any) -> RequestEndedError:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """What bounds the live sessions: the engine's request slots and KV blocks."""
+    """What bounds the live sessions: the engine's request slots and KV blocks, and the
+    tokens per block, as the running engine reports them (vLLM's engine core picks the block
+    size for its attention backend and hardware: 16 on CUDA by default, 128 on CPU)."""
 
     max_num_seqs: int | None = None
     num_blocks: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.block_size is None:
+            raise ValueError(
+                f"the engine reports {self.num_blocks} KV blocks but no block size "
+                "(vllm_config.cache_config.block_size): the sessions' KV budget needs both"
+            )
 
     @classmethod
     def of(cls, engine: Any) -> EngineLimits:
@@ -90,11 +99,14 @@ class EngineLimits:
         return cls(
             max_num_seqs=config.scheduler_config.max_num_seqs,
             num_blocks=getattr(cache, "num_gpu_blocks", None),
-            block_size=cache.block_size or 16,
+            block_size=getattr(cache, "block_size", None),
         )
 
     def blocks(self, num_tokens: int) -> int:
-        """KV blocks a request of ``num_tokens`` tokens (plus its sampled one) holds."""
+        """KV blocks a request of ``num_tokens`` tokens (plus its sampled one) holds; 0
+        where the engine reports no KV blocks to budget."""
+        if self.block_size is None:
+            return 0
         return num_tokens // self.block_size + 1
 
 

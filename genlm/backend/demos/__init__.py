@@ -1,0 +1,1 @@
+"""Small programs built on the library: what the command line runs."""

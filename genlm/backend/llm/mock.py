@@ -1,0 +1,68 @@
+"""`MockAsyncLM`: a stand-in LM for tests, with pseudo-random next-token distributions."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from genlm.backend.batching import AutoBatcher
+from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.request import Query
+
+
+class MockAsyncLM(BatchedAsyncLM):
+    """A stand-in LM with pseudo-random next-token distributions.
+
+    The distribution is a pure function of ``token_ids`` and the adapter (the same in
+    every process): a stable hash of the prefix (and of the adapter's name, for an
+    adapter) picks one of a few fixed random log-probability tables and a cyclic shift
+    of it. Any path registers as an adapter. Cheap enough to serve thousands of
+    concurrent requests, for testing code built on `AsyncLM`.
+
+    Each returned vector is a copy of its own: editing it changes nothing else.
+    """
+
+    NUM_TABLES = 8
+
+    def __init__(self, tokenizer: Any, batch_size: int = 64, timeout: float | None = 0.02):
+        # the batcher checks batch_size and timeout: before the vocabulary is decoded
+        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name="genlm-mock")
+        super().__init__(tokenizer)
+        rng = np.random.default_rng(0)
+        logits = torch.from_numpy(rng.standard_normal((self.NUM_TABLES, self.vocab_size)) * 3)
+        tables = torch.log_softmax(logits.float(), dim=-1)
+        # Each table twice in a row: any cyclic shift of it is a contiguous slice.
+        self._tables = torch.cat([tables, tables], dim=1)
+
+    @classmethod
+    def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
+        """Load only the tokenizer of ``model_name`` (a hub id, a local dir or a .gguf file)."""
+        from genlm.backend.models import load_tokenizer
+
+        cls.check_constructor_options(kwargs)
+        return cls(load_tokenizer(model_name), **kwargs)
+
+    def _logprobs(self, query: Query) -> torch.Tensor:
+        digest = hashlib.blake2b(np.asarray(query.token_ids, dtype="<i8").tobytes(), digest_size=8)
+        if query.lora is not None:
+            digest.update(b"\0lora:" + query.lora.encode("utf-8"))
+        code = int.from_bytes(digest.digest(), "little")
+        shift = (code // self.NUM_TABLES) % self.vocab_size
+        start = self.vocab_size - shift  # torch.roll(table, shift) starts here
+        return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size].clone()
+
+    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
+        return [self._logprobs(key) for key in keys]
+
+    def next_token_logprobs_sync(
+        self, token_ids: Sequence[int], *, lora_name: str | None = None
+    ) -> torch.Tensor:
+        """Blocking `next_token_logprobs` (computed in the calling thread: it is cheap)."""
+        return self._logprobs(self._query(token_ids, lora_name))
+
+    def _load_lora(self, lora_path: str, lora_name: str) -> None:
+        """Nothing to load: an adapter's distributions derive from its name."""
