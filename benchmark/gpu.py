@@ -16,12 +16,28 @@ shapes, batching, KV caching and memory traffic are the same as a trained model'
    that have ``gpu`` tests. A failed check makes the command exit with status 1.
 2. **lm** (``gpu_lm.json``): the README's SIS loop (`bench_lm.time_readme_sis`) with N
    particles on Llama-3.2-1B- and Llama-3.1-8B-shaped bfloat16 models, short and long
-   prompts, against the hand-written batched ``DynamicCache`` and ``StaticCache`` loops
+   prompts, on both library paths (eager decode steps, the default, and CUDA graphs)
+   against the hand-written batched ``DynamicCache`` and ``StaticCache`` loops
    (`bench_lm.hf_floor`, `bench_lm.hf_static_floor`) in the same run: tokens/s, ratios
    and peak device memory against the KV the particles need and the library's budget.
-3. **trie** (``gpu_trie.json``): the parallel trie's ``weight_sum`` / ``weight_max``,
+   Every timing is of the steady state: the graph path is warmed up on the timed run
+   itself, and a window that holds a capture, a check or an eager decode step is timed
+   again; the captures, checks and eager steps before the window and inside it (0) are
+   reported.
+3. **steps** (``gpu_steps.json``): decode steps of the most particles on the longest
+   prompt, eager and replayed: host ms per steady step, the device ms of one replay
+   (CUDA events), and kernel launches, graph launches, copies and host syncs per step
+   (``torch.profiler``).
+4. **smc** (``gpu_smc.json``): SMC on the 1B shape, the most particles on the longest
+   prompt, resampled every `RESAMPLE_EVERY` steps (the distinct rows fall and recover),
+   on both paths: the graph path's captures, checks and eager steps in a first run, then
+   the tokens/s of the same run again (the steady state).
+5. **trie** (``gpu_trie.json``): the parallel trie's ``weight_sum`` / ``weight_max``,
    single and batched, on the device against the sequential trie on the CPU, at
    SmolLM2's vocabulary and synthetic 128k and 256k ones (`bench_trie.synthetic_vocab`).
+
+On a CPU (the dry run) the graph path runs with the stand-in recorder (a replay runs the
+forward again), so that every line of the command runs.
 
     bash benchmark/gpu.sh                                  # all of it, on CUDA
     bash benchmark/gpu.sh --quick --compare ../main-src --out /tmp/gpu   # < 10 min on H100/H200
@@ -29,11 +45,12 @@ shapes, batching, KV caching and memory traffic are the same as a trained model'
     bash benchmark/gpu.sh --device cpu --tiny --out /tmp/gpu-dry   # CPU dry run (< 1 min)
 
 ``--quick`` is the plan that one device lease affords: both model shapes, N = 1 / 32 / 128,
-prompts of 28 and 1,024 tokens, 32 tokens, one repeat; the trie at B = 1 and 256.
-``--compare DIR`` then measures the library of another source tree (DIR holds its
+prompts of 28 and 1,024 tokens, 32 tokens, one repeat, SMC of 64 steps; the trie at B = 1
+and 256. ``--compare DIR`` then measures the library of another source tree (DIR holds its
 ``genlm/``: e.g. ``git archive <commit> | tar -x -C DIR``) with this same harness, in a
-second process (``GENLM_GPU_SOURCE=DIR``; its lm loop alone, without the floors), and
-writes both side by side with their ratio into ``gpu_compare.json``.
+second process (``GENLM_GPU_SOURCE=DIR``; its SIS loop on both paths without the floors,
+its SMC and its trie), and writes both side by side with their ratio into
+``gpu_compare.json``.
 
 Results go to ``benchmark/results/gpu_*.json`` and plots to ``docs/images/bench-gpu-*.png``
 (with ``--out DIR``: ``DIR/gpu_*.json`` and ``DIR/images/``); tables are printed.
@@ -79,9 +96,22 @@ SPECIAL_TOKENS = {
 VOCAB_SIZE = 49_152
 TOLERANCE = 1e-4  # float32 logprobs: batched / cached / uncached / CPU rows
 TRIE_TOLERANCE = 1e-4  # relative: float32 sums of many positive weights, in other orders
-PARTS = ("checks", "pytest", "lm", "trie")
+PARTS = ("checks", "pytest", "lm", "steps", "smc", "trie")
 MIN_KV_BUDGET = 1 << 30  # the library's default KV budget: what a user gets unasked
-LIBRARY = "genlm AsyncTransformer"
+# The library's two decode paths, timed side by side: the eager step (the default) and
+# steps replayed from CUDA graphs (``cuda_graphs=True``; on a CPU, the stand-in recorder).
+LIBRARY = "genlm AsyncTransformer, eager steps"
+GRAPHS = "genlm AsyncTransformer, CUDA graphs"
+LIBRARIES = (LIBRARY, GRAPHS)
+# What a graph LM's decode steps ran as besides replays (`DecodeGraphs`' counters): none of
+# them may happen inside a timed window, which is then the steady state.
+GRAPH_EVENTS = ("captures", "checks", "eager_steps")
+MAX_WINDOWS = 3  # timed windows tried per run until one holds no graph event
+# The KV pool's share of the free device memory where the tree sizes CUDA pools so: small,
+# so that the budget sizes it (two LMs and the floors share the device).
+POOL_FRACTION = 0.01
+RESAMPLE_EVERY = 5  # the SMC workload's resampling period, in steps
+BASELINE_PARTS = ("lm", "smc", "trie")  # what `--compare` measures of the other tree
 DYNAMIC = "floor: DynamicCache loop"
 STATIC = "floor: StaticCache loop"
 
@@ -133,6 +163,8 @@ class Plan:
     trie_repeats: int
     sis_particles: int = 6  # the agreement check's SIS loop
     sis_tokens: int = 8
+    smc_tokens: int = 64  # the SMC workload's steps
+    profiled_steps: int = 16  # the steps part: steps timed (and 3 more profiled)
     parts: list[str] = field(default_factory=lambda: list(PARTS))
     floors: bool = True  # the hand-written loops beside the library's (not for a baseline)
 
@@ -147,10 +179,12 @@ FULL = Plan(
     vocab_sizes=[VOCAB_SIZE, 128_000, 256_000],
     batches=[1, 32, 256],
     trie_repeats=5,
+    smc_tokens=128,
 )
-# About 4 minutes on an H200 (from the first run's part times: checks 29 s, pytest 21 s, the
-# trie ~25 s at these batches, lm ~140 s at one repeat); `--compare` adds the baseline's
-# library loop and trie, about 2 minutes more.
+# Estimated at about 4 minutes on an H200, `--compare` about 2 more (not yet run: from the
+# first run's part times, checks 29 s, pytest 21 s, the trie ~25 s at these batches, the
+# lm loops ~140 s with a library then host-bound; both library paths now, the graph path
+# warmed up on its timed run; steps and SMC ~1 minute).
 QUICK = Plan(
     agreement_model="smollm2-135m",
     speed_models=["llama-3.2-1b", "llama-3.1-8b"],
@@ -174,6 +208,8 @@ TINY = Plan(
     trie_repeats=1,
     sis_particles=3,
     sis_tokens=3,
+    smc_tokens=12,
+    profiled_steps=3,
 )
 
 
@@ -357,20 +393,7 @@ def agreement_checks(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
             f"{plan.sis_particles} particles x {plan.sis_tokens} tokens, then 3 tokens at once",
         )
     )
-    if device.startswith("cuda"):
-        graphs = lm._graphs
-        rows.append(
-            _row(
-                f"{name}: decode steps replayed from CUDA graphs (rows above included)",
-                0.0 if graphs is None else float(graphs.replays),
-                None,
-                "graphs off"
-                if graphs is None
-                else f"{graphs.captures} captured, "
-                f"{graphs.replays} steps replayed; failure: {graphs.failure}",
-                passed=graphs is not None and graphs.failure is None and graphs.replays > 0,
-            )
-        )
+    rows.append(graph_check(plan, device, model, tokenizer, prompt, lm))
     everything = batched + [(list(c), a) for c, a in seen]
     rows.append(
         _row(
@@ -402,6 +425,80 @@ def agreement_checks(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
     for each in (lm, cpu_lm, lm16):
         each.close()
     return rows
+
+
+def library_lm(model: Any, tokenizer: Any, device: str, graphs: bool, **options: Any) -> Any:
+    """An `AsyncTransformer` of the source tree measured, with ``cuda_graphs=graphs``; on a
+    CPU (the dry run) graphs get the stand-in recorder (a replay runs the forward again),
+    so that the dry run goes through the graph path's code too. Where the tree sizes a
+    CUDA pool by the free memory as well, only `POOL_FRACTION` of it: the KV budget sizes
+    the pool, as LMs and floors share the device."""
+    from unittest import mock
+
+    import genlm.backend.llm.hf.model as hf_model
+    from genlm.backend.llm.hf.graphs import EagerRecorder
+
+    options["cuda_graphs"] = graphs
+    if "cuda_kv_memory_fraction" in getattr(hf_model.AsyncTransformer, "OPTION_CHECKS", {}):
+        options["cuda_kv_memory_fraction"] = POOL_FRACTION
+    if device.startswith("cuda") or not graphs:
+        return hf_model.AsyncTransformer(model, tokenizer, **options)
+    with mock.patch.object(hf_model, "recorder_for", lambda device: EagerRecorder()):
+        return hf_model.AsyncTransformer(model, tokenizer, **options)
+
+
+def graph_counts(lm: Any) -> dict[str, int | None] | None:
+    """What the LM's decode steps ran as so far (`DecodeGraphs`' counters; None where the
+    tree has no such counter), or None without graphs."""
+    graphs = getattr(lm, "_graphs", None)
+    if graphs is None:
+        return None
+    return {key: getattr(graphs, key, None) for key in ("replays", *GRAPH_EVENTS)}
+
+
+def _since(after: dict | None, before: dict | None) -> dict | None:
+    """The counters' growth from ``before`` to ``after``."""
+    if after is None or before is None:
+        return None
+    return {k: None if v is None else v - (before[k] or 0) for k, v in after.items()}
+
+
+def _quiet(counts: dict | None) -> bool:
+    """Whether a window's counters hold no graph event (unknown counters: assumed none)."""
+    return counts is None or not any(counts.get(key) for key in GRAPH_EVENTS)
+
+
+def _pool_mb(lm: Any) -> float | None:
+    """MiB of the LM's KV pool as allocated now (on CUDA: at construction, before any run)."""
+    pool = getattr(lm, "_pool", None)
+    if pool is None or not getattr(pool, "layers", None):
+        return None
+    return sum(layer.numel() * layer.element_size() for layer in pool.layers) / 2**20
+
+
+def graph_check(
+    plan: Plan, device: str, model: Any, tokenizer: Any, prompt: list[int], lm: Any
+) -> dict:
+    """The SIS loop with CUDA graphs (off by default): every row against ``lm``'s uncached
+    forward, and the steps were replays (on a CPU: of the stand-in recorder)."""
+    with library_lm(model, tokenizer, device, graphs=True, batch_size=64) as graphed:
+        seen = _sis_contexts(graphed, prompt, plan.sis_particles, 2 * plan.sis_tokens)
+        graphs = graphed._graphs
+        diff = _max_diff([(a, lm.next_token_logprobs_uncached(list(c))) for c, a in seen])
+        detail = (
+            "graphs off"
+            if graphs is None
+            else f"{graphs.captures} captured, {graphs.replays} steps replayed; "
+            f"failure: {graphs.failure}"
+        )
+        ran = graphs is not None and graphs.failure is None and graphs.replays > 0
+    return _row(
+        f"{plan.agreement_model}: decode steps replayed from CUDA graphs = uncached",
+        diff,
+        TOLERANCE,
+        f"{plan.sis_particles} particles x {2 * plan.sis_tokens} tokens; {detail}",
+        passed=diff <= TOLERANCE and ran,
+    )
 
 
 def bad_input_check(lm: Any, good: list[int], device: str) -> dict:
@@ -544,14 +641,16 @@ def _measured(
 
 
 def lm_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]], None]) -> None:
-    """The SIS loop against both floors for every model, prompt and N; ``save`` gets the rows
-    after each (model, prompt) so an interrupted run keeps what it measured."""
+    """The SIS loop on both library paths against both floors for every model, prompt and
+    N; ``save`` gets the rows after each (model, prompt) so an interrupted run keeps what
+    it measured."""
     import torch
 
     rows: list[dict] = []
     print(
-        f"{'model':14} {'prompt':>6} {'N':>4} {'lib tok/s':>10} {'dyn tok/s':>10} "
-        f"{'static tok/s':>12} {'/dyn':>6} {'/static':>7} {'peak MiB':>9} {'KV MiB':>8}",
+        f"{'model':14} {'prompt':>6} {'N':>4} {'eager tok/s':>11} {'graph tok/s':>11} "
+        f"{'dyn tok/s':>10} {'static tok/s':>12} {'eager/dyn':>9} {'graph/dyn':>9} "
+        f"{'graph events before / inside':>28}",
         flush=True,
     )
     for name in plan.speed_models:
@@ -591,38 +690,42 @@ def _speed_rows(
     budget: int,
     common: dict,
 ) -> list[dict]:
-    from genlm.backend.llm import AsyncTransformer
-
-    with AsyncTransformer(model, tokenizer, batch_size=n, max_kv_bytes=budget) as lm:
+    """One (model, prompt, N): each library path and floor, warmed up and timed in the
+    steady state (see `_timed_window`), repeats interleaved."""
+    options = {"batch_size": n, "max_kv_bytes": budget}
+    lms = {
+        name: library_lm(model, tokenizer, device, name == GRAPHS, **options) for name in LIBRARIES
+    }
+    try:
         runs: dict[str, Callable[[int, int], tuple[float, float]]] = {
-            LIBRARY: lambda tokens, seed: bench_lm.time_readme_sis(lm, prompt, n, tokens, seed)
+            name: lambda tokens, seed, lm=lm: bench_lm.time_readme_sis(lm, prompt, n, tokens, seed)
+            for name, lm in lms.items()
         }
         if plan.floors:
+            lm = lms[LIBRARY]  # the floors take its model and head
             runs[DYNAMIC] = lambda tokens, seed: bench_lm.hf_floor(lm, prompt, n, tokens, seed)
             runs[STATIC] = lambda tokens, seed: bench_lm.hf_static_floor(
                 lm, prompt, n, tokens, seed
             )
+        seeds = [repeat + 1 for repeat in range(plan.repeats)]
+        for name, run in runs.items():
+            # kernels, allocator, the prompt's shapes; graphs: every timed run's shapes
+            for seed in seeds if name == GRAPHS else [0]:
+                run(plan.tokens if name == GRAPHS else 2, seed)
+        before = {name: graph_counts(lm) for name, lm in lms.items()}
         results: dict[str, list[tuple[float, float, Any]]] = {name: [] for name in runs}
-        for run in runs.values():
-            run(2, 0)  # warm-up: kernels, allocator, the prompt's shapes
-        for repeat in range(plan.repeats):  # interleaved, so all three see the same machine
+        inside: dict[str, list[dict | None]] = {name: [] for name in lms}
+        for seed in seeds:  # interleaved, so that all of them see the same machine
             for name, run in runs.items():
-                lm.clear_cache()
-                _free(device)
-                results[name].append(_measured(device, run, plan.tokens, repeat + 1))
-        # what the library's steps ran as: replays of captured graphs, or eager forwards
-        decode = getattr(lm, "_graphs", None)
-        graphs = (
-            None
-            if decode is None
-            else {
-                "captures": decode.captures,
-                "replays": decode.replays,
-                "failure": decode.failure,
-            }
-        )
+                measured, window = _timed_window(device, lms.get(name), run, plan.tokens, seed)
+                results[name].append(measured)
+                if name in lms:
+                    inside[name].append(window)
+        pools = {name: _pool_mb(lm) for name, lm in lms.items()}
+    finally:
+        for lm in lms.values():
+            lm.close()
     best = {name: min(r[0] for r in measured) for name, measured in results.items()}
-    library = best[LIBRARY]
     rows = []
     for name, measured in results.items():
         peaks = [r[2] for r in measured if r[2] is not None]
@@ -634,28 +737,306 @@ def _speed_rows(
             "tokens_per_s": common["tokens"] / best[name],
             "peak_mb": max(peaks) if peaks else None,
         }
-        if name == LIBRARY:
-            row["kv_budget_mb"] = budget / 2**20
-            row["cuda_graphs"] = graphs
+        if name in lms:
+            row.update(
+                kv_budget_mb=budget / 2**20,
+                kv_pool_mb=pools[name],
+                graph_events_before=before[name],
+                graph_events_inside=_total(inside[name]),
+                events_before=_events(before[name]),
+                events_inside=_events(_total(inside[name])),
+            )
             if plan.floors:
                 row.update(
-                    ratio_dynamic=library / best[DYNAMIC], ratio_static=library / best[STATIC]
+                    ratio_dynamic=best[name] / best[DYNAMIC],
+                    ratio_static=best[name] / best[STATIC],
                 )
         rows.append(row)
-    peak = rows[0]["peak_mb"]
-    speeds = [f"{row['tokens_per_s']:>10.1f}" for row in rows] + [""] * (3 - len(rows))
+    widths = {LIBRARY: 11, GRAPHS: 11, DYNAMIC: 10, STATIC: 12}
+    speeds = [
+        f"{common['tokens'] / best[name]:>{width}.1f}" if name in best else " " * width
+        for name, width in widths.items()
+    ]
     ratios = (
-        f"{library / best[DYNAMIC]:>6.2f} {library / best[STATIC]:>7.2f}"
+        f"{best[LIBRARY] / best[DYNAMIC]:>9.2f} {best[GRAPHS] / best[DYNAMIC]:>9.2f}"
         if plan.floors
-        else f"{'':>6} {'':>7}"
+        else f"{'':>9} {'':>9}"
     )
+    events = f"{_events(before[GRAPHS])} / {_events(_total(inside[GRAPHS]))}"
     print(
-        f"{common['model']:14} {common['prompt_tokens']:>6} {n:>4} {speeds[0]} "
-        f"{speeds[1]:>10} {speeds[2]:>12} {ratios} "
-        f"{'-' if peak is None else f'{peak:.0f}':>9} {common['kv_needed_mb']:>8.0f}",
+        f"{common['model']:14} {common['prompt_tokens']:>6} {n:>4} {' '.join(speeds)} "
+        f"{ratios} {events:>28}",
         flush=True,
     )
     return rows
+
+
+def _timed_window(
+    device: str, lm: Any, run: Callable[[int, int], tuple[float, float]], tokens: int, seed: int
+) -> tuple[tuple[float, float, Any], dict | None]:
+    """``_measured(run(tokens, seed))`` and what the graphs of ``lm`` (if any) did inside
+    that window. A window holding a capture, a check or an eager decode step is not the
+    steady state: the run is timed again (it warmed those shapes up), at most
+    `MAX_WINDOWS` times; the last window's events are returned (zero when steady)."""
+    for _ in range(MAX_WINDOWS):
+        counts = graph_counts(lm) if lm is not None else None
+        if lm is not None:
+            lm.clear_cache()
+        _free(device)
+        measured = _measured(device, run, tokens, seed)
+        window = _since(graph_counts(lm), counts) if lm is not None else None
+        if _quiet(window):
+            break
+    return measured, window
+
+
+def _total(windows: list[dict | None]) -> dict | None:
+    """The counters of several windows added up."""
+    known = [window for window in windows if window is not None]
+    if not known:
+        return None
+    return {key: sum(w[key] or 0 for w in known) for key in known[0]}
+
+
+def _events(counts: dict | None) -> str:
+    """``captures/checks/eager steps`` (``-`` without graphs, ``?`` for a counter the tree
+    lacks)."""
+    if counts is None:
+        return "-"
+    return "/".join("?" if counts.get(key) is None else str(counts[key]) for key in GRAPH_EVENTS)
+
+
+# CUDA runtime calls counted per step by the steps part (`torch.profiler` event names).
+RUNTIME_CALLS = {
+    "kernel_launches": ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"),
+    "graph_launches": ("cudaGraphLaunch",),
+    "memcpys": ("cudaMemcpyAsync", "cudaMemcpy"),
+    "syncs": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+}
+
+
+def step_profile(
+    plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]], None]
+) -> None:
+    """Decode steps of N particles on the longest prompt, eager and replayed from graphs:
+    host ms per steady step, the GPU ms of one replay, and the runtime calls per step."""
+    rows: list[dict] = []
+    prompt_tokens, n = max(plan.prompt_tokens), max(plan.particles)
+    print(
+        f"{'model':14} {'path':36} {'step ms':>8} {'replay GPU ms':>13} {'kernels':>8} "
+        f"{'graphs':>7} {'memcpy':>7} {'syncs':>6} {'events before / inside':>23}",
+        flush=True,
+    )
+    for name in plan.speed_models:
+        model = build_model(name, device)
+        prompt = prompt_of(tokenizer, prompt_tokens)
+        per_token = SHAPES[name].kv_bytes_per_token()
+        budget = max(MIN_KV_BUDGET, 3 * n * (prompt_tokens + 4 * plan.profiled_steps) * per_token)
+        for path in LIBRARIES:
+            options = {"batch_size": n, "max_kv_bytes": budget}
+            with library_lm(model, tokenizer, device, path == GRAPHS, **options) as lm:
+                row = _profiled_steps(plan, device, lm, prompt, n)
+            rows.append(
+                {
+                    "model": name,
+                    "prompt_tokens": prompt_tokens,
+                    "n_particles": n,
+                    "implementation": path,
+                    **row,
+                }
+            )
+            replay = row["replay_gpu_ms"]
+            calls = " ".join(
+                f"{_cell(row[key]):>{width}}"
+                for key, width in zip(RUNTIME_CALLS, (8, 7, 7, 6), strict=True)
+            )
+            events = f"{row['events_before']} / {row['events_inside']}"
+            print(
+                f"{name:14} {path:36} {row['step_ms']:>8.2f} "
+                f"{'-' if replay is None else f'{replay:.3f}':>13} {calls} {events:>23}",
+                flush=True,
+            )
+            _free(device)
+        save(rows)
+        del model
+        _free(device)
+
+
+def _profiled_steps(plan: Plan, device: str, lm: Any, prompt: list[int], n: int) -> dict:
+    """Prefill, warm-up windows of `Plan.profiled_steps` steps until one holds no graph
+    event, then that many steps timed (synchronized each), 3 profiled, one replay timed."""
+    import torch
+
+    generator = torch.Generator(device).manual_seed(0)
+    lm.next_token_logprobs_sync(prompt)
+    contexts = [list(prompt) + [i + 1] for i in range(n)]
+
+    def step() -> None:
+        rows = lm.batch_next_token_logprobs_sync(contexts)
+        tokens = torch.multinomial(rows.exp(), 1, generator=generator)[:, 0].tolist()
+        contexts[:] = [c + [t] for c, t in zip(contexts, tokens, strict=True)]
+
+    start = graph_counts(lm)
+    for _ in range(MAX_WINDOWS):
+        before = graph_counts(lm)
+        for _ in range(plan.profiled_steps):
+            step()
+        if _quiet(_since(graph_counts(lm), before)):
+            break
+    before = _since(graph_counts(lm), start)
+    counts = graph_counts(lm)
+    times = []
+    for _ in range(plan.profiled_steps):
+        _synchronize(device)
+        began = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append(1e3 * (time.perf_counter() - began))
+    inside = _since(graph_counts(lm), counts)
+    return {
+        "step_ms": sorted(times)[len(times) // 2],
+        "replay_gpu_ms": _replay_ms(device, lm),
+        **_runtime_calls(device, step),
+        "graph_events_before": before,
+        "graph_events_inside": inside,
+        "events_before": _events(before),
+        "events_inside": _events(inside),
+    }
+
+
+def _replay_ms(device: str, lm: Any) -> float | None:
+    """Device ms of one replay of the graph used last (it writes the last step's KV again:
+    the same values), from CUDA events over 10 replays; on a CPU (the stand-in recorder),
+    wall ms."""
+    import torch
+
+    graphs = getattr(lm, "_graphs", None)
+    if graphs is None or not graphs.graphs:
+        return None
+    graph = next(reversed(graphs.graphs.values()))
+    with torch.inference_mode():  # as the LM's worker (the stand-in runs the forward)
+        for _ in range(3):
+            graph.replay()
+        if not device.startswith("cuda"):
+            began = time.perf_counter()
+            for _ in range(10):
+                graph.replay()
+            return 1e3 * (time.perf_counter() - began) / 10
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 10
+
+
+def _runtime_calls(device: str, step: Callable[[], None]) -> dict[str, float | None]:
+    """CUDA runtime calls per step over 3 steps under `torch.profiler` (None on a CPU,
+    where the profiler still runs, so that the dry run goes through this code)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+    with profile(activities=activities) as profiled:
+        for _ in range(3):
+            step()
+        _synchronize(device)
+    counts = {event.key: event.count for event in profiled.key_averages()}
+    return {
+        name: sum(counts.get(call, 0) for call in calls) / 3 if cuda else None
+        for name, calls in RUNTIME_CALLS.items()
+    }
+
+
+def smc_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]], None]) -> None:
+    """SMC on the first speed model: N particles on the longest prompt, resampled every
+    `RESAMPLE_EVERY` steps (multinomially, by each step's probability of a token in the
+    vocabulary's first quarter), so that the distinct rows fall and recover. Each library
+    path runs it once (its captures, checks and eager steps counted: what an SMC run
+    costs the graph path) and is then timed on the same run (the steady state)."""
+    name, prompt_tokens, n = plan.speed_models[0], max(plan.prompt_tokens), max(plan.particles)
+    model = build_model(name, device)
+    prompt = prompt_of(tokenizer, prompt_tokens)
+    per_token = SHAPES[name].kv_bytes_per_token()
+    budget = max(MIN_KV_BUDGET, 3 * n * (prompt_tokens + plan.smc_tokens) * per_token)
+    rows = []
+    print(
+        f"{'model':14} {'path':36} {'tok/s':>9} {'distinct':>9} {'events first run':>17} "
+        f"{'inside':>7}",
+        flush=True,
+    )
+    for path in LIBRARIES:
+        options = {"batch_size": n, "max_kv_bytes": budget}
+        with library_lm(model, tokenizer, device, path == GRAPHS, **options) as lm:
+            start = graph_counts(lm)
+            _, _, distinct = _smc_run(device, lm, prompt, n, plan.smc_tokens)
+            first = _since(graph_counts(lm), start)
+
+            def run(tokens: int, seed: int) -> tuple[float, float]:
+                return _smc_run(device, lm, prompt, n, tokens)[:2]
+
+            (wall, cpu, peak), inside = _timed_window(device, lm, run, plan.smc_tokens, 0)
+        row = {
+            "model": name,
+            "prompt_tokens": prompt_tokens,
+            "n_particles": n,
+            "steps": plan.smc_tokens,
+            "resample_every": RESAMPLE_EVERY,
+            "implementation": path,
+            "seconds": wall,
+            "cpu_seconds": cpu,
+            "tokens_per_s": n * plan.smc_tokens / wall,
+            "distinct_after_resampling": f"{min(distinct)}-{max(distinct)}",
+            "graph_events_first_run": first,
+            "graph_events_inside": inside,
+            "events_first_run": _events(first),
+            "events_inside": _events(inside),
+        }
+        rows.append(row)
+        print(
+            f"{name:14} {path:36} {row['tokens_per_s']:>9.1f} "
+            f"{row['distinct_after_resampling']:>9} {row['events_first_run']:>17} "
+            f"{row['events_inside']:>7}",
+            flush=True,
+        )
+        _free(device)
+    save(rows)
+
+
+def _smc_run(
+    device: str, lm: Any, prompt: list[int], n: int, steps: int
+) -> tuple[float, float, list[int]]:
+    """(wall s, CPU s, distinct particles after each resampling) of one SMC run from an
+    empty cache: a batched step per token (callers of one prefix computed once), a draw
+    per particle on the device, multinomial resampling every `RESAMPLE_EVERY` steps. The
+    same seed every run: the same contexts, so that a second run meets only captured
+    shapes."""
+    import torch
+
+    lm.clear_cache()
+    gc.collect()
+    generator = torch.Generator(device).manual_seed(0)
+    contexts = [list(prompt)] * n
+    weights = torch.zeros(n, device=device)
+    distinct = []
+    start, cpu = time.perf_counter(), time.process_time()
+    for step in range(steps):
+        rows = lm.batch_next_token_logprobs_sync(contexts)
+        tokens = torch.multinomial(rows.exp(), 1, generator=generator)[:, 0].tolist()
+        weights += rows[:, : rows.shape[1] // 4].logsumexp(1)
+        contexts = [c + [t] for c, t in zip(contexts, tokens, strict=True)]
+        if step % RESAMPLE_EVERY == RESAMPLE_EVERY - 1:
+            chosen = torch.multinomial(weights.softmax(0), n, True, generator=generator).tolist()
+            contexts = [contexts[i] for i in chosen]
+            distinct.append(len(set(chosen)))
+            weights.zero_()
+    _synchronize(device)
+    return time.perf_counter() - start, time.process_time() - cpu, distinct
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _takes_tensor_out(trie: Any, ws: Any) -> bool:
@@ -816,7 +1197,14 @@ def lm_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             "tokens_per_particle": plan.tokens,
             "repeats": plan.repeats,
             "statistic": "best of repeats (library and floors interleaved); peak: max",
+            "warm-up": "floors and eager steps: 2 tokens; CUDA graphs: every timed run once, "
+            "and a window is timed again while it holds a capture, a check or an eager "
+            "decode step",
+            "events": "captures/checks/eager decode steps of the graph path, before the "
+            "timed windows (warm-up) and inside them (the steady state: 0/0/0)",
             "kv_budget": "max(1 GiB, 3 x the KV of the final contexts)",
+            "peak_mb": "device memory above the start of the run; the library's KV pool, "
+            "allocated at construction on CUDA, is kv_pool_mb",
         },
         "rows": rows,
         "table": [
@@ -827,9 +1215,11 @@ def lm_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             "tokens_per_s",
             "ratio_dynamic",
             "ratio_static",
+            "events_before",
+            "events_inside",
             "peak_mb",
+            "kv_pool_mb",
             "kv_needed_mb",
-            "kv_budget_mb",
         ],
         "plots": [
             {
@@ -847,6 +1237,61 @@ def lm_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             for model in models
             for prompt_tokens in plan.prompt_tokens
             if any(r["model"] == model and r["prompt_tokens"] == prompt_tokens for r in rows)
+        ],
+    }
+
+
+def steps_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
+    return {
+        "benchmark": "gpu_steps",
+        "setup": {
+            **setup,
+            "what": f"decode steps of {max(plan.particles)} particles on a "
+            f"{max(plan.prompt_tokens)}-token prompt (a batched call and a draw per particle "
+            "on the device), each library path after warm-up windows of "
+            f"{plan.profiled_steps} steps until one held no capture, check or eager decode "
+            "step",
+            "step_ms": f"median of {plan.profiled_steps} steps, synchronized each",
+            "replay_gpu_ms": "one replay of the graph used last, CUDA events over 10",
+            "calls": "CUDA runtime calls per step (torch.profiler, 3 steps): kernel and graph "
+            "launches, copies, host syncs",
+            "events": "captures/checks/eager decode steps before the timed steps and inside",
+        },
+        "rows": rows,
+        "table": [
+            "model",
+            "implementation",
+            "step_ms",
+            "replay_gpu_ms",
+            *RUNTIME_CALLS,
+            "events_before",
+            "events_inside",
+        ],
+    }
+
+
+def smc_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
+    return {
+        "benchmark": "gpu_smc",
+        "setup": {
+            **setup,
+            "what": f"SMC: {max(plan.particles)} particles, {plan.smc_tokens} steps, "
+            f"multinomial resampling every {RESAMPLE_EVERY} steps by the probability of a "
+            "token in the vocabulary's first quarter; a batched step per token, one draw per "
+            "particle on the device",
+            "events": "captures/checks/eager decode steps of the graph path in its first run "
+            "and inside the timed (second, identical) run",
+        },
+        "rows": rows,
+        "table": [
+            "model",
+            "implementation",
+            "n_particles",
+            "steps",
+            "tokens_per_s",
+            "distinct_after_resampling",
+            "events_first_run",
+            "events_inside",
         ],
     }
 
@@ -928,7 +1373,8 @@ def plan_from(args: argparse.Namespace) -> Plan:
 
 
 def baseline_argv(args: argparse.Namespace, plan: Plan, out: Path) -> list[str]:
-    """This command's options for the baseline's run: the same plan, its lm loop and trie."""
+    """This command's options for the baseline's run: the same plan, its library's loops
+    (`BASELINE_PARTS`: the SIS loop without floors, SMC) and trie."""
     sizes = {
         "--models": plan.speed_models,
         "--particles": plan.particles,
@@ -939,7 +1385,7 @@ def baseline_argv(args: argparse.Namespace, plan: Plan, out: Path) -> list[str]:
     argv = ["--device", args.device, "--threads", str(args.threads), "--out", str(out)]
     argv += ["--tokens", str(plan.tokens), "--repeats", str(plan.repeats)]
     argv += ["--library-only", "--no-plots"]
-    argv += ["--parts", *[part for part in ("lm", "trie") if part in plan.parts]]
+    argv += ["--parts", *[part for part in BASELINE_PARTS if part in plan.parts]]
     argv += ["--tiny"] * args.tiny + ["--quick"] * args.quick
     for option, values in sizes.items():
         argv += [option, *map(str, values)]
@@ -972,30 +1418,49 @@ def compare_result(out: Path, baseline_out: Path) -> dict:
 
     compared: list[dict] = []
     base_lm = {
-        (r["model"], r["prompt_tokens"], r["n_particles"]): r
+        (r["model"], r["prompt_tokens"], r["n_particles"], r["implementation"]): r
         for r in rows(baseline_out, "gpu_lm")
-        if r["implementation"] == LIBRARY
+        if r["implementation"] in LIBRARIES
     }
-    floors = {
+    this_lm = {
         (r["model"], r["prompt_tokens"], r["n_particles"], r["implementation"]): r
         for r in rows(out, "gpu_lm")
     }
-    for (model, prompt, n, name), row in floors.items():
-        base = base_lm.get((model, prompt, n))
-        if name != LIBRARY or base is None:
+    for (model, prompt, n, name), row in this_lm.items():
+        base = base_lm.get((model, prompt, n, name))
+        if base is None:
             continue
-        dynamic = floors.get((model, prompt, n, DYNAMIC), {}).get("tokens_per_s")
+        dynamic = this_lm.get((model, prompt, n, DYNAMIC), {}).get("tokens_per_s")
         compared.append(
             {
                 "part": "lm (tokens/s)",
-                "case": f"{model}, {prompt}-token prompt, N={n}",
+                "case": f"{model}, {prompt}-token prompt, N={n}, {_path(name)}",
                 "baseline": base["tokens_per_s"],
                 "this_tree": row["tokens_per_s"],
                 "ratio": row["tokens_per_s"] / base["tokens_per_s"],
                 "dynamic_floor": dynamic,
                 "this_tree_over_floor": row["tokens_per_s"] / dynamic if dynamic else None,
+                "events_baseline": base.get("events_before"),
+                "events_this_tree": row.get("events_before"),
                 "peak_mb_baseline": base.get("peak_mb"),
                 "peak_mb_this_tree": row.get("peak_mb"),
+            }
+        )
+    base_smc = {(r["model"], r["implementation"]): r for r in rows(baseline_out, "gpu_smc")}
+    for row in rows(out, "gpu_smc"):
+        base = base_smc.get((row["model"], row["implementation"]))
+        if base is None:
+            continue
+        compared.append(
+            {
+                "part": "smc (tokens/s)",
+                "case": f"{row['model']}, {row['prompt_tokens']}-token prompt, "
+                f"N={row['n_particles']}, {_path(row['implementation'])}",
+                "baseline": base["tokens_per_s"],
+                "this_tree": row["tokens_per_s"],
+                "ratio": row["tokens_per_s"] / base["tokens_per_s"],
+                "events_baseline": base.get("events_first_run"),
+                "events_this_tree": row.get("events_first_run"),
             }
         )
     base_trie = {
@@ -1028,6 +1493,8 @@ def compare_result(out: Path, baseline_out: Path) -> dict:
             "baseline": recorded_source(baseline_out),
             "ratio": "speed of this tree / the baseline's (> 1: faster)",
             "floor": "lm: the DynamicCache loop's tokens/s; trie: the sequential CPU trie",
+            "events": "captures/checks/eager decode steps of the graph path: lm before the "
+            "timed window, smc in its first run",
         },
         "rows": compared,
         "table": [
@@ -1038,10 +1505,17 @@ def compare_result(out: Path, baseline_out: Path) -> dict:
             "ratio",
             "dynamic_floor",
             "this_tree_over_floor",
+            "events_baseline",
+            "events_this_tree",
             "peak_mb_baseline",
             "peak_mb_this_tree",
         ],
     }
+
+
+def _path(implementation: str) -> str:
+    """The library path a row's implementation names (``eager steps``, ``CUDA graphs``)."""
+    return implementation.rsplit(", ", 1)[-1]
 
 
 def recorded_source(baseline_out: Path) -> str:
@@ -1135,6 +1609,8 @@ def main(argv: list[str] | None = None) -> int:
 
     measurements = {
         "lm": lambda: lm_speed(plan, device, tokenizer, save("gpu_lm", lm_result)),
+        "steps": lambda: step_profile(plan, device, tokenizer, save("gpu_steps", steps_result)),
+        "smc": lambda: smc_speed(plan, device, tokenizer, save("gpu_smc", smc_result)),
         "trie": lambda: save("gpu_trie", trie_result)(trie_speed(plan, device, tokenizer)),
     }
     for part in (part for part in measurements if part in plan.parts):

@@ -84,6 +84,45 @@ async def test_identical_keys_are_computed_once():
     assert model.batches == [[0, 1, 2]]
 
 
+async def test_later_callers_of_a_key_get_copies_of_its_result_made_in_one_call():
+    """Results that are objects a caller may edit (lists here): the first caller of a key
+    gets the result, each later one a copy, all made by one ``copy_results`` call."""
+    calls = []
+
+    def copy_results(results):
+        calls.append(results)
+        return [list(result) for result in results]
+
+    def pairs(keys):
+        return [[k, k] for k in keys]
+
+    batcher = AutoBatcher(pairs, batch_size=100, timeout=None, copy_results=copy_results)
+    results = await asyncio.gather(*(batcher.submit(k) for k in [1, 2, 1, 1, 3, 2]))
+    assert results == [[1, 1], [2, 2], [1, 1], [1, 1], [3, 3], [2, 2]]
+    assert len({id(result) for result in results}) == 6  # each caller's own
+    assert calls == [[[1, 1], [1, 1], [2, 2]]]  # one call, for the three later callers
+    results[0].append(9)
+    assert results[2] == [1, 1] and results[3] == [1, 1]
+
+
+async def test_results_are_shared_without_copy_results_and_a_failed_copy_fails_its_callers():
+    def lists(keys):
+        return [[k] for k in keys]
+
+    shared = AutoBatcher(lists, batch_size=100, timeout=None)
+    first, second = await asyncio.gather(shared.submit(1), shared.submit(1))
+    assert first is second  # ints, say, need no copy
+
+    def refuse(results):
+        raise MemoryError("no room for the copies")
+
+    failing = AutoBatcher(lists, batch_size=100, timeout=None, copy_results=refuse)
+    outcomes = await asyncio.gather(*(failing.submit(k) for k in [1, 1, 2]), return_exceptions=True)
+    assert outcomes[0] == [1] and outcomes[2] == [2]
+    assert isinstance(outcomes[1], MemoryError)
+    assert await failing.submit(3) == [3]  # and the batcher serves on
+
+
 async def test_next_batch_gathers_while_current_one_computes():
     model = StandIn(delay=0.1)
     batcher = AutoBatcher(model, batch_size=100, timeout=None)

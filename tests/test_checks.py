@@ -94,6 +94,14 @@ HF_BAD_OPTIONS = [
     ({"max_logprobs_bytes": INF}, TypeError, "max_logprobs_bytes .*float: inf"),
     ({"batch_size": 0}, ValueError, "batch_size must be >= 1, got 0"),
     ({"timeout": -1}, ValueError, "timeout must be a finite number of seconds >= 0"),
+    *(
+        (
+            {"cuda_kv_memory_fraction": bad},
+            ValueError,
+            f"cuda_kv_memory_fraction must be a number strictly between 0 and 1, got {bad!r}",
+        )
+        for bad in (0, 1, 1.5, -0.1, NAN, INF, True, "0.5", None)
+    ),
     ({"prefill_step_size": 4}, TypeError, "AsyncTransformer takes no option 'prefill_step_size'"),
 ]
 MLX_BAD_OPTIONS = [

@@ -103,7 +103,7 @@ def test_decode_steps_replayed_from_cuda_graphs_are_the_plain_forwards(tokenizer
     cpu_model = gpu.build_model("tiny", "cpu")
     model = gpu.build_model("tiny", "cuda")
     model.load_state_dict(cpu_model.state_dict())
-    lm = AsyncTransformer(model, tokenizer, batch_size=16)
+    lm = AsyncTransformer(model, tokenizer, batch_size=16, cuda_graphs=True)
     lm.next_token_logprobs_sync(prompt + prompt)
     contexts = [prompt + prompt + [i + 1] for i in range(9)]  # 9 rows: a padding row
     for step in range(12):
@@ -116,17 +116,56 @@ def test_decode_steps_replayed_from_cuda_graphs_are_the_plain_forwards(tokenizer
     assert graphs.captures >= 1 and graphs.replays >= 12
 
 
-def test_a_replayed_decode_step_makes_no_host_sync(tokenizer, prompt):
+def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(tokenizer, prompt):
+    """A forward that syncs with the host while it is captured (refused, and the capture
+    invalidated): the step and later ones run eagerly with rows equal to CPU forwards;
+    the worker thread is back on the default stream, no capture is left underway
+    (empty_cache works) and another LM captures and replays its graphs."""
+    cpu_model = gpu.build_model("tiny", "cpu")
+    model = gpu.build_model("tiny", "cuda")
+    model.load_state_dict(cpu_model.state_dict())
+    lm = AsyncTransformer(model, tokenizer, batch_size=16, cuda_graphs=True)
+    forward = lm._graphs.forward
+
+    def syncing(step, out):
+        forward(step, out)
+        if torch.cuda.is_current_stream_capturing():
+            out.sum().item()
+
+    lm._graphs.forward = syncing
+    lm.next_token_logprobs_sync(prompt + prompt)
+    contexts = [prompt + prompt + [i + 1] for i in range(5)]
+    for step in range(4):
+        for ids, got in zip(contexts, lm.batch_next_token_logprobs_sync(contexts), strict=True):
+            assert (got.cpu() - reference(cpu_model, ids, lm.vocab_size)).abs().max() <= TOL
+        contexts = [c + [(7 * i + step) % 300 + 1] for i, c in enumerate(contexts)]
+    assert lm._graphs.failure is not None and lm._graphs.replays == 0
+    worker_stream = lm.batcher.run_sync(torch.cuda.current_stream)
+    assert worker_stream == torch.cuda.default_stream()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    other = AsyncTransformer(model, tokenizer, batch_size=16, cuda_graphs=True)
+    for step in range(4):
+        for ids, got in zip(contexts, other.batch_next_token_logprobs_sync(contexts), strict=True):
+            assert (got.cpu() - reference(cpu_model, ids, lm.vocab_size)).abs().max() <= TOL
+        contexts = [c + [step + 2] for c in contexts]
+    assert other._graphs.failure is None and other._graphs.replays >= 3
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_decode_step_makes_no_host_sync(tokenizer, prompt, cuda_graphs):
+    """The eager step (the default) and a replayed one: inputs in one pinned copy, rows
+    out on the device; the host waits for nothing."""
     import warnings
 
     model = gpu.build_model("tiny", "cuda")
-    lm = AsyncTransformer(model, tokenizer, batch_size=64)
+    lm = AsyncTransformer(model, tokenizer, batch_size=64, cuda_graphs=cuda_graphs)
     contexts = [prompt + [i + 1] for i in range(64)]
-    for step in range(4):  # capture, two checked replays, one more
+    for step in range(4):  # with graphs: capture, two checked replays, one more
         lm.batch_next_token_logprobs_sync(contexts)
         contexts = [c + [step + 2] for c in contexts]
     torch.cuda.synchronize()
-    replays = lm._graphs.replays
+    replays = lm._graphs.replays if cuda_graphs else 0
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -134,7 +173,10 @@ def test_a_replayed_decode_step_makes_no_host_sync(tokenizer, prompt):
             lm.batch_next_token_logprobs_sync(contexts)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert lm._graphs.replays == replays + 1
+    if cuda_graphs:
+        assert lm._graphs.replays == replays + 1
+    else:
+        assert lm._graphs is None
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert syncs == []
 

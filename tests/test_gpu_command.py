@@ -59,23 +59,26 @@ def test_quick_compare_dry_run_measures_both_trees_side_by_side(tmp_path):
     shutil.copytree(ROOT / "genlm", base / "genlm", ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "out"
     done = gpu_sh(
-        "--device", "cpu", "--tiny", "--quick", "--parts", "lm", "trie", "--vocab-sizes", "2000",
-        "--compare", str(base), "--out", str(out),
+        "--device", "cpu", "--tiny", "--quick", "--parts", "lm", "smc", "trie",
+        "--vocab-sizes", "2000", "--compare", str(base), "--out", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "### gpu_compare.json" in done.stdout
     baseline = json.loads((out / "baseline" / "gpu_lm.json").read_text())
     assert baseline["setup"]["genlm_source"] == str(base.resolve())
-    assert {row["implementation"] for row in baseline["rows"]} == {gpu.LIBRARY}
+    assert {row["implementation"] for row in baseline["rows"]} == {gpu.LIBRARY, gpu.GRAPHS}
     assert not (out / "baseline" / "images").exists()  # the baseline's run draws no plots
     compared = json.loads((out / "gpu_compare.json").read_text())
     assert compared["setup"]["baseline"] == str(base.resolve())
     assert compared["setup"]["this_tree"] == str(ROOT)
     lm = [row for row in compared["rows"] if row["part"].startswith("lm")]
-    assert len(lm) == 4  # 2 prompts x N = 1, 4
+    assert len(lm) == 8  # 2 prompts x N = 1, 4 x eager steps and CUDA graphs
     for row in lm:
         assert row["ratio"] == pytest.approx(row["this_tree"] / row["baseline"])
         assert row["dynamic_floor"] > 0
+    smc = [row for row in compared["rows"] if row["part"].startswith("smc")]
+    assert [row["case"].rsplit(", ", 1)[1] for row in smc] == ["eager steps", "CUDA graphs"]
+    assert smc[1]["events_this_tree"].startswith("1/")  # one capture in the first run
     trie = [row for row in compared["rows"] if row["part"].startswith("trie")]
     assert {row["case"].split(":")[0] for row in trie} == {
         "sequential (cpu)",
@@ -105,13 +108,14 @@ def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
     failed = [row for row in checks["rows"] if row["passed"] is not True]
     assert not failed
     names = " | ".join(row["check"] for row in checks["rows"])
-    for needle in ("batched rows", "KV-reused rows", "CPU rows", "bfloat16", "bad ids"):
+    for needle in ("batched rows", "KV-reused rows", "CPU rows", "bfloat16", "bad ids", "graphs"):
         assert needle in names
     assert "parallel trie" in names and "pytest -m gpu tests/test_cuda.py" in names
 
     lm = json.loads((tmp_path / "gpu_lm.json").read_text())["rows"]
     assert {row["implementation"] for row in lm} == {
-        "genlm AsyncTransformer",
+        "genlm AsyncTransformer, eager steps",
+        "genlm AsyncTransformer, CUDA graphs",
         "floor: DynamicCache loop",
         "floor: StaticCache loop",
     }
@@ -126,6 +130,20 @@ def test_cpu_dry_run_checks_measures_and_plots(tmp_path):
         if row["implementation"].startswith("genlm"):
             assert row["ratio_dynamic"] > 0 and row["ratio_static"] > 0
             assert row["kv_budget_mb"] >= row["kv_needed_mb"]
+        if row["implementation"] == gpu.GRAPHS:  # the steady state: warmed up, then timed
+            assert row["events_before"].startswith("1/") and row["events_inside"] == "0/0/0"
+
+    steps = json.loads((tmp_path / "gpu_steps.json").read_text())["rows"]
+    assert [row["implementation"] for row in steps] == [gpu.LIBRARY, gpu.GRAPHS]
+    eager, graphs = steps
+    assert eager["step_ms"] > 0 and eager["replay_gpu_ms"] is None
+    assert graphs["replay_gpu_ms"] > 0 and graphs["events_inside"] == "0/0/0"
+    assert graphs["kernel_launches"] is None  # CUDA runtime calls: none on a CPU
+
+    smc = json.loads((tmp_path / "gpu_smc.json").read_text())["rows"]
+    assert [row["implementation"] for row in smc] == [gpu.LIBRARY, gpu.GRAPHS]
+    assert smc[1]["events_first_run"].startswith("1/") and smc[1]["events_inside"] == "0/0/0"
+    assert all(row["tokens_per_s"] > 0 and row["steps"] == 12 for row in smc)
 
     trie = json.loads((tmp_path / "gpu_trie.json").read_text())["rows"]
     assert {row["trie"] for row in trie} == {

@@ -35,6 +35,14 @@ async def test_same_prefix_same_vector_and_different_prefixes_differ(mock_lm):
     assert torch.equal(a, mock_lm.next_token_logprobs_sync([5, 6]))
 
 
+async def test_callers_of_the_same_prefix_in_one_batch_each_get_their_own_vector(mock_lm):
+    a, b, c = await asyncio.gather(*(mock_lm.next_token_logprobs([5, 6]) for _ in range(3)))
+    assert torch.equal(a, b) and torch.equal(a, c)
+    a[0] = 123.0  # a caller edits its vector in place
+    b[:] = 0.0
+    assert torch.equal(c, mock_lm.next_token_logprobs_sync([5, 6]))
+
+
 def test_deterministic_across_processes(mock_lm, default_model_dir):
     code = (
         "from transformers import AutoTokenizer\n"

@@ -461,6 +461,8 @@ async def test_rows_of_every_kind_in_one_batch_are_exact(backend, prompt):
     for got in results:  # normalized (MLX's mx.logsumexp alone was off by 1.3e-4 here)
         assert torch.logsumexp(got.double(), 0).item() == pytest.approx(0.0, abs=1e-4)
     assert torch.equal(results[0], results[-1])
+    results[-1][0] = 123.0  # the duplicate's caller edits its own row
+    backend.assert_exact(lm, queries[0], results[0])
 
 
 async def test_children_run_only_their_token_and_cached_rows_run_nothing(backend, prompt):

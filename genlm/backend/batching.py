@@ -7,7 +7,10 @@ Callers ``await batcher.submit(key)``; the batcher
   (``batch_size``) or the event loop has nothing else ready to run, so there is
   no fixed wait when every particle has already asked; ``timeout`` (seconds,
   timed from the first queued request) bounds the wait when the loop stays busy;
-- computes each distinct key once per batch (identical prefixes are deduplicated);
+- computes each distinct key once per batch (identical prefixes are deduplicated); a
+  key's second and later callers get copies of its result, made by ``copy_results`` in
+  one call for the batch (results that are not copied, such as ints, are shared), so that
+  each caller's result is its own;
 - runs ``process_batch`` in a worker thread, one batch at a time, so the next
   batch gathers while the current one computes (torch releases the GIL);
 - delivers a failure to every caller of the failed batch and keeps serving; a result
@@ -31,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -63,9 +66,11 @@ class AutoBatcher(Generic[K, R]):
         batch_size: int = 20,
         timeout: float | None = 0.02,
         name: str = "genlm-batcher",
+        copy_results: Callable[[list[R]], Sequence[R]] | None = None,
     ):
         check_batching(batch_size, timeout)
         self.process_batch = process_batch
+        self.copy_results = copy_results
         self._batch_size = int(batch_size)
         self._timeout = None if timeout is None else float(timeout)
         self.name = name
@@ -225,18 +230,20 @@ class AutoBatcher(Generic[K, R]):
                     f"{self.name}: process_batch returned {len(results)} results "
                     f"for {len(batch)} requests"
                 )
+        copies: list[tuple[asyncio.Future[R], R]] = []  # later callers of a key
         for i, waiters in enumerate(batch.values()):
-            for future in waiters:
-                if future.done():
-                    continue
-                if error is not None:
-                    future.set_exception(error)
-                    continue
-                result = results[i]
-                if isinstance(result, BaseException):
+            waiting = [future for future in waiters if not future.done()]
+            if not waiting:
+                continue
+            result = error if error is not None else results[i]
+            if isinstance(result, BaseException):
+                for future in waiting:
                     future.set_exception(result)
-                else:
-                    future.set_result(result)
+                continue
+            waiting[0].set_result(result)
+            copies += ((future, result) for future in waiting[1:])
+        if copies:
+            self._deliver_copies(copies)
         if self._pending:
             # Callers just answered usually ask again at once: give them one turn of
             # the loop to join the next batch, unless that batch is already due.
@@ -244,6 +251,20 @@ class AutoBatcher(Generic[K, R]):
                 self._maybe_flush(full=True)
             elif self._loop is not None:
                 self._schedule_idle_flush(self._loop)
+
+    def _deliver_copies(self, copies: list[tuple[asyncio.Future[R], R]]) -> None:
+        """Give each later caller of a key a copy of its result (`copy_results`, one call
+        for all), or the result itself where results are not copied; a copy that fails
+        fails those callers."""
+        results = [result for _, result in copies]
+        try:
+            made = results if self.copy_results is None else self.copy_results(results)
+        except Exception as error:  # noqa: BLE001 - delivered to the callers it concerns
+            for future, _ in copies:
+                future.set_exception(error)
+            return
+        for (future, _), copy in zip(copies, made, strict=True):
+            future.set_result(copy)
 
     def _get_executor(self) -> ThreadPoolExecutor:
         with self._executor_lock:

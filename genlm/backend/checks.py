@@ -111,6 +111,12 @@ def choice_option(*choices: Any) -> OptionCheck:
     return check
 
 
+def fraction_option(name: str, value: Any) -> None:
+    """An option that is a share strictly between 0 and 1 (a finite real number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < 1:
+        raise ValueError(f"{name} must be a number strictly between 0 and 1, got {value!r}")
+
+
 def dict_option(name: str, value: Any) -> None:
     """An option that is a dict of keyword arguments or None."""
     if value is not None and not isinstance(value, dict):

@@ -17,7 +17,7 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.checks import OptionCheck, dict_option, int_option
-from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
 from genlm.backend.llm.request import Query
 
 
@@ -68,7 +68,9 @@ class EngineLM(BatchedAsyncLM):
         self.output_cache = (
             OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         )
-        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
+        self.batcher = AutoBatcher(
+            self._serve_batch, batch_size, timeout, name=name, copy_results=stacked_copies
+        )
         super().__init__(tokenizer)
 
     def _shutdown_engine(self) -> None:

@@ -21,7 +21,7 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import KVNode, PrefixKVStore
-from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
 from genlm.backend.llm.request import Query, node_hint, remember_node
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
@@ -102,7 +102,9 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     ) -> None:
         self.store = store
         self.kv_reuse = kv_reuse
-        self.batcher = AutoBatcher(self._serve_batch, batch_size, timeout, name=name)
+        self.batcher = AutoBatcher(
+            self._serve_batch, batch_size, timeout, name=name, copy_results=stacked_copies
+        )
         self._queries: list[Query] = []  # prefixes queued by `add_query`
 
     # -- backend hooks (worker thread) ---------------------------------------------------------
@@ -219,7 +221,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         """The callers' rows: one copy of the batch's rows (one op, one kernel up to 128
         rows on CUDA), a view of it each, so that a row edited in place changes neither
         what the tree holds nor another caller's row."""
-        return list(torch.stack(self._shared_rows(keys)).unbind())
+        return stacked_copies(self._shared_rows(keys))
 
     def _shared_rows(self, keys: list[Query]) -> list[torch.Tensor]:
         """The rows of ``keys``, as the tree holds them (not to be edited)."""

@@ -7,16 +7,20 @@ shape up to a bucket (`bucket_shape`: padding rows write and read only a scratch
 padding keys and shared slots are masked), captures one CUDA graph per bucket over static
 device buffers, and runs a step as one copy of its inputs into the bucket's buffer (from
 pinned memory, non-blocking), one replay, and one copy of its rows out: the forward's
-Python and its hundreds of kernel launches per step are gone.
+Python and its hundreds of kernel launches per step are gone. A step whose bucket has no
+graph runs on a captured one that holds it with up to twice its rows, if there is one
+(`DecodeGraphs._covering`), so that rows falling and recovering or a shared prefix that
+grows (SMC's resampling) do not capture a graph per bucket they meet.
 
 A bucket's first step runs the forward eagerly on the static buffers (its answer, and the
 warm-up a capture needs), then is captured and replayed; its first two replays are checked
-against the eager forward. If one differs, or capture fails (a forward that syncs with the
-host, or whose kernels depend on the data), a warning is logged and the LM runs every later
-step eagerly: a wrong row is never served. A bucket captured again (dropped from the LRU,
-or over a larger output buffer) is not checked again: its kernels are the checked ones.
-The graphs hold the KV pool's addresses: on CUDA the pool is sized once and never moves
-(`genlm.backend.llm.hf.model.fixed_pool_capacity`).
+against the eager forward. If one differs, or a capture or a replay raises (a forward that
+syncs with the host, or whose kernels depend on the data), a warning is logged and the step
+and every later one run eagerly, the recorder never used again: a wrong row is never
+served, and a failed capture leaves the device as it found it (`CudaRecorder.capture`). A
+bucket captured again (dropped from the LRU) is not checked again: its kernels are the
+checked ones. The graphs hold the KV pool's addresses: on CUDA the pool is sized once and
+never moves (`genlm.backend.llm.hf.model.fixed_pool_capacity`).
 
 Only the capture is CUDA's: `EagerRecorder` "replays" by running the forward again, so the
 buckets, the padding and the static buffers are tested on a CPU.
@@ -27,11 +31,12 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
 
+from genlm.backend.checks import first_line
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.paged import StepInputs, StepShape, cascade_blocks, exact_shape, host_step
 from genlm.backend.llm.prefix import QueryPlan
@@ -52,28 +57,37 @@ Forward = Callable[[StepInputs, torch.Tensor], None]
 
 
 def round_up(n: int, minimum: int) -> int:
-    """``n`` (at least ``minimum``) rounded up to 4, 5, 6 or 7 times a power of two: at
-    most 25% more, and few distinct values."""
+    """``n`` (at least ``minimum``) rounded up to 2 or 3 times a power of two: at most 50%
+    more, two values per doubling."""
     n = max(n, minimum)
-    if n <= 4:
+    if n <= 2:
         return n
-    step = 1 << (n.bit_length() - 3)
+    step = 1 << (n.bit_length() - 2)
     return -(-n // step) * step
+
+
+def round_down(n: int) -> int:
+    """The largest of `round_up`'s values (2 or 3 times a power of two) up to ``n`` >= 1."""
+    step = 1 << max(n.bit_length() - 2, 0)
+    return n // step * step
 
 
 def bucket_shape(shape: StepShape) -> StepShape | None:
     """The graph bucket of a decode step's exact shape (None: the step runs eagerly).
 
-    Rows and shared slots round up by at most 25%; each row's keys (its own tokens, after
-    the shared ones) to a power of 4 from 64, so that a row's growth by one token per step
-    changes buckets rarely (a 1,000-token generation meets 3 widths); past `MAX_WIDTH` keys
-    a step runs eagerly."""
+    Rows round up by at most half (`round_up`); shared slots, read once per layer for all
+    rows, to a power of two from 16, so that a shared prefix that grows (SMC particles
+    descending from one ancestor) changes buckets only as it doubles; each row's keys (its
+    own tokens, after the shared ones) to a power of 4 from 64, so that a row's growth by
+    one token per step changes buckets rarely (a 1,000-token generation meets 3 widths);
+    past `MAX_WIDTH` keys a step runs eagerly."""
     if shape.new != 1 or shape.rows > MAX_ROWS or shape.past >= MAX_WIDTH:
         return None
     width = 64
     while width < shape.past + 1:
         width *= 4
-    return StepShape(round_up(shape.rows, 1), 1, width - 1, round_up(shape.shared, 16))
+    shared = 1 << max(shape.shared - 1, 15).bit_length()
+    return StepShape(round_up(shape.rows, 1), 1, width - 1, shared)
 
 
 class Recorder(Protocol):
@@ -90,7 +104,10 @@ class CudaRecorder:
     """CUDA graphs: captured on a side stream, every graph in one memory pool (a graph's
     memory is scratch: its inputs and outputs are buffers allocated outside the pool, and
     replays never overlap), in ``thread_local`` mode so other threads may use the device
-    while a step is captured."""
+    while a step is captured.
+
+    A capture that fails leaves the process as it found it (`capture`), so that the LM
+    runs on eagerly and the device stays usable for everything else."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -100,17 +117,70 @@ class CudaRecorder:
     def run_eagerly(self, forward: Callable[[], None]) -> None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            forward()
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                forward()
+        finally:  # a forward that raised halfway: later work still comes after its kernels
+            current.wait_stream(self.stream)
 
     def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
+        """Capture ``forward`` with ``torch.cuda.graph``; if that raises, undo what a
+        failed capture leaves behind, then raise.
+
+        What torch 2.13 leaves (torch/cuda/graphs.py, ``graph.__exit__`` calls
+        ``CUDAGraph.capture_end``, then its stream context's ``__exit__``; ATen's
+        ``CUDAGraph::capture_end`` in aten/src/ATen/cuda/CUDAGraph.cpp): when an op
+        invalidated the capture (one that syncs, say), ``cudaStreamEndCapture`` fails and
+        ``AT_CUDA_CHECK`` raises (clearing CUDA's last error) before
+        ``CUDACachingAllocator::endAllocateToPool``. Two things are then left over:
+
+        - the caching allocator still counts a capture into ``self.pool`` as underway
+          (``captures_underway``): it stops reclaiming memory used on several streams,
+          and every later ``torch.cuda.empty_cache()``, which ``graph.__enter__`` calls
+          before any capture, fails the ``captures_underway.empty()`` assertion of
+          ``synchronize_and_free_events`` (c10/cuda/CUDACachingAllocator.cpp). So the
+          pool's allocation is ended here (`_end_pool_allocation`);
+        - ``graph.__exit__`` never reaches its stream context's exit, so the capture
+          stream would stay this thread's current stream, unordered with the default
+          stream other threads use: the capture runs inside a stream context of our own,
+          whose exit restores the thread's streams however the capture ends.
+
+        The stream itself is no longer capturing (``cudaStreamEndCapture`` ends an
+        invalidated capture too), and the graph object is dropped (its ``reset`` removes
+        it from ATen's map of capturing graphs). Nothing captured ever ran, and the eager
+        warm-up's kernels are ordered before later work (`run_eagerly`), so no
+        synchronization is needed. The pinned-memory allocator's own
+        ``end_allocate_to_pool`` has no Python binding: its leftover entry costs a check
+        per pinned allocation and refuses only a capture into this same pool, which
+        `DecodeGraphs` never asks for after a failure.
+        """
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(
-            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-        ):
-            forward()
+        try:
+            with (
+                torch.cuda.stream(self.stream),
+                torch.cuda.graph(
+                    graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ),
+            ):
+                forward()
+        except BaseException:
+            del graph
+            self._end_pool_allocation()
+            raise
         return graph.replay
+
+    def _end_pool_allocation(self) -> None:
+        """After a failed capture: end the caching allocator's allocation to the pool if it
+        is still on, and give back the pool reference that its start took (which the
+        graph's ``reset`` gives back only after a successful ``capture_end``), as
+        ``torch.cuda.memory.use_mem_pool`` ends its own. No allocation on (the capture
+        failed in Python, or after ``capture_end``'s allocator step): nothing to end."""
+        index = self.stream.device_index
+        try:
+            torch._C._cuda_endAllocateToPool(index, self.pool)
+        except RuntimeError:  # "endAllocatePool: not currently recording to mempool_id"
+            return
+        torch._C._cuda_releasePool(index, self.pool)
 
 
 class EagerRecorder:
@@ -147,30 +217,53 @@ class DecodeGraphs:
     """Decode steps replayed from one CUDA graph per shape bucket (see the module's doc).
 
     ``forward(step, out)`` runs the model over a step's inputs, its log-probabilities into
-    ``out``, allocating only scratch memory (nothing it allocates may outlive it)."""
+    ``out``, allocating only scratch memory (nothing it allocates may outlive it). Steps of
+    more than ``max_rows`` rows (the batcher's batch size, at most `MAX_ROWS`) run eagerly:
+    every graph writes its rows into one output buffer of that many rows, so that a larger
+    bucket never replaces it (which would drop the graphs over the old one)."""
 
-    def __init__(self, forward: Forward, recorder: Recorder, device: torch.device, vocab_size: int):
+    def __init__(
+        self,
+        forward: Forward,
+        recorder: Recorder,
+        device: torch.device,
+        vocab_size: int,
+        max_rows: int = MAX_ROWS,
+    ):
         self.forward = forward
         self.recorder = recorder
         self.device = device
         self.vocab_size = vocab_size
+        self.max_rows = round_up(min(max_rows, MAX_ROWS), 1)
         self.graphs: OrderedDict[StepShape, _Graph] = OrderedDict()
         self.checked: set[StepShape] = set()  # buckets whose replays matched the eager forward
         self.failure: str | None = None  # why graphs are off for good
+        # what the decode steps ran as: captures, replays, eager forwards a capture or a
+        # replay was checked against, and steps that ran eagerly (no bucket, or graphs off)
         self.captures = 0
         self.replays = 0
-        self._out = torch.empty((0, vocab_size), dtype=torch.float32, device=device)
+        self.checks = 0
+        self.eager_steps = 0
+        self._out: torch.Tensor | None = None  # allocated at the first capture
 
     def run(self, plans: Sequence[QueryPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
-        """The plans' decode step from its bucket's graph, rows into ``out``. False (nothing
+        """The plans' decode step from a captured graph, rows into ``out``. False (nothing
         computed) when the step fits no bucket or graphs are off: run it eagerly."""
-        if self.failure is not None or plans[0].new_tokens != 1:
+        if plans[0].new_tokens != 1:
             return False
-        skip = cascade_blocks(plans, pool.block_size)
-        bucket = bucket_shape(exact_shape(plans, pool.block_size, skip))
-        if bucket is None:
+        if self.failure is not None:
+            self.eager_steps += 1
             return False
-        host = host_step(plans, pool.block_size, skip, bucket, pin=self.device.type == "cuda")
+        size = pool.block_size
+        skip = cascade_blocks(plans, size)
+        exact = exact_shape(plans, size, skip)
+        bucket = bucket_shape(exact)
+        if bucket is None or bucket.rows > self.max_rows:
+            self.eager_steps += 1
+            return False
+        if bucket not in self.graphs:
+            bucket, skip = self._covering(exact, skip, size) or (self._spare(bucket, exact), skip)
+        host = host_step(plans, size, skip, bucket, pin=self.device.type == "cuda")
         rows = len(plans)
         try:
             graph = self.graphs.get(bucket)
@@ -186,17 +279,54 @@ class DecodeGraphs:
                     if not graph.checks_left:
                         self.checked.add(bucket)
         except Exception as error:  # capture refused, or a replay that is not the forward
-            self.failure = f"{type(error).__name__}: {error}"
+            self.failure = _failure(error)
             self.clear()
             logger.warning("CUDA graphs off for this model, steps run eagerly (%s)", self.failure)
+            self.eager_steps += 1
             return False
         out.copy_(graph.out[:rows])
         return True
 
     def clear(self) -> None:
-        """Drop every graph (the next step of each bucket captures anew)."""
+        """Drop every graph (the next step of each bucket captures anew) and the output
+        buffer."""
         self.graphs.clear()
-        self._out = self._out.new_empty((0, self.vocab_size))
+        self._out = None
+
+    def _covering(
+        self, exact: StepShape, skip: int, block_size: int
+    ) -> tuple[StepShape, int] | None:
+        """A captured bucket that holds the step of shape ``exact`` (which reads ``skip``
+        shared blocks), the one with the fewest rows, and how many of the shared blocks it
+        reads as shared; None if none does. A graph holds a step with at most twice its
+        rows, in its own width bucket and shared bucket once it reads as shared only the
+        blocks the graph has slots for (the others as each row's own keys). So a number of
+        rows that falls and recovers (SMC's distinct particles after each resampling)
+        captures a graph per doubling, not one per bucket it meets, and a shared prefix
+        that grows (particles descending from one ancestor) none, until the rows' own keys
+        outgrow the graph's width."""
+        best: tuple[StepShape, int] | None = None
+        for shape in self.graphs:
+            if not exact.rows <= shape.rows <= 2 * exact.rows:
+                continue
+            shared = min(skip, shape.shared // block_size)
+            past = exact.past + (skip - shared) * block_size
+            held = bucket_shape(StepShape(exact.rows, 1, past, shared * block_size))
+            if held is None or (held.past, held.shared) != (shape.past, shape.shared):
+                continue
+            if best is None or (shape.rows, -shape.shared) < (best[0].rows, -best[0].shared):
+                best = (shape, shared)
+        return best
+
+    def _spare(self, bucket: StepShape, exact: StepShape) -> StepShape:
+        """The bucket to capture for a step of shape ``exact`` that no graph holds: its own
+        ``bucket``, or, where graphs of its widths exist already (its number of rows
+        varies), the same widths with rows to spare, up to twice the step's (within
+        `max_rows`), to hold the later steps of that range too."""
+        widths = (bucket.past, bucket.shared)
+        if all((shape.past, shape.shared) != widths for shape in self.graphs):
+            return bucket
+        return replace(bucket, rows=round_down(min(2 * exact.rows, self.max_rows)))
 
     def _capture(self, bucket: StepShape, host: torch.Tensor) -> _Graph:
         """A new graph for ``bucket``, its first step (inputs ``host``) captured and
@@ -205,7 +335,11 @@ class DecodeGraphs:
         inputs = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         inputs.copy_(host, non_blocking=True)
         step = StepInputs.split(inputs, bucket, padded=True, shared_padded=True)
-        graph = _Graph(inputs, step, self._out_rows(bucket.rows), lambda: None)
+        if self._out is None:  # allocated outside the graphs' pool
+            self._out = torch.empty(
+                (self.max_rows, self.vocab_size), dtype=torch.float32, device=self.device
+            )
+        graph = _Graph(inputs, step, self._out[: bucket.rows], lambda: None)
 
         def forward() -> None:
             self.forward(step, graph.out)
@@ -213,6 +347,7 @@ class DecodeGraphs:
         checked = bucket in self.checked
         if not checked:
             self.recorder.run_eagerly(forward)
+            self.checks += 1
             eager = graph.out.clone()
         graph.replay = self.recorder.capture(forward)
         self.captures += 1
@@ -232,21 +367,17 @@ class DecodeGraphs:
         the same KV again)."""
         replayed = graph.out[:rows].clone()
         self.recorder.run_eagerly(lambda: self.forward(graph.step, graph.out))
+        self.checks += 1
         _compare(replayed, graph.out[:rows])
         graph.checks_left -= 1
 
-    def _out_rows(self, rows: int) -> torch.Tensor:
-        """``rows`` rows of the one output buffer (allocated outside the graphs' pool). A
-        larger one replaces it and the graphs captured over the old one are dropped (each
-        is captured again, unchecked, at its next step), so that one buffer is alive, the
-        largest bucket's: graphs kept over buffers of growing sizes held up to ~6 times it
-        (buckets 25% apart), 64 MB a buffer at 128 rows of a 128k vocabulary."""
-        if self._out.shape[0] < rows:
-            self.clear()
-            self._out = torch.empty(
-                (rows, self.vocab_size), dtype=torch.float32, device=self.device
-            )
-        return self._out[:rows]
+
+def _failure(error: BaseException) -> str:
+    """``Type: first line`` of ``error``, after that of the error it was raised while
+    handling, if any (a failed capture's CUDA error hides the forward's own)."""
+    cause = error.__cause__ or error.__context__
+    described = f"{type(error).__name__}: {first_line(error)}"
+    return described if cause is None else f"{described} (after {_failure(cause)})"
 
 
 def _compare(replayed: torch.Tensor, eager: torch.Tensor) -> None:

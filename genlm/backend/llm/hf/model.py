@@ -24,9 +24,10 @@ same number ``t`` of new tokens:
    the requests' nodes (the batch's memory counted once in the logprobs budget).
 
 A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
-context length (tests/test_hf_step.py, benchmark/bench_host.py). On CUDA a decode step
-(one new token per row) is a replay of its shape bucket's CUDA graph instead
-(`genlm.backend.llm.hf.graphs`; ``cuda_graphs=False`` turns them off).
+context length (tests/test_hf_step.py, benchmark/bench_host.py). With ``cuda_graphs=True``
+a decode step (one new token per row) on CUDA is a replay of its shape bucket's CUDA graph
+instead (`genlm.backend.llm.hf.graphs`); off by default: the eager step is the path a GPU
+has run, and graphs become the default once a GPU run shows them right and faster.
 
 Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
 
@@ -38,7 +39,8 @@ Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
   no fully-masked attention rows and no NaNs from them.
 - Memory: KV stays within ``max_kv_bytes`` between batches (docs/kv-store.md); the
   pool resizes one layer at a time, so it is never held twice while it copies. On CUDA
-  the pool is sized once, at construction (`fixed_pool_capacity`), and never moves.
+  the pool is sized once, at construction (`fixed_pool_capacity`: at least the budget,
+  and a share of the free memory), and never moves.
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's
@@ -62,7 +64,13 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from genlm.backend.checks import check_budget, check_options, choice_option, int_option
+from genlm.backend.checks import (
+    check_budget,
+    check_options,
+    choice_option,
+    fraction_option,
+    int_option,
+)
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
@@ -93,7 +101,7 @@ LORA_BATCHING = ("mixed", "grouped")
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
 # The share of the device's free memory (after the model is loaded) that a CUDA KV pool
-# takes when the LM has no KV budget.
+# takes at least (`cuda_kv_memory_fraction`'s default).
 CUDA_KV_MEMORY_FRACTION = 0.5
 
 
@@ -108,16 +116,21 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         batch_size: most requests per batch.
         timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
         max_kv_bytes: budget for cached KV states (least recently used evicted first;
-            prompts pinned with `cache_kv` are outside it). On CUDA it also sizes the KV
-            pool, allocated here and never resized: pinned prompts and a running batch's
-            rows must fit in it too (None: `CUDA_KV_MEMORY_FRACTION` of the free memory).
+            prompts pinned with `cache_kv` are outside it): what is kept between batches;
+            a running batch's rows may hold more.
         max_logprobs_bytes: budget for cached next-token log-probabilities.
         max_batch_tokens: most new tokens run in one forward (larger groups are split,
             a longer prefix is prefilled in chunks).
         lora_batching: ``"mixed"`` (rows of several LoRA adapters in one forward) or
             ``"grouped"`` (one forward per adapter).
         cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs (captured per
-            shape bucket; `genlm.backend.llm.hf.graphs`); no effect elsewhere.
+            shape bucket; `genlm.backend.llm.hf.graphs`); no effect elsewhere. Off by
+            default until a GPU run shows them right and faster (docs/kv-store.md).
+        cuda_kv_memory_fraction: on a CUDA device, the KV pool is allocated here and never
+            resized: the larger of ``max_kv_bytes`` and this share of the device's free
+            memory (after the model is loaded), in ``(0, 1)``. Pinned prompts and a
+            running batch's rows must fit in it; a batch that cannot fails before any work.
+            No effect elsewhere (a CPU pool follows what is held).
     """
 
     OPTION_CHECKS = {
@@ -127,6 +140,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         "max_batch_tokens": int_option(minimum=1),
         "lora_batching": choice_option(*LORA_BATCHING),
         "cuda_graphs": choice_option(True, False),
+        "cuda_kv_memory_fraction": fraction_option,
     }
 
     def __init__(
@@ -140,7 +154,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
         max_batch_tokens: int = 4096,
         lora_batching: str = "mixed",
-        cuda_graphs: bool = True,
+        cuda_graphs: bool = False,
+        cuda_kv_memory_fraction: float = CUDA_KV_MEMORY_FRACTION,
     ):
         check_options(
             self.OPTION_CHECKS,
@@ -152,6 +167,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 "max_batch_tokens": max_batch_tokens,
                 "lora_batching": lora_batching,
                 "cuda_graphs": cuda_graphs,
+                "cuda_kv_memory_fraction": cuda_kv_memory_fraction,
             },
         )
         super().__init__(hf_tokenizer)
@@ -179,14 +195,16 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         self._cascade = self._pool is not None and register_cascade(
             self.model, self._pool.layout.num_layers
         )
-        self._graphs = self._decode_graphs() if cuda_graphs else None
+        self._graphs = self._decode_graphs(batch_size) if cuda_graphs else None
         store = PrefixKVStore(
             self._pool or NoKVPool(reason),
             max_kv_bytes,
             max_logprobs_bytes,
             fixed_capacity=None
             if layout is None
-            else fixed_pool_capacity(self._input_device, layout, max_kv_bytes),
+            else fixed_pool_capacity(
+                self._input_device, layout, max_kv_bytes, cuda_kv_memory_fraction
+            ),
         )
         self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-hf")
 
@@ -262,10 +280,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         if self._graphs is not None:
             self._graphs.clear()
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs of decode steps, where they can be captured: cascade attention over
-        the paged KV (the step's shapes are then its bucket's), on a CUDA device, with no
-        quantized weights (their kernels are not checked for capture)."""
+    def _decode_graphs(self, batch_size: int) -> DecodeGraphs | None:
+        """CUDA graphs of decode steps of up to ``batch_size`` rows, where they can be
+        captured: cascade attention over the paged KV (the step's shapes are then its
+        bucket's), on a CUDA device, with no quantized weights (their kernels are not
+        checked for capture)."""
         recorder = recorder_for(self._input_device)
         if (
             recorder is None
@@ -274,7 +293,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             or getattr(self.model, "hf_quantizer", None) is not None
         ):
             return None
-        return DecodeGraphs(self._graph_forward, recorder, self._input_device, self.vocab_size)
+        return DecodeGraphs(
+            self._graph_forward, recorder, self._input_device, self.vocab_size, batch_size
+        )
 
     # -- LoRA ----------------------------------------------------------------------------------
 
@@ -520,20 +541,24 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
 
 def fixed_pool_capacity(
-    device: torch.device, layout: KVLayout, max_kv_bytes: int | None
+    device: torch.device, layout: KVLayout, max_kv_bytes: int | None, memory_fraction: float
 ) -> int | None:
     """The blocks of a KV pool on ``device`` sized once, at construction, as vLLM sizes its
-    KV cache, or None where the pool follows what is held. On CUDA: block 0 and the KV
-    budget's blocks, or without a budget `CUDA_KV_MEMORY_FRACTION` of the free memory;
-    the pool never moves, so captured graphs hold its addresses for good (and the caching
-    allocator would keep a grown pool's memory anyway). Elsewhere None: a CPU pool's
-    unwritten blocks cost no memory and a shrunk one goes back to the system."""
+    KV cache, or None where the pool follows what is held.
+
+    On CUDA: block 0 and the larger of the KV budget and ``memory_fraction`` of the
+    device's free memory. The budget stays a caching limit (what is kept between
+    batches, `PrefixKVStore.evict`); the rest of the pool is room for a running batch's
+    rows, so that a long run does not fail once its particles' own tokens outgrow the
+    budget. The pool never moves, so captured graphs hold its addresses for good (and
+    the caching allocator would keep a grown pool's memory anyway). Elsewhere None: a
+    CPU pool's unwritten blocks cost no memory and a shrunk one goes back to the system.
+    """
     if device.type != "cuda":
         return None
-    if max_kv_bytes is None:
-        free, _ = torch.cuda.mem_get_info(device)
-        max_kv_bytes = int(free * CUDA_KV_MEMORY_FRACTION)
-    return 1 + max_kv_bytes // layout.block_bytes(BLOCK_SIZE)
+    free, _ = torch.cuda.mem_get_info(device)
+    pool_bytes = max(int(free * memory_fraction), max_kv_bytes or 0)
+    return 1 + pool_bytes // layout.block_bytes(BLOCK_SIZE)
 
 
 def _grouped_batch(
