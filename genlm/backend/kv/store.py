@@ -11,7 +11,7 @@ decides what they hold.
   a batch runs) counts once, so particles that share a prompt share its blocks. The node
   a row reads its KV from is kept out of eviction while its batch runs (`protect`).
 - A decode step costs O(new tokens) per request in Python, whatever its context: `find`
-  starts from the node that `node_for` made for the request's prefix on an earlier step;
+  starts from a node the caller remembers for the request's prefix from an earlier step;
   the rows of a batch hold the blocks they share by one count in C (`extend_all`), a row
   appended to in place within its last block keeps its source's chain tuple, and a
   chain's blocks are let go in one loop.
@@ -126,36 +126,37 @@ class PrefixKVStore:
         self.max_logprobs_entries = max_logprobs_entries
         self.fixed_capacity = fixed_capacity
         self._nbytes = memory_nbytes if nbytes is None else nbytes
+        self.roots: dict[Hashable, KVNode] = {}
         self._forget(1)
         self._resize(fixed_capacity or INITIAL_BLOCKS)
 
     # -- state -------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget every tree, chain and logprob; the pool goes back to `INITIAL_BLOCKS`
-        (a pool sized once keeps its blocks)."""
+        """Forget every tree, chain and logprob (the trees' nodes emptied: see `_forget`);
+        the pool goes back to `INITIAL_BLOCKS` (a pool sized once keeps its blocks)."""
         self._forget(self.capacity)
         self._resize(self.fixed_capacity or INITIAL_BLOCKS)
 
     def free(self) -> None:
         """Forget every tree, chain and logprob, and let go of all the pool's memory
-        (`BlockPool.free`), not just shrink it (a closed LM's store). The trees' nodes are
-        emptied too, so that one a caller still holds (an old root) keeps no tree alive.
-        Block 0 alone is left (`capacity` 1, no free block), so the store stays consistent:
-        the next `reserve` or `extend` grows the pool again (to ``fixed_capacity``, if
-        set), allocating it afresh."""
-        for root in self.roots.values():
-            for node in _subtree(root):
-                node.children.clear()
-                node.logprobs = node.chain = None
-                node.pinned = False
+        (`BlockPool.free`), not just shrink it (a closed LM's store). Block 0 alone is left
+        (`capacity` 1, no free block), so the store stays consistent: the next `reserve` or
+        `extend` grows the pool again (to ``fixed_capacity``, if set), allocating it afresh."""
         self._forget(1)
         self.pool.free()
 
     def _forget(self, capacity: int) -> None:
         """Empty state over ``capacity`` blocks: no tree, no chain, no logprob; block 0
-        alone held."""
-        self.roots: dict[Hashable, KVNode] = {}
+        alone held. The old trees' nodes are emptied, so that one a caller still holds (an
+        old root, a node remembered for `find`) keeps no tree alive and is no longer
+        attached."""
+        for root in self.roots.values():
+            for node in _subtree(root):
+                node.children.clear()
+                node.logprobs = node.chain = None
+                node.pinned = False
+        self.roots = {}
         free = capacity - 1
         self._refs: list[int] = [1] + [0] * free  # block 0 (ZERO_BLOCK) is held forever
         self._pins: list[int] = [1] + [0] * free
@@ -169,7 +170,6 @@ class PrefixKVStore:
         self._memories: dict[Hashable, int] = {}  # cached values per memory (`memory_key`)
         self.logprobs_nbytes = 0
         self._emptied: list[KVNode] = []
-        self._recent = RecentNodes()
         self._protected: set[int] = set()  # ids of nodes `protect` keeps from eviction
 
     @property
@@ -201,13 +201,14 @@ class PrefixKVStore:
         return root
 
     def drop_root(self, key: Hashable) -> None:
-        """Forget the tree of ``key`` and release everything it holds."""
+        """Forget the tree of ``key`` and release everything it holds (its nodes emptied,
+        so that none is attached any more: `find`)."""
         root = self.roots.pop(key, None)
         if root is not None:
-            self._recent = RecentNodes()
             for node in _subtree(root):
                 self.set_logprobs(node, None)
                 self.set_chain(node, None)
+                node.children.clear()
 
     # -- tree --------------------------------------------------------------------------------
 
@@ -223,34 +224,15 @@ class PrefixKVStore:
         return node, len(ids)
 
     def find(
-        self,
-        key: Hashable,
-        ids: Sequence[int],
-        encoding: bytes | None = None,
-        parent_hash: int | None = None,
+        self, key: Hashable, ids: Sequence[int], near: KVNode | None = None
     ) -> tuple[KVNode, int]:
-        """`walk` in the tree of ``key``, from the node of ``ids[:-1]`` (whose hash is
-        ``parent_hash``) or of ``ids`` when `node_for` made it recently (a decode step
-        extends the previous step's prefixes): O(new tokens) rather than O(len(ids)).
-        ``encoding``: the prefix-free code of ``ids`` that tells recent nodes apart
-        (`TokenIds.encoding`); without it the walk starts at the root."""
-        node = None
-        if encoding is not None:
-            if parent_hash is not None:
-                node = self._recent.get(key, parent_hash, len(ids) - 1, encoding)
-            if node is None:
-                node = self._recent.get(key, hash(ids), len(ids), encoding)
-        return self.walk(self.root(key) if node is None else node, ids)
-
-    def node_for(
-        self, key: Hashable, node: KVNode, ids: Sequence[int], encoding: bytes | None = None
-    ) -> KVNode:
-        """`node_at` in the tree of ``key``; with ``encoding`` (see `find`), remembered for
-        `find`."""
-        node = self.node_at(node, ids)
-        if encoding is not None:
-            self._recent.add(key, hash(ids), encoding, node)
-        return node
+        """`walk` in the tree of ``key`` from ``near``, a node the caller remembers on the
+        path of ``ids`` in that tree (the node it made for them or for a prefix of them on
+        an earlier step: a decode step then walks O(new tokens), not O(len(ids))), used
+        while it is still in the tree and no deeper than ``ids``; else from the root."""
+        if near is None or near.depth > len(ids) or not _attached(near):
+            near = self.root(key)
+        return self.walk(near, ids)
 
     @staticmethod
     def node_at(node: KVNode, ids: Sequence[int]) -> KVNode:
@@ -606,66 +588,6 @@ class PrefixKVStore:
         heapq.heapify(self._free)
 
 
-class RecentNodes:
-    """The nodes `PrefixKVStore.node_for` made lately, by tree key and prefix hash: two
-    generations of about ``budget`` tokens each (a hit in the older one moves to the
-    newer). A node is returned only for the prefix it was added with, told by the
-    prefix's encoding (`TokenIds.encoding`: a prefix-free code of its ids, kept with the
-    node; prefixes whose hashes collide only miss), and only while attached (a node that
-    `PrefixKVStore.prune` detached is no longer its parent's child); the store starts a
-    new one when it drops a tree. An entry holds an int, bytes and the node: no prefix (a
-    tuple of references the collector would walk) and no object of its own."""
-
-    def __init__(self, budget: int = 1 << 20):
-        self.budget = budget
-        self._current: dict[Hashable, _RecentTree] = {}
-        self._previous: dict[Hashable, _RecentTree] = {}
-        self._tokens = 0
-
-    def get(self, key: Hashable, prefix_hash: int, depth: int, encoding: bytes) -> KVNode | None:
-        """The node of the first ``depth`` ids of a prefix encoded by ``encoding``, if it was
-        added with hash ``prefix_hash``."""
-        tree = self._current.get(key, _NO_TREE)
-        node = tree.nodes.get(prefix_hash)
-        if node is None:
-            tree = self._previous.get(key, _NO_TREE)
-            node = tree.nodes.get(prefix_hash)
-            if node is None:
-                return None
-            self.add(key, prefix_hash, tree.encodings[prefix_hash], node)
-        if node.depth != depth or not encoding.startswith(tree.encodings[prefix_hash]):
-            return None
-        parent, token = node.parent, node.token
-        attached = parent is not None and token is not None and parent.children.get(token) is node
-        return node if attached else None
-
-    def add(self, key: Hashable, prefix_hash: int, encoding: bytes, node: KVNode) -> None:
-        """Remember ``node``, the node of the prefix with this hash and encoding."""
-        self._tokens += node.depth
-        if self._tokens > self.budget:
-            self._previous, self._current, self._tokens = self._current, {}, node.depth
-        tree = self._current.get(key)
-        if tree is None:
-            tree = self._current[key] = _RecentTree()
-        tree.nodes[prefix_hash] = node
-        tree.encodings[prefix_hash] = encoding
-
-
-class _RecentTree:
-    """The recent nodes of one tree in one generation of `RecentNodes`, by prefix hash,
-    and their prefixes' encodings."""
-
-    __slots__ = ("encodings", "nodes")
-
-    def __init__(self) -> None:
-        self.nodes: dict[int, KVNode] = {}
-        self.encodings: dict[int, bytes] = {}
-
-
-# What `RecentNodes.get` looks in for a tree key it has no nodes of (only read).
-_NO_TREE = _RecentTree()
-
-
 def memory_key(value: Any) -> Hashable:
     """What names the memory a cached value occupies: a torch tensor's storage (the rows
     of one batch, views of it, share it), else the value itself."""
@@ -684,6 +606,14 @@ def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:
     """Whether an LRU budget is exceeded: ``used`` over ``limit`` or ``kept`` entries over
     ``entries`` (None: no bound)."""
     return (limit is not None and used > limit) or (entries is not None and kept > entries)
+
+
+def _attached(node: KVNode) -> bool:
+    """Whether ``node`` is still its parent's child (`prune` detaches a node and dropping a
+    tree empties its nodes; an attached node's ancestors are attached, as a node is only
+    detached once it has no children)."""
+    parent, token = node.parent, node.token
+    return parent is not None and token is not None and parent.children.get(token) is node
 
 
 def _subtree(root: KVNode) -> list[KVNode]:

@@ -21,7 +21,8 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import KVNode, PrefixKVStore
-from genlm.backend.llm.base import BatchedAsyncLM, Query, TokenIds, stacked_copies
+from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
+from genlm.backend.llm.request import Query, node_hint, remember_node
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
 R = TypeVar("R")
@@ -229,7 +230,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         chains: dict[int, Chain] = {}  # by slot: each plan's own chain until a node takes it
         try:
             for slot, (ids, lora) in enumerate(keys):
-                node, depth = self.store.find(lora, ids, *_recent_key(ids))
+                node, depth = self.store.find(lora, ids, node_hint(ids, lora))
                 if depth == len(ids) and node.logprobs is not None:
                     self.store.touch(node)
                     results[slot] = node.logprobs
@@ -291,7 +292,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         """Cache a plan's logprobs (a view of its batch, or a row of its own: see
         `_computed_rows`) and give its chain to its node (unless the node holds a pinned
         chain), out of ``chains``."""
-        node = self.store.node_for(plan.lora, plan.node, plan.ids, _recent_key(plan.ids)[0])
+        node = self.store.node_at(plan.node, plan.ids)
+        remember_node(plan.ids, plan.lora, node)
         self.store.set_logprobs(node, logprobs)
         if plan.chain and not node.pinned:
             self.store.set_chain(node, chains.pop(plan.slot))
@@ -313,7 +315,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
             raise NotImplementedError(
                 f"cache_kv needs KV reuse, which is off for this {type(self).__name__}'s model"
             )
-        node, depth = self.store.find(lora, ids)
+        node, depth = self.store.find(lora, ids, node_hint(ids, lora))
         if depth == len(ids) and node.chain is not None:
             self.store.pin(node)
             return
@@ -322,13 +324,13 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         try:
             allocated = self._allocate(planned, chains)
             self._store(allocated[0], self._computed_rows(allocated)[0], chains)
-            self.store.pin(self.store.node_for(lora, node, ids))
+            self.store.pin(self.store.node_at(node, ids))
         finally:
             self._finish(planned, chains)
 
     def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
         root = self.store.root(lora)
-        node = self.store.find(lora, ids)[0]
+        node = self.store.find(lora, ids, node_hint(ids, lora))[0]
         source = self.store.kv_source(node) if self.kv_reuse else None
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
         if source is None or source.chain is None or not start:
@@ -340,14 +342,6 @@ def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each row, each with storage of its own (one dispatcher call, a kernel per
     row on CUDA): for a batch the logprobs budget cannot hold whole."""
     return list(torch._foreach_clone(rows))
-
-
-def _recent_key(ids: tuple[int, ...]) -> tuple[bytes | None, int | None]:
-    """What finds ``ids``' recent nodes in the tree (`PrefixKVStore.find`): its encoding and
-    its parent's hash, where validation made them (`TokenIds`)."""
-    if isinstance(ids, TokenIds):
-        return ids.encoding, ids.parent_hash
-    return None, None
 
 
 def _chain_of(source: KVNode | None) -> Chain | None:
