@@ -321,6 +321,30 @@ async def test_unordered_collections_are_not_prefixes(mock_lm, unordered):
         mock_lm.batch_next_token_logprobs_sync({(1,), (2,)})
 
 
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([[1, 2], 3], r"token id \[1, 2\] at position 0 is not an integer \(list\)"),
+        ([5, 6, {}, 7], r"token id \{\} at position 2 is not an integer \(dict\)"),
+        ([5, 6, 7, [8]], r"token id \[8\] at position 3 is not an integer \(list\)"),
+        ((5, 6, 7, (8,)), r"token id \(8,\) at position 3 is not an integer \(tuple\)"),
+    ],
+)
+async def test_a_nested_collection_among_the_ids_is_named_with_its_position(
+    mock_lm, monkeypatch, ids, message
+):
+    """Also where the ids before it are a validated prefix (a decode step's request)."""
+    mock_lm.validate_token_ids([5, 6, 7])
+    batches = spy_batches(mock_lm, monkeypatch)
+    with pytest.raises(TypeError, match=message):
+        await mock_lm.next_token_logprobs(ids)
+    with pytest.raises(TypeError, match=message):
+        mock_lm.next_token_logprobs_sync(ids)
+    with pytest.raises(TypeError, match=message):
+        await mock_lm.batch_next_token_logprobs([[1], ids])
+    assert batches == []
+
+
 # -- loaders ------------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import genlm.backend.kv.store as kv_store
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.llm.base import MockAsyncLM
 from genlm.backend.llm.prefix import PrefixCachedLM
@@ -108,7 +109,7 @@ def test_a_decode_step_makes_as_many_calls_at_1024_tokens_of_context_as_at_64(
     assert excess <= 20, f"calls that grow with the context (64 -> 1024 tokens): {grown}"
     # Each request is validated once, none of its ids by a per-id call.
     assert long["validate_token_ids"] == PARTICLES
-    assert long["_checked_id"] == 0
+    assert long["checked_id"] == 0
 
 
 def test_a_decode_step_makes_a_constant_number_of_calls_per_particle(smollm2_tokenizer):
@@ -170,23 +171,41 @@ def test_numpy_integers_in_a_list_are_accepted_as_ints(mock):
     assert torch.equal(mock.next_token_logprobs_sync(torch.tensor([4, 5, 6])), expected)
 
 
-def test_a_validated_prefix_knows_its_parents_hash(mock):
-    """The prefix tree finds a particle's node through the hash of the previous step's
-    prefix (its recent nodes are kept by hash), known only where validation found it."""
-    prompt = list(range(3, 60))
-    mock._query(prompt)
-    second = mock._query(prompt + [7]).token_ids
-    assert second.parent_hash == hash(tuple(prompt))
-    third = mock._query(prompt + [7, 8]).token_ids
-    assert third.parent_hash == hash((*prompt, 7))
-    assert mock._query([9, 9, 9]).token_ids.parent_hash is None  # nothing validated before it
+def test_a_decode_step_walks_the_tree_from_the_previous_steps_nodes(smollm2_tokenizer, monkeypatch):
+    """Each request of a step extends a prefix of the step before by one id: the tree is
+    walked from that prefix's node (one id), not from the root (1,025 ids), and a prefix
+    asked again from its own node (none); the nodes are the ones a walk from the root finds."""
+    rng = random.Random(0)
+    walked = []
+    with NullLM(smollm2_tokenizer) as lm:
+        walk = kv_store.walk
+
+        def counted(node, ids):
+            walked.append(len(ids) - node.depth)
+            found = walk(node, ids)
+            assert found == walk(lm.store.root(None), ids)
+            return found
+
+        monkeypatch.setattr(kv_store, "walk", counted)  # the store's walks
+        prompt = [rng.randrange(lm.vocab_size) for _ in range(1024)]
+        contexts = [[*prompt, rng.randrange(lm.vocab_size)] for _ in range(8)]
+        lm._answer_batch(lm._query_list([prompt]))
+        for _ in range(3):
+            walked.clear()
+            lm._answer_batch(lm._query_list(contexts))
+            assert walked == [1] * len(contexts)
+            walked.clear()
+            lm._answer_batch(lm._query_list(contexts))  # the same prefixes again
+            assert walked == [0] * len(contexts)
+            for context in contexts:
+                context.append(rng.randrange(lm.vocab_size))
 
 
 def test_no_prefix_outlives_the_requests_of_a_decode_step(smollm2_tokenizer):
-    """What validation and the tree keep of a prefix is its encoding and hash, never the
-    prefix (a tuple of as many references as ids, which every collection would walk): once
-    a step's requests are answered, no `TokenIds` is alive, however many steps ran."""
-    from genlm.backend.llm.base import TokenIds
+    """What validation and the tree keep of a prefix is a plain tuple (which the collector
+    stops tracking), never a `TokenIds` (a tuple subclass, which every collection would
+    walk): once a step's requests are answered, none is alive, however many steps ran."""
+    from genlm.backend.llm.request import TokenIds
 
     rng = random.Random(0)
     with NullLM(smollm2_tokenizer) as lm:
@@ -202,31 +221,20 @@ def test_no_prefix_outlives_the_requests_of_a_decode_step(smollm2_tokenizer):
 @pytest.mark.parametrize(
     "duplicate", [copy.copy, copy.deepcopy, lambda ids: pickle.loads(pickle.dumps(ids))]
 )
-def test_a_validated_prefix_copies_and_pickles_whole(mock, duplicate):
+def test_a_validated_prefix_copies_and_pickles_as_its_ids(mock, duplicate):
+    """A copy keeps the ids and the hash (the same as ``tuple``'s, so both kinds of key mix
+    in a dict), not the entry of the index that validated it."""
     mock.validate_token_ids([4, 5, 6])
     ids = mock.validate_token_ids([4, 5, 6, 7])
     again = duplicate(ids)
-    assert type(again) is type(ids) and again == (4, 5, 6, 7) and hash(again) == hash(ids)
-    assert (again.encoding, again.parent_hash) == (ids.encoding, ids.parent_hash)
-
-
-def test_a_prefix_one_id_longer_hashes_as_the_tuple_does():
-    """A `TokenIds` made from its parent's hash continues it in O(1): the value must be
-    exactly ``tuple``'s (a dict mixes both kinds of key), checked here against ``hash``."""
-    from genlm.backend.llm.base import INCREMENTAL_HASH, TokenIds
-
-    assert INCREMENTAL_HASH  # CPython's tuple hash: else every hash is computed whole
-    rng = random.Random(0)
-    for _ in range(500):
-        ids = tuple(rng.randrange(300_000) for _ in range(1 + rng.randrange(60)))
-        for token in (rng.randrange(300_000), 0, 2**40):
-            longer = TokenIds([*ids, token], b"", hash(ids))
-            assert longer == ids + (token,) and hash(longer) == hash(ids + (token,))
-        assert {ids + (token,): 1}[longer] == 1
+    assert type(again) is type(ids) and again == (4, 5, 6, 7)
+    assert hash(again) == hash(ids) == hash((4, 5, 6, 7))
+    assert {(4, 5, 6, 7): 1}[again] == 1 and {again: 1}[(4, 5, 6, 7)] == 1
+    assert ids.entry is not None and again.entry is None
 
 
 class TokenEnum(enum.IntEnum):
-    """An int subclass: marshal refuses it, validation converts it."""
+    """An int subclass: not an exact int, which validation converts it to."""
 
     FIVE = 5
 
@@ -244,9 +252,9 @@ class TokenEnum(enum.IntEnum):
     ],
 )
 def test_a_request_near_a_validated_prefix_is_validated_as_itself(mock, changed):
-    """Validation compares a request with the prefix it extends (encoded by marshal):
-    whatever differs (an id, a type, the length), the result is the request's own ids as
-    exact ints, checked against ``tuple(map(int, ...))`` of them."""
+    """Validation compares a request with the prefix it extends: whatever differs (an id,
+    a type, the length), the result is the request's own ids as exact ints, checked
+    against ``tuple(map(int, ...))`` of them."""
     prefix = [5, *range(100, 130)]
     mock.validate_token_ids(prefix)
     request = [*changed(prefix), 42]
@@ -275,3 +283,46 @@ def test_a_bad_id_inside_a_validated_prefix_is_named(mock, bad, error, message):
     request[10] = bad
     with pytest.raises(error, match=message):
         mock.validate_token_ids(request)
+
+
+def first_bad_position(request, vocab_size):
+    """The position of the first id that is not an integer (bools excluded) in
+    ``[0, vocab_size)``, or None: the check validation must agree with."""
+    for position, token_id in enumerate(request):
+        integer = isinstance(token_id, int | np.integer) and not isinstance(token_id, bool)
+        if not integer or not 0 <= token_id < vocab_size:
+            return position
+    return None
+
+
+def test_validation_agrees_with_an_independent_check_over_random_forks():
+    """Prefixes extended, forked, repeated and altered at random, on an index whose
+    generations turn over every few requests: each request is validated exactly as a
+    check of every id says (its ids as exact ints, or the error naming the first bad id),
+    whichever validated prefix it extends, equals or nearly equals."""
+    from genlm.backend.llm.request import PrefixIndex
+
+    rng = random.Random(0)
+    vocab = 50
+    index = PrefixIndex(vocab, budget=3000)
+    bad = [-1, vocab, 2.0, True, [3], np.float64(4)]
+    history = [[1]]
+    for _ in range(3000):
+        request = list(rng.choice(history[-20:] if rng.random() < 0.9 else history))
+        move = rng.random()
+        if move < 0.6:
+            request.append(rng.randrange(vocab))
+        elif move < 0.75:
+            request.append(rng.choice(bad))
+        elif move < 0.9:
+            request[rng.randrange(len(request))] = rng.choice([*bad, np.int64(7), 7, 8])
+            request.append(rng.randrange(vocab))
+        position = first_bad_position(request, vocab)
+        if position is None:
+            checked = index.validated(request)
+            assert checked == tuple(int(i) for i in request)
+            assert all(type(i) is int for i in checked)
+            history.append(request)
+        else:
+            with pytest.raises((TypeError, ValueError), match=f" at position {position} "):
+                index.validated(request)

@@ -122,6 +122,7 @@ def prefixes(vocab_size):
         st.lists(ids, min_size=1, max_size=5),
         st.tuples(ids, ids),
         st.lists(st.integers(-(2**40), 2**40), max_size=4),
+        st.lists(st.one_of(ids, st.lists(ids, max_size=2), JUNK), min_size=1, max_size=4),
         st.builds(np.array, st.lists(st.integers(-2, vocab_size + 2), max_size=4)),
         st.builds(torch.tensor, st.lists(st.integers(-2, vocab_size + 2), min_size=1, max_size=4)),
         st.builds(np.array, st.lists(st.floats(0, 10), min_size=1, max_size=3)),

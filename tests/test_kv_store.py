@@ -6,7 +6,7 @@ unpinned chains counted by brute force.
 """
 
 import collections
-import marshal
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +16,6 @@ from genlm.backend.kv.blocks import INITIAL_BLOCKS, ZERO_BLOCK
 from genlm.backend.kv.budget import memory_nbytes
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.tree import kv_source, node_at, walk
-from genlm.backend.llm.base import MARSHAL_HEADER
 
 BLOCK = 4
 BLOCK_BYTES = 10
@@ -74,9 +73,10 @@ def extend(store, chain, length, total):
     return chains[0], copies
 
 
-def encoded(ids):
-    """``ids``' prefix-free code, as `TokenIds.encoding` holds it."""
-    return marshal.dumps(tuple(ids), 2)[MARSHAL_HEADER:]
+# The nodes a caller remembers, by store, then by (tree key, prefix), as the index of
+# validated prefixes does (`genlm.backend.llm.request.node_hint`); never told of evictions,
+# prunes or dropped trees, which `find` must notice itself.
+REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def run(store, pool, ids, key=None):
@@ -89,12 +89,13 @@ def run_batch(store, pool, requests, key=None):
     """What `PrefixCachedLM` does for a batch: plan every row (find the deepest KV, touch and
     protect its node from eviction), reserve, extend and write every row, store, unprotect,
     evict, trim, prune. Returns ``[(node, start)]`` and the blocks held while all rows
-    were extended. `find` (which starts from a recently made node) must agree with a
-    walk from the root."""
+    were extended. `find` (which starts from the node remembered for the prefix or its
+    parent prefix) must agree with a walk from the root."""
+    remembered = REMEMBERED.setdefault(store, {})
     rows = []
     for ids in map(tuple, requests):
-        # as validation makes them (`TokenIds`): an encoding, the parent's hash
-        node, depth = store.find(key, ids, encoded(ids), hash(ids[:-1]))
+        near = remembered.get((key, ids)) or remembered.get((key, ids[:-1]))
+        node, depth = store.find(key, ids, near)
         assert (node, depth) == walk(store.root(key), ids)
         source = kv_source(node)
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
@@ -115,7 +116,8 @@ def run_batch(store, pool, requests, key=None):
         in_flight = store.held_blocks
         done = []
         for (ids, node, start, _), chain in zip(rows, chains, strict=True):
-            node = store.node_for(key, node, ids, encoded(ids))
+            node = node_at(node, ids)
+            remembered[key, ids] = node
             store.set_chain(node, chain)
             done.append((node, start))
     finally:
@@ -467,31 +469,28 @@ def test_random_forks_evictions_and_pins_keep_every_chain_exact(steps, budget_bl
 def test_find_never_starts_from_a_node_no_longer_in_the_tree():
     store, pool = make_store(max_kv_bytes=2 * BLOCK_BYTES, max_logprobs_bytes=0)
     ids = (1, 2, 3, 4, 5)
-    old, _ = run(store, pool, ids[:-1])  # remembered by node_for
-    assert store.find(None, ids) == (old, 4)
+    old, _ = run(store, pool, ids[:-1])
+    assert store.find(None, ids, old) == (old, 4)
     run(store, pool, [9] * 8)  # evicts the chain of ``old``; prune then detaches it
     assert old.parent is not None and old not in old.parent.children.values()
-    assert store.find(None, ids) == (store.root(None), 0)
-    run(store, pool, ids[:-1], key="a")
-    store.drop_root("a")  # a new tree for "a": nothing remembered from the old one
-    assert store.find("a", ids) == (store.root("a"), 0)
+    assert store.find(None, ids, old) == (store.root(None), 0)
+    for key, forget in (("a", lambda: store.drop_root("a")), (None, store.clear)):
+        node, _ = run(store, pool, ids[:-1], key=key)
+        middle = node.parent
+        assert store.find(key, ids, middle) == (node, 4)
+        forget()  # a new tree: no node of the old one is used
+        for near in (node, middle):
+            assert store.find(key, ids, near) == (store.root(key), 0)
 
 
-def test_a_recent_node_is_found_only_for_its_own_prefix():
-    """Recent nodes are kept by prefix hash: a prefix whose hash is another's (forced here)
-    or whose length differs misses, and `find` walks from the root instead."""
+def test_find_never_starts_below_the_prefix():
+    """A node deeper than the prefix (the caller's node of a longer one) is not used."""
     store, pool = make_store()
     ids = (1, 2, 3, 4)
     node, _ = run(store, pool, ids)
-    recent = store._recent
-    assert recent.get(None, hash(ids), 4, encoded(ids)) is node
-    assert recent.get(None, hash(ids), 4, encoded((1, 2, 3, 5))) is None  # same hash
-    assert recent.get(None, hash(ids), 4, encoded((1, 2, 3, 4, 5))) is node  # its extension
-    assert recent.get(None, hash(ids), 3, encoded((1, 2, 3))) is None  # another depth
-    assert recent.get("a", hash(ids), 4, encoded(ids)) is None  # another tree
-    other = (7, 2, 3, 4, 9)
-    run(store, pool, other[:-1])
-    assert store.find(None, other, encoded(other), hash(ids)) == walk(store.root(None), other)
+    assert store.find(None, ids[:2], node) == walk(store.root(None), ids[:2])
+    assert store.find(None, ids[:2], node)[1] == 2
+    assert store.find(None, ids, node) == (node, 4)
 
 
 def test_rows_sharing_a_batch_count_its_memory_once_until_the_last_goes():

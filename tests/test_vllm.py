@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
 from held_memory import held_bytes, tracing  # noqa: E402
 from small_models import save_small_llama  # noqa: E402
 
-from genlm.backend.llm.base import ValidatedPrefixes  # noqa: E402
 from genlm.backend.llm.hf import cache_keyword  # noqa: E402
+from genlm.backend.llm.request import PrefixIndex  # noqa: E402
 from genlm.backend.llm.vllm import (  # noqa: E402
     CAPTURE_KEY,
     AsyncVirtualLM,
@@ -525,11 +525,11 @@ async def test_96_particles_40_steps_on_kv_blocks_for_a_few_stay_right_and_bound
         needed = n * sessions.limits.blocks(len(prompt) + steps)
         assert blocks * 10 <= needed, (blocks, needed)
         contexts = [prompt + [200 + i] for i in range(n)]
-        # The memo of validated prefixes holds up to twice its budget of tokens (2 x 2**20
-        # by default, ~10 MiB of encodings: this run would never fill it, it grows ~20 KiB
+        # The index of validated prefixes holds up to twice its budget of tokens (2 x 2**20
+        # by default, 16 MiB of references: this run would never fill it, it grows ~32 KiB
         # a step); with about a step's tokens (96 prefixes of 22 to 62) it turns over every
         # step or two, so its bound is measured here too.
-        lm._validated = ValidatedPrefixes(budget=4096)
+        lm._prefixes = PrefixIndex(lm.vocab_size, budget=4096)
         with torch.no_grad():
             keyword = cache_keyword(model)
             cache = getattr(model(torch.tensor([prompt]), use_cache=True), keyword)

@@ -14,7 +14,8 @@ made for its logprobs), then `commit` (each row's logprobs cached at its node, i
 given to the node) or `release` (the chains let go); both then unprotect the sources,
 evict, trim and prune. Between them a backend's forward reads each row's chain and writes
 its new tokens' KV into it. A decode step costs O(new tokens) per request in Python,
-whatever its context: `find` starts from the node `plan` made on an earlier step.
+whatever its context: `find` starts from a node the caller remembers for the request's
+prefix from an earlier step (`RowPlan.node`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from genlm.backend.kv.budget import SharedMemory, memory_nbytes
 
 # BlockCopy is also this module's name (SPEC lists it with the store's).
 from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain, NoKVPool
-from genlm.backend.kv.tree import KVNode, RecentNodes, kv_source, node_at, prune, subtree, walk
+from genlm.backend.kv.tree import KVNode, attached, kv_source, node_at, prune, subtree, walk
 
 __all__ = ["BatchPlan", "BlockCopy", "Chain", "KVNode", "PrefixKVStore", "RowPlan"]
 
@@ -159,7 +160,6 @@ class PrefixKVStore:
         self._logprobs_lru: OrderedDict[int, KVNode] = OrderedDict()
         self._memory = SharedMemory(self._nbytes)
         self._emptied: list[KVNode] = []
-        self._recent = RecentNodes()
         self._protected: set[int] = set()  # ids of nodes `protect` keeps from eviction
 
     @property
@@ -190,13 +190,14 @@ class PrefixKVStore:
         return root
 
     def drop_root(self, key: Hashable) -> None:
-        """Forget the tree of ``key`` and let go of everything it holds."""
+        """Forget the tree of ``key`` and let go of everything it holds (its nodes emptied,
+        so that none is attached any more: `find`)."""
         root = self.roots.pop(key, None)
         if root is not None:
-            self._recent = RecentNodes()
             for node in subtree(root):
                 self.set_logprobs(node, None)
                 self.set_chain(node, None)
+                node.children.clear()
 
     # -- a batch: plan, then commit or release --------------------------------------------------
 
@@ -204,6 +205,7 @@ class PrefixKVStore:
         self,
         queries: Sequence[tuple[tuple[int, ...], str | None]],
         row_nbytes: int,
+        near: Sequence[KVNode | None] | None = None,
         *,
         pin: bool = False,
     ) -> BatchPlan:
@@ -212,7 +214,8 @@ class PrefixKVStore:
         node made, its KV source touched and protected); with KV reuse, room made for the
         rows' blocks, their chains made and the copy-on-write copies applied to the pool;
         then room made in the logprobs budget for the rows (of ``row_nbytes`` each), so the
-        forward reuses the memory of those it pushes out. With ``pin`` (`cache_kv`) every
+        forward reuses the memory of those it pushes out. ``near``: for each query, a node
+        the caller remembers on its path, or None (`find`). With ``pin`` (`cache_kv`) every
         query is computed and its node's chain pinned at `commit`.
 
         The plan ends with `commit` (its rows computed) or `release`; if planning fails,
@@ -221,9 +224,7 @@ class PrefixKVStore:
         rows: list[RowPlan] = []
         try:
             for slot, (ids, lora) in enumerate(queries):
-                node, depth = self.find(
-                    lora, ids, getattr(ids, "encoding", None), getattr(ids, "parent_hash", None)
-                )
+                node, depth = self.find(lora, ids, None if near is None else near[slot])
                 if not pin and depth == len(ids) and node.logprobs is not None:
                     self.touch(node)
                     cached.append(node.logprobs)
@@ -233,7 +234,7 @@ class PrefixKVStore:
                 if source is not None:
                     self.touch(source)
                     self.protect(source)
-                target = self.node_for(lora, node, ids, getattr(ids, "encoding", None))
+                target = node_at(node, ids)
                 rows.append(RowPlan(slot, ids, lora, target, start, len(ids) - start, source))
             if rows and self.kv_reuse:
                 rows = self._with_chains(rows)
@@ -325,34 +326,15 @@ class PrefixKVStore:
     # -- the trees ---------------------------------------------------------------------------
 
     def find(
-        self,
-        key: Hashable,
-        ids: Sequence[int],
-        encoding: bytes | None = None,
-        parent_hash: int | None = None,
+        self, key: Hashable, ids: Sequence[int], near: KVNode | None = None
     ) -> tuple[KVNode, int]:
-        """`walk` in the tree of ``key``, from the node of ``ids[:-1]`` (whose hash is
-        ``parent_hash``) or of ``ids`` when `node_for` made it recently (a decode step
-        extends the previous step's prefixes): O(new tokens) rather than O(len(ids)).
-        ``encoding``: the prefix-free code of ``ids`` that tells recent nodes apart
-        (`TokenIds.encoding`); without it the walk starts at the root."""
-        node = None
-        if encoding is not None:
-            if parent_hash is not None:
-                node = self._recent.get(key, parent_hash, len(ids) - 1, encoding)
-            if node is None:
-                node = self._recent.get(key, hash(ids), len(ids), encoding)
-        return walk(self.root(key) if node is None else node, ids)
-
-    def node_for(
-        self, key: Hashable, node: KVNode, ids: Sequence[int], encoding: bytes | None = None
-    ) -> KVNode:
-        """`node_at` in the tree of ``key``; with ``encoding`` (see `find`), remembered for
-        `find`."""
-        node = node_at(node, ids)
-        if encoding is not None:
-            self._recent.add(key, hash(ids), encoding, node)
-        return node
+        """`walk` in the tree of ``key`` from ``near``, a node the caller remembers on the
+        path of ``ids`` in that tree (the node made for them or for a prefix of them on an
+        earlier step: a decode step then walks O(new tokens), not O(len(ids))), used while
+        it is still in the tree and no deeper than ``ids``; else from the root."""
+        if near is None or near.depth > len(ids) or not attached(near):
+            near = self.root(key)
+        return walk(near, ids)
 
     def protect(self, node: KVNode) -> None:
         """Keep ``node``'s chain through evictions (a running batch reads it) until

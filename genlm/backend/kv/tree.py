@@ -3,7 +3,7 @@ cached next-token logprobs and its chain of KV blocks), and the walks over them.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,9 @@ def kv_source(node: KVNode, search: int = 256) -> KVNode | None:
 
 
 def attached(node: KVNode) -> bool:
-    """Whether ``node`` is still its parent's child (`prune` detaches empty nodes)."""
+    """Whether ``node`` is still its parent's child (`prune` detaches a node and dropping a
+    tree empties its nodes; an attached node's ancestors are attached, as a node is only
+    detached once it has no children)."""
     parent, token = node.parent, node.token
     return parent is not None and token is not None and parent.children.get(token) is node
 
@@ -105,60 +107,3 @@ def subtree(root: KVNode) -> list[KVNode]:
         nodes.append(node)
         stack.extend(node.children.values())
     return nodes
-
-
-class RecentNodes:
-    """The nodes `PrefixKVStore.plan` made lately, by tree key and prefix hash: two
-    generations of about ``budget`` tokens each (a hit in the older one moves to the
-    newer). A node is returned only for the prefix it was added with, told by the
-    prefix's encoding (`TokenIds.encoding`: a prefix-free code of its ids, kept with the
-    node; prefixes whose hashes collide only miss), and only while `attached`; the store
-    starts a new one when it drops a tree. An entry holds an int, bytes and the node: no
-    prefix (a tuple of references the collector would walk) and no object of its own."""
-
-    def __init__(self, budget: int = 1 << 20):
-        self.budget = budget
-        self._current: dict[Hashable, _RecentTree] = {}
-        self._previous: dict[Hashable, _RecentTree] = {}
-        self._tokens = 0
-
-    def get(self, key: Hashable, prefix_hash: int, depth: int, encoding: bytes) -> KVNode | None:
-        """The node of the first ``depth`` ids of a prefix encoded by ``encoding``, if it was
-        added with hash ``prefix_hash``."""
-        tree = self._current.get(key, _NO_TREE)
-        node = tree.nodes.get(prefix_hash)
-        if node is None:
-            tree = self._previous.get(key, _NO_TREE)
-            node = tree.nodes.get(prefix_hash)
-            if node is None:
-                return None
-            self.add(key, prefix_hash, tree.encodings[prefix_hash], node)
-        if node.depth != depth or not encoding.startswith(tree.encodings[prefix_hash]):
-            return None
-        return node if attached(node) else None
-
-    def add(self, key: Hashable, prefix_hash: int, encoding: bytes, node: KVNode) -> None:
-        """Remember ``node``, the node of the prefix with this hash and encoding."""
-        self._tokens += node.depth
-        if self._tokens > self.budget:
-            self._previous, self._current, self._tokens = self._current, {}, node.depth
-        tree = self._current.get(key)
-        if tree is None:
-            tree = self._current[key] = _RecentTree()
-        tree.nodes[prefix_hash] = node
-        tree.encodings[prefix_hash] = encoding
-
-
-class _RecentTree:
-    """The recent nodes of one tree in one generation of `RecentNodes`, by prefix hash,
-    and their prefixes' encodings."""
-
-    __slots__ = ("encodings", "nodes")
-
-    def __init__(self) -> None:
-        self.nodes: dict[int, KVNode] = {}
-        self.encodings: dict[int, bytes] = {}
-
-
-# What `RecentNodes.get` looks in for a tree key it has no nodes of (only read).
-_NO_TREE = _RecentTree()

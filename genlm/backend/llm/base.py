@@ -2,8 +2,8 @@
 
 A backend provides ``next_token_logprobs`` (auto-batched, awaited by many
 particles at once) and ``next_token_logprobs_sync``; this base class adds input
-validation, the LoRA adapter registry, batched variants, ancestral sampling and
-the lifecycle (``close``, ``with`` / ``async with``) on top of them.
+validation (`genlm.backend.llm.request`), the LoRA adapter registry, batched variants,
+ancestral sampling and the lifecycle (``close``, ``with`` / ``async with``) on top of them.
 
 Adapters are chosen per request (``lora_name=``): every request becomes a `Query`,
 its validated prefix plus the adapter that serves it (``None``: the base model), and
@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import marshal
 import math
-import operator
 import os
-import sys
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence, Set
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, NoReturn
+from collections.abc import Mapping, Sequence, Set
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -31,209 +27,9 @@ import torch
 from genlm.backend._lazy import lazy_exports
 from genlm.backend.batching import AutoBatcher, BatchResults
 from genlm.backend.checks import OptionCheck, check_options, check_seconds, int_option
+from genlm.backend.llm.request import PrefixIndex, Query, TokenIds, checked_id, tuple_of_ids
 from genlm.backend.sampling import check_sampling_args, sample_token
 from genlm.backend.tokenization import decode_vocab
-
-# CPython's tuple hash (xxHash-based, Objects/tupleobject.c): an accumulator folded over
-# the items' hashes, then mixed with the length. `TokenIds.extended` continues a prefix's
-# accumulator by one id in O(1); `INCREMENTAL_HASH` says whether this interpreter's tuple
-# hash is that one (checked against ``hash`` at import), else every hash is computed whole.
-_XXPRIME_1, _XXPRIME_2 = 11400714785074694791, 14029467366897019727
-_XXPRIME_5, _MASK64 = 2870177450012600261, (1 << 64) - 1
-_LENGTH_MIX = _XXPRIME_5 ^ 3527539
-_MINUS_ONE_HASH = 1546275796  # what a tuple hash of -1 becomes
-
-
-def _fold(accumulator: int, token: int) -> int:
-    """The tuple hash's accumulator after one more item, a non-negative int below 2**61 - 1
-    (its own hash)."""
-    accumulator = (accumulator + token * _XXPRIME_2) & _MASK64
-    accumulator = ((accumulator << 31) | (accumulator >> 33)) & _MASK64
-    return (accumulator * _XXPRIME_1) & _MASK64
-
-
-def _finish(accumulator: int, length: int) -> int:
-    """The tuple hash from its accumulator and length."""
-    value = (accumulator + (length ^ _LENGTH_MIX)) & _MASK64
-    if value == _MASK64:
-        return _MINUS_ONE_HASH
-    return value - (1 << 64) if value >> 63 else value
-
-
-def _accumulator(hash_value: int, length: int) -> int | None:
-    """The accumulator behind a tuple's hash (None when the -1 rule makes it ambiguous)."""
-    if hash_value == _MINUS_ONE_HASH:
-        return None
-    return (hash_value - (length ^ _LENGTH_MIX)) & _MASK64
-
-
-def _same_tuple_hash() -> bool:
-    samples = [(), (0,), (5, 1, 7), tuple(range(49_000, 49_300)), (2**40, 3) * 9]
-    for sample in samples:
-        accumulator = _XXPRIME_5
-        for token in sample:
-            accumulator = _fold(accumulator, token)
-        if _finish(accumulator, len(sample)) != hash(sample):
-            return False
-    return sys.hash_info.width == 64
-
-
-INCREMENTAL_HASH = _same_tuple_hash()
-
-
-class TokenIds(tuple[int, ...]):
-    """A validated prefix: exact ints in the vocabulary, with its hash computed once.
-
-    A request's prefix is a dict key several times a step (the batch's distinct requests,
-    the prefix tree's recent nodes); a tuple's hash costs O(length) every time, this one
-    O(1) after construction, and a prefix one id longer than a validated one (whose hash,
-    ``parent_hash``, validation found) is hashed in O(1) too, from that hash (the same
-    value as ``tuple``'s). ``encoding``: its ids as `marshalled_ids` writes them, header
-    cut off, by which a request extending it is checked (`ValidatedPrefixes`) and the
-    prefix tree's recent nodes are told apart (`RecentNodes`).
-
-    Its attributes are an int, bytes and an int or None: no reference to another prefix,
-    so nothing long-lived keeps a prefix (a tuple of as many references as ids, which the
-    collector would walk at every collection) beyond the requests that use it."""
-
-    _hash: int
-    encoding: bytes
-    parent_hash: int | None
-
-    def __new__(
-        cls, ids: Iterable[int], encoding: bytes, parent_hash: int | None = None
-    ) -> TokenIds:
-        self = super().__new__(cls, ids)
-        accumulator = (
-            None
-            if parent_hash is None or not INCREMENTAL_HASH
-            else _accumulator(parent_hash, len(self) - 1)
-        )
-        if accumulator is None:
-            self._hash = tuple.__hash__(self)
-        else:
-            self._hash = _finish(_fold(accumulator, self[-1]), len(self))
-        self.encoding = encoding
-        self.parent_hash = parent_hash
-        return self
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __getnewargs__(self) -> tuple[tuple[int, ...], bytes, int | None]:
-        """What `copy` and `pickle` pass to ``__new__`` (a tuple's own would drop the encoding)."""
-        return tuple(self), self.encoding, self.parent_hash
-
-
-# Bytes before the first id in `marshalled_ids`' encoding of a list or tuple (type, length).
-MARSHAL_HEADER = 5
-# Bytes of an id in `marshalled_ids`' encoding: an exact int in [-2**31, 2**31) (every id
-# of a vocabulary) is its type code and 4 bytes.
-ID_BYTES = 5
-
-
-def marshalled_ids(ids: list[Any] | tuple[Any, ...]) -> bytes | None:
-    """``ids`` (a list or tuple) in marshal's version-2 format, or None where marshal
-    refuses an element (an int subclass, a numpy integer).
-
-    The format writes each element as a type code and its value (an exact int as ``i`` and
-    4 bytes, or ``l`` and its digits; a bool, a float, ... each has a code of its own), one
-    after another, without references between them (those come with version 3): a
-    prefix-free code, so two such encodings that start alike start with the same exact
-    ints. One C pass over a request's ids therefore checks both their types and their
-    equality with a validated prefix (`ValidatedPrefixes.parent_of`), where a type count
-    and a comparison took two."""
-    try:
-        return marshal.dumps(ids, 2)
-    except ValueError:
-        return None
-
-
-# Ids at the end of a validated prefix that index it with its length (`ValidatedPrefixes`).
-TAIL_IDS = 8
-
-
-class ValidatedPrefixes:
-    """Token-id prefixes already validated, so that a request extending one by a token has
-    only that token checked (a decode step's requests extend the previous step's).
-
-    A prefix is indexed by a hash of its length and last `TAIL_IDS` ids, made in O(1) (an
-    int; two prefixes with the same index only evict each other), under which its encoding
-    (`TokenIds.encoding`) and its hash are kept: bytes and ints, nothing the collector
-    tracks, and not the prefix itself. A request whose encoding (`marshalled_ids`) is that
-    encoding followed by one id's extends it: it starts with the same exact ints (compared
-    with ``memcmp``), nothing of the prefix is hashed again. Validity is a pure function of
-    the ids and the vocabulary size fixed at construction, so an entry never goes stale.
-    Two generations of about ``budget`` tokens each are kept (a hit in the older one moves
-    to the newer). A lock keeps an entry's encoding and hash together for callers on
-    several threads.
-    """
-
-    def __init__(self, budget: int = 1 << 20):
-        self.budget = budget
-        self._current = _Generation()
-        self._previous = _Generation()
-        self._tokens = 0
-        self._lock = threading.Lock()
-
-    def parent_of(self, ids: Sequence[int], encoding: bytes) -> int | None:
-        """The hash of the validated prefix equal to ``ids[:-1]`` (``encoding``: ``ids`` as
-        `marshalled_ids` writes them), or None. Where it is found, ``ids[:-1]`` are exact
-        ints; ``ids[-1]`` is unchecked."""
-        length = len(ids) - 1
-        key = _prefix_index(length, ids[-TAIL_IDS - 1 : -1])
-        with self._lock:
-            known = self._current.encodings.get(key)
-            if known is None:
-                known = self._previous.encodings.get(key)
-                if known is None:
-                    return None
-                self._add(key, known, self._previous.hashes[key], length)
-            prefix_hash = self._current.hashes[key]
-        # The code is prefix-free: ``known`` starts the request's ids and one id's bytes are
-        # left, so ``known`` encodes ids[:-1] (whatever prefixes share the index).
-        if len(known) != len(encoding) - MARSHAL_HEADER - ID_BYTES or not encoding.startswith(
-            known, MARSHAL_HEADER
-        ):
-            return None
-        return prefix_hash
-
-    def add(self, ids: TokenIds) -> None:
-        """Remember ``ids``, a validated prefix."""
-        key = _prefix_index(len(ids), ids[-TAIL_IDS:])
-        with self._lock:
-            self._add(key, ids.encoding, hash(ids), len(ids))
-
-    def _add(self, key: int, encoding: bytes, prefix_hash: int, length: int) -> None:
-        self._tokens += length
-        if self._tokens > self.budget:
-            self._previous, self._current, self._tokens = self._current, _Generation(), length
-        self._current.encodings[key] = encoding
-        self._current.hashes[key] = prefix_hash
-
-
-def _prefix_index(length: int, tail: Sequence[int]) -> int:
-    """`ValidatedPrefixes`' index of a prefix of ``length`` ids ending with ``tail`` (its
-    last `TAIL_IDS`)."""
-    return hash((length, tuple(tail)))
-
-
-class _Generation:
-    """One generation of `ValidatedPrefixes`: encodings and hashes by index."""
-
-    __slots__ = ("encodings", "hashes")
-
-    def __init__(self) -> None:
-        self.encodings: dict[int, bytes] = {}
-        self.hashes: dict[int, int] = {}
-
-
-class Query(NamedTuple):
-    """One next-token request: a validated prefix (a `TokenIds` where it was validated
-    here) and the adapter that serves it."""
-
-    token_ids: tuple[int, ...]
-    lora: str | None = None
 
 
 class AsyncLM(ABC):
@@ -268,7 +64,7 @@ class AsyncLM(ABC):
         # Fixed here: callers append to byte_vocab (an end-of-sequence symbol for a trie),
         # which must not let an id past the model's rows through validation.
         self._vocab_size = len(self.byte_vocab)
-        self._validated = ValidatedPrefixes()
+        self._prefixes = PrefixIndex(self._vocab_size)
         self.lora_paths: dict[str, str] = {}
         self.default_lora: str | None = None
         self._closed = False
@@ -294,7 +90,7 @@ class AsyncLM(ABC):
         if type(token_ids) is list or type(token_ids) is tuple:  # the usual case, checked first
             ids = token_ids
         else:
-            ids = self._tuple_of_ids(token_ids)
+            ids = tuple_of_ids(token_ids)
         if not ids:
             raise ValueError("token_ids is empty: the model needs at least one token of context")
         limit = self.max_context_length
@@ -303,91 +99,7 @@ class AsyncLM(ABC):
                 f"token_ids has {len(ids)} tokens, more than the model's context length of "
                 f"{limit} tokens: shorten the prefix"
             )
-        return self._checked_ids(ids)
-
-    @staticmethod
-    def _tuple_of_ids(token_ids: Any) -> tuple[Any, ...]:
-        """A prefix given as anything but a list or tuple, as a tuple (not yet checked)."""
-        if isinstance(token_ids, torch.Tensor | np.ndarray):
-            if token_ids.ndim != 1:
-                raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-            return tuple(token_ids.tolist())
-        if isinstance(token_ids, str | bytes):
-            raise TypeError("token_ids must be a sequence of integer token ids, not a string")
-        if isinstance(token_ids, Set | Mapping):
-            raise TypeError(
-                f"token_ids must be an ordered sequence of token ids, got a "
-                f"{type(token_ids).__name__} (its order is arbitrary): pass a list"
-            )
-        try:
-            return tuple(token_ids)
-        except TypeError:
-            raise TypeError(
-                f"token_ids must be a sequence of integer token ids, got {type(token_ids).__name__}"
-            ) from None
-
-    def _checked_ids(self, ids: list[Any] | tuple[Any, ...]) -> TokenIds:
-        """``ids`` as exact ints, each in ``[0, vocab_size)``. A prefix extending a validated
-        one by a token (a decode step's) is checked by one C pass over its ids
-        (`marshalled_ids`, against the validated prefix's encoding) and its last id's range;
-        any other by `_checked_apart`."""
-        encoding = marshalled_ids(ids)
-        parent_hash = None if encoding is None else self._validated.parent_of(ids, encoding)
-        last = ids[-1]
-        if (
-            encoding is None
-            or parent_hash is None
-            or type(last) is not int
-            or not 0 <= last < self.vocab_size
-        ):
-            ids, encoding, parent_hash = self._checked_apart(ids, encoding)
-        checked = TokenIds(ids, encoding[MARSHAL_HEADER:], parent_hash)
-        self._validated.add(checked)
-        return checked
-
-    def _checked_apart(
-        self, ids: list[Any] | tuple[Any, ...], encoding: bytes | None
-    ) -> tuple[list[int] | tuple[int, ...], bytes, int | None]:
-        """`_checked_ids` by C loops (type count, min, max), and for a prefix that extends a
-        validated one after conversion (numpy integers), only its last id's range: the ids
-        as exact ints, their encoding (``encoding``, where marshal wrote them as they came)
-        and their parent's hash (None: no validated parent). A bad id is found and named by
-        `_checked_id`."""
-        if operator.countOf(map(type, ids), int) != len(ids):
-            if not all(
-                issubclass(kind, int | np.integer) and kind is not bool
-                for kind in set(map(type, ids))
-            ):
-                self._raise_for_bad_id(ids)
-            ids, encoding = tuple(map(int, ids)), None
-        if encoding is None:
-            encoding = marshal.dumps(ids, 2)  # exact ints: marshal writes each
-        parent_hash = self._validated.parent_of(ids, encoding)
-        if parent_hash is not None:
-            valid = 0 <= ids[-1] < self.vocab_size
-        else:
-            valid = 0 <= min(ids) and max(ids) < self.vocab_size
-        if not valid:
-            self._raise_for_bad_id(ids)
-        return ids, encoding, parent_hash
-
-    def _raise_for_bad_id(self, ids: Sequence[Any]) -> NoReturn:
-        """Raise `_checked_id`'s error for the first bad id of ``ids`` (which has one)."""
-        for position, token_id in enumerate(ids):
-            self._checked_id(token_id, "token id", f" at position {position}")
-        raise AssertionError(f"no bad token id in {ids!r}")
-
-    def _checked_id(self, token_id: Any, what: str, where: str = "") -> int:
-        """``token_id`` as an int in ``[0, vocab_size)``; ``TypeError``/``ValueError`` naming it."""
-        if isinstance(token_id, bool) or not isinstance(token_id, int | np.integer):
-            raise TypeError(
-                f"{what} {token_id!r}{where} is not an integer ({type(token_id).__name__})"
-            )
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(
-                f"{what} {token_id}{where} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        return int(token_id)
+        return self._prefixes.validated(ids)
 
     def check_eos_token_ids(self, eos_token_ids: Any) -> tuple[int, ...]:
         """End-of-sequence ids as a tuple of ints in ``[0, vocab_size)``, read once (a
@@ -398,7 +110,9 @@ class AsyncLM(ABC):
                 f"eos_token_ids must be a collection of token ids, got "
                 f"{type(eos_token_ids).__name__}"
             )
-        return tuple(self._checked_id(token_id, "eos token id") for token_id in eos_token_ids)
+        return tuple(
+            checked_id(token_id, self.vocab_size, "eos token id") for token_id in eos_token_ids
+        )
 
     def _query(self, token_ids: Any, lora_name: str | None = None) -> Query:
         """Validate a request before any model work: its prefix and the adapter serving it."""

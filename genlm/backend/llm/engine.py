@@ -17,7 +17,8 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.checks import OptionCheck, dict_option, int_option
-from genlm.backend.llm.base import BatchedAsyncLM, Query, stacked_copies
+from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
+from genlm.backend.llm.request import Query
 
 
 def check_cache_opts(name: str, value: Any) -> None:

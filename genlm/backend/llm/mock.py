@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.llm.base import BatchedAsyncLM, Query, stacked_copies
+from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
+from genlm.backend.llm.request import Query
 
 
 class MockAsyncLM(BatchedAsyncLM):

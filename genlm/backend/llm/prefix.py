@@ -22,7 +22,8 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import BatchPlan, KVNode, PrefixKVStore, RowPlan
-from genlm.backend.llm.base import BatchedAsyncLM, Query, stacked_copies
+from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
+from genlm.backend.llm.request import Query, node_hint, remember_node
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
 
@@ -190,7 +191,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     def _compute_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         """The rows of ``keys``, as the tree holds them (`_owned` copies them for callers)."""
-        return self._run_plan(self.store.plan(keys, self._row_nbytes))
+        hints = [node_hint(ids, lora) for ids, lora in keys]
+        return self._run_plan(self.store.plan(keys, self._row_nbytes, hints))
 
     def _owned(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """The callers' rows: one copy of the batch's rows (one op, one kernel up to 128
@@ -200,13 +202,17 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     def _run_plan(self, plan: BatchPlan) -> list[torch.Tensor]:
         """The plan's rows computed and committed (the plan released if the forward fails):
-        every query's logprobs, in order."""
+        every query's logprobs, in order. Each row's node is remembered with its ids, for
+        the next step's walk (`remember_node`)."""
         try:
             rows = self._kept_rows(self._run_rows(plan.rows)) if plan.rows else []
         except BaseException:
             self.store.release(plan)
             raise
-        return self.store.commit(plan, rows)
+        answers = self.store.commit(plan, rows)
+        for row in plan.rows:
+            remember_node(row.ids, row.lora, row.node)
+        return answers
 
     def _kept_rows(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """The rows the tree keeps of a forward's batch: views of a batch that fits the
@@ -221,14 +227,16 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
             raise NotImplementedError(
                 f"cache_kv needs KV reuse, which is off for this {type(self).__name__}'s model"
             )
-        node, depth = self.store.find(lora, ids)
+        hint = node_hint(ids, lora)
+        node, depth = self.store.find(lora, ids, hint)
         if depth == len(ids) and node.chain is not None:
             self.store.pin(node)
             return
-        self._run_plan(self.store.plan([(ids, lora)], self._row_nbytes, pin=True))
+        self._run_plan(self.store.plan([(ids, lora)], self._row_nbytes, [hint], pin=True))
 
     def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
-        source, start = self.store.kv_start(self.store.find(lora, ids)[0], len(ids))
+        node = self.store.find(lora, ids, node_hint(ids, lora))[0]
+        source, start = self.store.kv_start(node, len(ids))
         if source is None or source.chain is None or not start:
             return CacheWalk(self.store.root(lora), 0, None, 0)
         return CacheWalk(source, start, self._read_past(source.chain, start), source.depth)

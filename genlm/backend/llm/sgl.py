@@ -19,9 +19,9 @@ import torch
 
 from genlm.backend._install import install_hint
 from genlm.backend.checks import check_options
-from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import SGLEngine
+from genlm.backend.llm.request import Query
 
 SGL_INSTALL_HINT = install_hint("sgl")
 

@@ -23,9 +23,9 @@ import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.checks import OptionCheck, check_options
-from genlm.backend.llm.base import Query
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
+from genlm.backend.llm.request import Query
 from genlm.backend.llm.vllm import api
 from genlm.backend.llm.vllm.capture import (
     EngineLogprobsCapture,
