@@ -13,7 +13,7 @@ per token):
   reaches the dispatcher below autograd, views included), and ``kernels``: the kernel
   launches they stand for on a GPU (`op_count.kernel_launches`: a ``_foreach_*`` op over
   N tensors is N, a view none). Deterministic. The library's counts cover the caller's
-  thread (the rows stacked) and the batcher's worker (``_serve_batch``: plan, forward,
+  thread (the rows stacked) and the batcher's worker (``_answer_batch``: plan, forward,
   rows out).
 - ``ms``: wall time per step (median over the timed steps), in the steady state of a long
   run: the timed steps follow ``--warmup`` steps (12), by which the library's logprobs
@@ -255,7 +255,7 @@ def library_steps(
     clock = ForwardClock(model, lm._head)
     profile = None if profile_from is None else StepProfile(lm)
     worker_counters: list[OpCounter] = []
-    serve = lm._serve_batch
+    serve = lm._answer_batch
 
     def counted(*args: Any) -> Any:
         with OpCounter() as counter:
@@ -277,7 +277,7 @@ def library_steps(
         checks.append(time.perf_counter() - start)
         last = count_ops and step == steps - 1
         if last:
-            lm._serve_batch = counted  # type: ignore[method-assign]
+            lm._answer_batch = counted  # type: ignore[method-assign]
         clock.seconds = 0.0
         start = time.perf_counter()
         if last:

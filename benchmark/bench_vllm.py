@@ -250,7 +250,7 @@ def run_config(config: Config, args: Any) -> dict[str, Any]:
                     row = compare(vlm, lm, prompt, n, tokens, args.repeats, capture, sampler)
                     print(f"{config.name:>10} {row.pop('line')}", flush=True)
                     rows.append(row)
-                lm.batcher.close()
+                lm.batcher.pause()
         vlm.cleanup()
     print(f"{config.name}: vLLM engine start {startup:.0f} s")
 

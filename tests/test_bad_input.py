@@ -460,7 +460,7 @@ async def test_batch_statistics_are_bounded(monkeypatch):
         ]
     assert list(batcher.batch_sizes) == [2] * 5
     assert (batcher.num_batches, batcher.num_requests) == (20, 40)
-    batcher.close()
+    batcher.pause()
 
 
 async def test_lm_lifecycle_close_is_idempotent_and_final(smollm2_tokenizer):

@@ -224,7 +224,7 @@ def test_works_across_successive_event_loops():
 
     assert asyncio.run(run(0)) == [i * i for i in range(6)]
     assert asyncio.run(run(10)) == [(10 + i) ** 2 for i in range(6)]
-    batcher.close()
+    batcher.pause()
     assert asyncio.run(run(20)) == [(20 + i) ** 2 for i in range(6)]
 
 
@@ -270,7 +270,7 @@ async def test_a_batch_that_cannot_reach_the_worker_fails_its_callers_instead_of
 async def test_a_batcher_closed_for_good_refuses_work_at_once():
     batcher = AutoBatcher(StandIn(), batch_size=4, timeout=0.01, name="genlm-test")
     assert await batcher.submit(2) == 4
-    batcher.close(for_good=True)
+    batcher.close()
     closed = r"^genlm-test: used after its owner was closed$"
     with pytest.raises(RuntimeError, match=closed):
         batcher.run_sync(abs, -1)
@@ -286,7 +286,7 @@ async def test_closing_for_good_tells_queued_callers_why_instead_of_cancelling_t
     batcher = AutoBatcher(model, batch_size=8, timeout=10)
     waiting = [asyncio.ensure_future(batcher.submit(k)) for k in (1, 2, 3)]
     await asyncio.sleep(0)  # queued; the idle flush has not run
-    batcher.close(for_good=True, message="Owner used after close()")
+    batcher.close("Owner used after close()")
     results = await asyncio.gather(*waiting, return_exceptions=True)
     assert [type(r) for r in results] == [RuntimeError] * 3
     assert {str(r) for r in results} == {"Owner used after close()"}
@@ -302,7 +302,7 @@ async def test_closing_from_another_thread_answers_queued_callers_on_their_loop(
     batcher = AutoBatcher(StandIn(), batch_size=8, timeout=10)
     waiting = asyncio.ensure_future(batcher.submit(1))
     await asyncio.sleep(0)
-    closing = threading.Thread(target=batcher.close, args=(True, "closed elsewhere"))
+    closing = threading.Thread(target=batcher.close, args=("closed elsewhere",))
     closing.start()
     closing.join()  # the loop waits here, before its idle flush
     with pytest.raises(RuntimeError, match="^closed elsewhere$"):
@@ -314,7 +314,7 @@ async def test_a_pause_cancels_queued_callers_and_serves_again():
     batcher = AutoBatcher(model, batch_size=8, timeout=10)
     queued = asyncio.ensure_future(batcher.submit(5))
     await asyncio.sleep(0)
-    batcher.close()
+    batcher.pause()
     with pytest.raises(asyncio.CancelledError):
         await queued
     assert await batcher.submit(6) == 36 and model.batches == [[6]]

@@ -7,6 +7,7 @@ import torch
 
 from genlm.backend.cache import OutputCache, TokenTrie
 from genlm.backend.kv.store import KVNode, PrefixKVStore
+from genlm.backend.kv.tree import node_at
 
 # -- OutputCache ---------------------------------------------------------------------------
 
@@ -46,7 +47,7 @@ def test_token_trie_names_the_kv_tree_node_type():
     pool = SimpleNamespace(block_size=4, block_bytes=64, resize=lambda blocks: None)
     store = PrefixKVStore(pool)
     root = store.root(None)
-    node = store.node_at(root, (5, 6, 7))
+    node = node_at(root, (5, 6, 7))
     assert isinstance(root, TokenTrie) and isinstance(node, TokenTrie)
     assert (node.depth, node.token, node.parent.token) == (3, 7, 6)
     assert set(root.children) == {5}

@@ -19,6 +19,7 @@ from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import KVLayout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
+from genlm.backend.kv.tree import node_at
 from genlm.backend.llm import MockAsyncLM
 from genlm.backend.sampling import check_sampling_args
 
@@ -285,8 +286,9 @@ def test_a_5000_token_chain_prints_one_short_line_per_node():
     store = PrefixKVStore(ListPool(), nbytes=len)
     root = store.root(None)
     ids = [7] * CHAIN
-    deep = store.node_at(root, ids)
-    chain, _ = store.extend(None, 0, CHAIN)
+    deep = node_at(root, ids)
+    store.reserve([(None, 0, CHAIN)])
+    (chain,), _ = store.blocks.extend_all([(None, 0, CHAIN)])
     store.set_chain(deep, chain)
     store.set_logprobs(deep, [0.0] * 8)
     store.pin(deep)
@@ -424,7 +426,7 @@ async def test_a_call_racing_close_past_its_open_check_runs_nothing(closed_lm):
     ids = Query((1, 2, 3))
     closed = rf"^{type(lm).__name__} used after cleanup\(\) or close\(\)"
     with pytest.raises(RuntimeError, match=closed):
-        lm.batcher.run_sync(lm._run_batch, [ids])
+        lm._rows_sync([ids])
     with pytest.raises(RuntimeError, match=closed):
         await lm.batcher.submit(ids)
     assert not has_worker(lm.batcher)

@@ -58,14 +58,14 @@ class EchoEngineLM(EngineLM):
     def __init__(self, tokenizer):
         super().__init__(tokenizer, 10, None, 8, 0.01, "genlm-echo")
 
-    def _process_batch(self, keys):
+    def _compute_batch(self, keys):
         return [self.expected(key.token_ids) for key in keys]
 
     def expected(self, ids):
         generator = torch.Generator().manual_seed(sum(ids))
         return torch.log_softmax(torch.randn(self.vocab_size, generator=generator), -1)
 
-    def _shutdown_engine(self):
+    def _stop_engine(self):
         pass
 
 
@@ -318,8 +318,8 @@ class MiscountingLM(MockAsyncLM):
         super().__init__(tokenizer)
         self.extra = extra
 
-    def _process_batch(self, keys):
-        rows = super()._process_batch(keys)
+    def _compute_batch(self, keys):
+        rows = super()._compute_batch(keys)
         return rows + rows[:1] if self.extra > 0 else rows[:-1]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from genlm.backend.kv.pool import BLOCK_SIZE
+from genlm.backend.kv.tree import walk
 from genlm.backend.llm.hf import AsyncTransformer, cache_keyword
 
 # Rows of our HF backend (batched, padded, KV from the paged store, cascade attention) vs a
@@ -199,22 +200,23 @@ def long_prompt(smollm2_tokenizer):
 async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     lm, long_prompt, monkeypatch, random_walks
 ):
-    import genlm.backend.llm.hf.paged as paged
+    import genlm.backend.llm.hf.attention as attention
 
     calls = []
-    cascade = paged.cascade_attention
+    cascade = attention.cascade_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return cascade(*args, **kwargs)
 
-    monkeypatch.setattr(paged, "cascade_attention", counted)
+    monkeypatch.setattr(attention, "cascade_attention", counted)
     seen = await random_walks(lm, long_prompt, 5)
     assert calls  # the shared prompt was read once per layer for all rows
-    assert lm.model.config._attn_implementation == "sdpa"  # chosen per call, never switched
+    # the model's own attention: transformers' sdpa but for the forwards that pass their cache
+    assert lm.model.config._attn_implementation == attention.CASCADE_ATTENTION
     for ids, got in seen.items():
         assert_close(lm, ids, got)
-        cached = lm.store.walk(lm.cache, ids)[0].logprobs
+        cached = walk(lm.cache, ids)[0].logprobs
         if cached is not None:  # the caller's copy, not the tree's row
             assert got.untyped_storage().data_ptr() != cached.untyped_storage().data_ptr()
     # the prompt's KV is held once: its 90 tokens plus each particle's own 3 tokens, in blocks

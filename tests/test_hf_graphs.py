@@ -226,7 +226,7 @@ def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
     lm = AsyncTransformer(
         tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=64, max_kv_bytes=40 * block
     )
-    assert lm.store.capacity == lm.store.fixed_capacity == 41
+    assert lm.store.capacity == lm.store.blocks.fixed_capacity == 41
     addresses = [layer.data_ptr() for layer in lm._pool.layers]
     prompt = list(range(3, 40))
     contexts = [prompt + [i + 1] for i in range(2)]  # 3 blocks each
@@ -449,14 +449,14 @@ def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
             contexts = [c + [token] for c in contexts]
         (graph,) = lm._graphs.graphs.values()
         replays, graph.replay = [], lambda: replays.append(1)  # the replay itself not counted
-        serve, counter = lm._serve_batch, OpCounter()
+        serve, counter = lm._answer_batch, OpCounter()
 
         def counted(*args):  # on the batcher's worker: plan, step, the callers' rows
             with counter:
                 return serve(*args)
 
-        lm._serve_batch = counted
-        rows = lm._run_batch([lm._query(c) for c in contexts])  # one row per caller
+        lm._answer_batch = counted
+        rows = lm._rows_sync([lm._query(c) for c in contexts])  # one row per caller
         assert len(rows) == n and replays == [1] and lm._graphs.replays == 4
         return counter.kernels
 

@@ -12,6 +12,7 @@ from small_models import tiny_llama
 
 from genlm.backend.kv.pool import BlockCopy, KVLayout
 from genlm.backend.kv.torch_pool import TorchBlockPool
+from genlm.backend.kv.tree import walk
 from genlm.backend.llm.hf import AsyncTransformer
 
 TOL = 1e-4  # float32 rows: batched / KV-reused / cascade vs one plain forward
@@ -35,9 +36,9 @@ def expected(model, vocab_size, ids):
 def counted_steps(lm, contexts, steps):
     """Run ``steps`` decode steps (each particle appends a token of its own, and gets a row
     of its own, as an awaiting caller does) and return each step's `OpCounter`, taken in
-    the batcher's worker (`_serve_batch`: plan, forward, the callers' rows)."""
+    the batcher's worker (`_answer_batch`: plan, forward, the callers' rows)."""
     counters = []
-    serve = lm._serve_batch
+    serve = lm._answer_batch
 
     def counted(*args):
         assert threading.current_thread() is not threading.main_thread()
@@ -46,9 +47,9 @@ def counted_steps(lm, contexts, steps):
         counters.append(counter)
         return rows
 
-    lm._serve_batch = counted
+    lm._answer_batch = counted
     for step in range(steps):
-        assert len(lm._run_batch([lm._query(c) for c in contexts])) == len(contexts)
+        assert len(lm._rows_sync([lm._query(c) for c in contexts])) == len(contexts)
         contexts = [c + [(7 * i + 11 * step) % 1000 + 1] for i, c in enumerate(contexts)]
     return counters
 
@@ -147,8 +148,8 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     prompt = list(range(3, 70))
     contexts = particles(8, prompt)
     await lm.next_token_logprobs(prompt)
-    rows = lm._run_batch([lm._query(c) for c in contexts])
-    cached = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
+    rows = lm._rows_sync([lm._query(c) for c in contexts])
+    cached = [walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
     assert len({row.untyped_storage().data_ptr() for row in cached}) == 1  # one batch
     copies = {row.untyped_storage().data_ptr() for row in rows}
     assert len(copies) == 1 and copies != {cached[0].untyped_storage().data_ptr()}
@@ -158,10 +159,10 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     row_bytes = 4 * lm.vocab_size
     assert lm.store.logprobs_nbytes == 9 * row_bytes  # the prompt's row and the batch of 8
     for context in contexts[:7]:  # all but one row of the batch go: its memory stays
-        node = lm.store.walk(lm.cache, tuple(context))[0]
+        node = walk(lm.cache, tuple(context))[0]
         lm.store.set_logprobs(node, None)
     assert lm.store.logprobs_nbytes == 9 * row_bytes
-    lm.store.set_logprobs(lm.store.walk(lm.cache, tuple(contexts[7]))[0], None)
+    lm.store.set_logprobs(walk(lm.cache, tuple(contexts[7]))[0], None)
     assert lm.store.logprobs_nbytes == row_bytes
     again = lm.next_token_logprobs_sync(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
@@ -182,7 +183,7 @@ def test_a_batch_larger_than_the_logprobs_budget_keeps_the_rows_that_fit(
     )
     contexts = particles(8, list(range(3, 40)))
     lm.batch_next_token_logprobs_sync(contexts)
-    kept = [lm.store.walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
+    kept = [walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
     assert [row is not None for row in kept] == [False] * 5 + [True] * 3
     assert lm.store.logprobs_nbytes == 3 * row_bytes
     for context, row in zip(contexts[5:], kept[5:], strict=True):
@@ -238,3 +239,23 @@ async def test_a_prompt_longer_than_max_batch_tokens_is_prefilled_in_exact_chunk
     children = [prompt + [t] for t in range(20, 24)]
     for ids, row in zip(children, await lm.batch_next_token_logprobs(children), strict=True):
         assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
+
+
+def test_cascade_is_the_models_own_attention_and_transformers_sdpa_stays(smollm2_tokenizer):
+    """The cascade is reached through the model's call: the model's attention is set to one
+    of our own name, which runs transformers' sdpa for any other forward (the same logits
+    as before), and transformers' ``sdpa`` entry is left as it was for every other model."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from genlm.backend.llm.hf import CASCADE_ATTENTION
+
+    model = tiny_llama(len(smollm2_tokenizer), attn_implementation="sdpa", **MODEL)
+    ids = torch.tensor([list(range(3, 40))])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    with AsyncTransformer(model, smollm2_tokenizer) as lm:
+        assert lm._cascade and model.config._attn_implementation == CASCADE_ATTENTION
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+        with torch.inference_mode():
+            assert torch.equal(model(input_ids=ids).logits, before)

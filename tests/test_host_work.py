@@ -3,7 +3,7 @@
 Python calls are counted (``sys.setprofile``: every Python and C function call) in one
 steady decode step of many particles over a `PrefixCachedLM` whose forward and pool cost
 nothing: the caller-side check of every request (`_query_list`) and the batch's walk,
-plan, allocation and bookkeeping (`_process_batch`). The counts must be the same for a
+plan, allocation and bookkeeping (`_answer_batch`). The counts must be the same for a
 64-token and a 1,024-token prompt; the ids a previous step validated are not checked
 again one by one.
 """
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+import genlm.backend.kv.store as kv_store
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.llm.base import MockAsyncLM
 from genlm.backend.llm.prefix import PrefixCachedLM
@@ -55,7 +56,7 @@ class NullLM(PrefixCachedLM):
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
         store = PrefixKVStore(NullPool())
-        self._init_prefix_cache(store, True, 4 * PARTICLES, 0.02, "genlm-null")
+        self._init_prefix_cache(store, 4 * PARTICLES, 0.02, "genlm-null")
 
     def _load_adapter(self, lora_path, lora_name):
         pass
@@ -63,8 +64,8 @@ class NullLM(PrefixCachedLM):
     def _unload_adapter(self, lora_name):
         pass
 
-    def _run_plans(self, plans):
-        return [torch.zeros(2) for _ in plans]
+    def _run_rows(self, rows):
+        return torch.zeros(len(rows), 2)
 
 
 def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=3):
@@ -81,7 +82,7 @@ def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=
 
     with NullLM(tokenizer) as lm:
         prompt = [rng.randrange(lm.vocab_size) for _ in range(prompt_length)]
-        lm._process_batch(lm._query_list([prompt]))
+        lm._answer_batch(lm._query_list([prompt]))
         contexts = [list(prompt) for _ in range(particles)]
         for step in range(steps):
             for context in contexts:
@@ -89,7 +90,7 @@ def calls_in_a_decode_step(tokenizer, prompt_length, particles=PARTICLES, steps=
             if step == steps - 1:
                 sys.setprofile(count)
             try:
-                rows = lm._process_batch(lm._query_list(contexts))
+                rows = lm._answer_batch(lm._query_list(contexts))
             finally:
                 sys.setprofile(None)
             assert len(rows) == particles
@@ -170,14 +171,14 @@ def test_numpy_integers_in_a_list_are_accepted_as_ints(mock):
     assert torch.equal(mock.next_token_logprobs_sync(torch.tensor([4, 5, 6])), expected)
 
 
-def test_a_decode_step_walks_the_tree_from_the_previous_steps_nodes(smollm2_tokenizer):
+def test_a_decode_step_walks_the_tree_from_the_previous_steps_nodes(smollm2_tokenizer, monkeypatch):
     """Each request of a step extends a prefix of the step before by one id: the tree is
     walked from that prefix's node (one id), not from the root (1,025 ids), and a prefix
     asked again from its own node (none); the nodes are the ones a walk from the root finds."""
     rng = random.Random(0)
     walked = []
     with NullLM(smollm2_tokenizer) as lm:
-        walk = lm.store.walk
+        walk = kv_store.walk
 
         def counted(node, ids):
             walked.append(len(ids) - node.depth)
@@ -185,16 +186,16 @@ def test_a_decode_step_walks_the_tree_from_the_previous_steps_nodes(smollm2_toke
             assert found == walk(lm.store.root(None), ids)
             return found
 
-        lm.store.walk = counted
+        monkeypatch.setattr(kv_store, "walk", counted)  # the store's walks
         prompt = [rng.randrange(lm.vocab_size) for _ in range(1024)]
         contexts = [[*prompt, rng.randrange(lm.vocab_size)] for _ in range(8)]
-        lm._process_batch(lm._query_list([prompt]))
+        lm._answer_batch(lm._query_list([prompt]))
         for _ in range(3):
             walked.clear()
-            lm._process_batch(lm._query_list(contexts))
+            lm._answer_batch(lm._query_list(contexts))
             assert walked == [1] * len(contexts)
             walked.clear()
-            lm._process_batch(lm._query_list(contexts))  # the same prefixes again
+            lm._answer_batch(lm._query_list(contexts))  # the same prefixes again
             assert walked == [0] * len(contexts)
             for context in contexts:
                 context.append(rng.randrange(lm.vocab_size))
@@ -212,7 +213,7 @@ def test_no_prefix_outlives_the_requests_of_a_decode_step(smollm2_tokenizer):
         for _ in range(20):
             for context in contexts:
                 context.append(rng.randrange(lm.vocab_size))
-            lm._process_batch(lm._query_list(contexts))
+            lm._answer_batch(lm._query_list(contexts))
             gc.collect()
             assert not [o for o in gc.get_objects() if type(o) is TokenIds]
 

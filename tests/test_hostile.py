@@ -426,7 +426,7 @@ def test_autobatcher_answers_every_key_or_refuses_its_settings(batch_size, timeo
 
     assert run_async(submit_all) == ("ok", [k * k for k in keys])
     assert all(size <= batch_size for size in batcher.batch_sizes)
-    batcher.close()
+    batcher.pause()
 
 
 # -- load_model_by_name ------------------------------------------------------------------------

@@ -12,7 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm.backend.kv.store import INITIAL_BLOCKS, ZERO_BLOCK, PrefixKVStore, memory_nbytes
+from genlm.backend.kv.blocks import INITIAL_BLOCKS, ZERO_BLOCK
+from genlm.backend.kv.budget import memory_nbytes
+from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.kv.tree import kv_source, node_at, walk
 
 BLOCK = 4
 BLOCK_BYTES = 10
@@ -63,6 +66,13 @@ def make_store(max_kv_bytes=None, max_logprobs_bytes=None, fixed_capacity=None):
     return store, pool
 
 
+def extend(store, chain, length, total):
+    """One row's own chain, as a batch of one gets it: room made, then extended."""
+    store.reserve([(chain, length, total)])
+    chains, copies = store.blocks.extend_all([(chain, length, total)])
+    return chains[0], copies
+
+
 # The nodes a caller remembers, by store, then by (tree key, prefix), as the index of
 # validated prefixes does (`genlm.backend.llm.request.node_hint`); never told of evictions,
 # prunes or dropped trees, which `find` must notice itself.
@@ -86,8 +96,8 @@ def run_batch(store, pool, requests, key=None):
     for ids in map(tuple, requests):
         near = remembered.get((key, ids)) or remembered.get((key, ids[:-1]))
         node, depth = store.find(key, ids, near)
-        assert (node, depth) == store.walk(store.root(key), ids)
-        source = store.kv_source(node)
+        assert (node, depth) == walk(store.root(key), ids)
+        source = kv_source(node)
         start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
         if source is not None:
             store.touch(source)
@@ -99,14 +109,14 @@ def run_batch(store, pool, requests, key=None):
     ]
     try:
         store.reserve(needs)
-        chains, copies = store.extend_all(needs)
+        chains, copies = store.blocks.extend_all(needs)
         pool.copy(copies)
         for (ids, _, start, _), chain in zip(rows, chains, strict=True):
             pool.write(chain, start, ids)
         in_flight = store.held_blocks
         done = []
         for (ids, node, start, _), chain in zip(rows, chains, strict=True):
-            node = store.node_at(node, ids)
+            node = node_at(node, ids)
             remembered[key, ids] = node
             store.set_chain(node, chain)
             done.append((node, start))
@@ -115,7 +125,7 @@ def run_batch(store, pool, requests, key=None):
             if source is not None:
                 store.unprotect(source)
         store.evict()
-        store.trim()
+        store.blocks.trim()
         store.prune()
     return done, in_flight
 
@@ -151,10 +161,10 @@ def check_invariants(store, pool):
     for node in chains(store):
         holders.update(node.chain)
         pins.update(node.chain if node.pinned else ())
-    assert store._refs == [holders[block] for block in range(store.capacity)]
-    assert store._pins == [pins[block] for block in range(store.capacity)]
+    assert store.blocks._refs == [holders[block] for block in range(store.capacity)]
+    assert store.blocks._pins == [pins[block] for block in range(store.capacity)]
     free = [block for block in range(store.capacity) if not holders[block]]
-    assert sorted(store._free) == free
+    assert sorted(store.blocks._free) == free
 
 
 def test_particles_share_the_prompt_and_fork_copies_only_a_partial_block():
@@ -190,8 +200,8 @@ def test_pinned_chains_survive_eviction_outside_the_budget():
     node, _ = run(store, pool, [5, 6, 7, 8, 9])
     assert node.chain is None  # a zero budget keeps nothing unpinned
     assert 5 not in store.root(None).children  # and the emptied node was pruned
-    node = store.node_at(store.root(None), [5, 6, 7, 8, 9])
-    chain, _ = store.extend(None, 0, 5)
+    node = node_at(store.root(None), [5, 6, 7, 8, 9])
+    chain, _ = extend(store, None, 0, 5)
     pool.write(chain, 0, [5, 6, 7, 8, 9])
     store.set_chain(node, chain)
     store.pin(node)
@@ -244,11 +254,11 @@ def test_adapter_roots_are_separate_and_dropping_one_releases_its_blocks():
 def test_logprobs_budget_evicts_least_recently_used_and_prunes_empty_nodes():
     store, _ = make_store(max_logprobs_bytes=6)
     root = store.root(None)
-    a, b = store.node_at(root, [1, 2]), store.node_at(root, [3])
+    a, b = node_at(root, [1, 2]), node_at(root, [3])
     store.set_logprobs(a, "xyz")
     store.set_logprobs(b, "uvw")
     store.touch(a)
-    store.set_logprobs(store.node_at(root, [4]), "q")  # over budget: b goes
+    store.set_logprobs(node_at(root, [4]), "q")  # over budget: b goes
     assert b.logprobs is None and a.logprobs == "xyz" and store.logprobs_nbytes == 4
     store.prune()
     assert 3 not in root.children and 1 in root.children
@@ -257,7 +267,7 @@ def test_logprobs_budget_evicts_least_recently_used_and_prunes_empty_nodes():
 def test_a_descendant_chain_serves_its_prefix():
     store, pool = make_store()
     run(store, pool, list(range(10)))
-    store.set_chain(store.walk(store.root(None), list(range(5)))[0], None)  # no-op: no chain
+    store.set_chain(walk(store.root(None), list(range(5)))[0], None)  # no-op: no chain
     node, start = run(store, pool, list(range(6)) + [99])
     assert start == 6  # read from the longer prefix's chain
     check_invariants(store, pool)
@@ -272,7 +282,7 @@ def test_without_a_budget_the_pool_doubles_and_clears_shrink_it():
     store.clear_kv()
     assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
     run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
-    store.reset()
+    store.clear()
     assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
 
 
@@ -284,7 +294,7 @@ def test_free_empties_every_tree_and_the_pool_and_the_store_serves_again():
     run(store, pool, [1, 2, 3], key="a")
     store.set_logprobs(prompt, "xyz")
     nodes = [  # every node of the trees (roots included): each prefix's, walked to
-        store.walk(store.roots[key], ids[:k])[0]
+        walk(store.roots[key], ids[:k])[0]
         for key, ids in ((None, list(range(10))), (None, [*range(7), 50, 51]), ("a", [1, 2, 3]))
         for k in range(len(ids) + 1)
     ]
@@ -335,9 +345,9 @@ def test_pinned_blocks_raise_the_bound_and_clear_kv_gives_the_memory_back():
     store, pool = make_store(max_kv_bytes=budget_blocks * BLOCK_BYTES)
     prompt = list(range(100, 100 + 90 * BLOCK))  # 90 pinned blocks, outside the budget
     store.reserve([(None, 0, len(prompt))])
-    chain, _ = store.extend(None, 0, len(prompt))
+    chain, _ = extend(store, None, 0, len(prompt))
     pool.write(chain, 0, prompt)
-    node = store.node_at(store.root(None), prompt)
+    node = node_at(store.root(None), prompt)
     store.set_chain(node, chain)
     store.pin(node)
     peak = particle_steps(store, pool, 6, 12, prompt)
@@ -352,9 +362,9 @@ def test_pinned_blocks_raise_the_bound_and_clear_kv_gives_the_memory_back():
 def test_reserve_counts_exactly_the_blocks_a_batch_allocates():
     store, pool = make_store(max_kv_bytes=0)  # no slack: the pool grows to exactly the need
     prompt = [1, 2, 3, 4, 5, 6]  # a full block and a partial one, pinned
-    chain, _ = store.extend(None, 0, len(prompt))
+    chain, _ = extend(store, None, 0, len(prompt))
     pool.write(chain, 0, prompt)
-    node = store.node_at(store.root(None), prompt)
+    node = node_at(store.root(None), prompt)
     store.set_chain(node, chain)
     store.pin(node)
     forks = [prompt + [t] * 90 for t in (7, 8, 9)]  # 24 blocks each
@@ -371,12 +381,12 @@ def test_trim_halves_a_mostly_free_pool_keeping_the_held_blocks():
     keep, _ = run(store, pool, list(range(3 * BLOCK)))  # the lowest blocks
     big, _ = run(store, pool, [7] * (8 * INITIAL_BLOCKS - 4) * BLOCK)  # block 0 + 3 + these
     assert store.capacity == 8 * INITIAL_BLOCKS
-    store.trim()  # still in use: no shrink
+    store.blocks.trim()  # still in use: no shrink
     assert store.capacity == 8 * INITIAL_BLOCKS
     store.set_chain(big, None)
     sizes = []
     for _ in range(4):
-        store.trim()
+        store.blocks.trim()
         sizes.append(store.capacity)
     assert sizes == [4 * INITIAL_BLOCKS, 2 * INITIAL_BLOCKS, INITIAL_BLOCKS, INITIAL_BLOCKS]
     check_invariants(store, pool)  # the kept chain reads back exactly after the shrinks
@@ -401,7 +411,7 @@ def test_a_pool_sized_once_is_allocated_at_construction_and_only_evicts():
         run_batch(store, pool, [[62] * 21 * BLOCK])  # everything is evicted, still short
     assert store.held_blocks == 0
     check_invariants(store, pool)
-    for clear in (store.clear_kv, store.trim, store.reset):
+    for clear in (store.clear_kv, store.blocks.trim, store.clear):
         run(store, pool, [63] * 5 * BLOCK)
         clear()
     assert pool.sizes == [21] and store.capacity == 21
@@ -413,14 +423,14 @@ def test_a_pool_sized_once_is_allocated_at_construction_and_only_evicts():
 
 def test_extend_without_room_in_a_pool_sized_once_releases_what_it_took():
     store, pool = make_store(fixed_capacity=5)
-    chain, _ = store.extend(None, 0, 2 * BLOCK)
+    chain, _ = extend(store, None, 0, 2 * BLOCK)
     with pytest.raises(RuntimeError, match="cannot hold"):  # 2 free blocks of the 3 asked
-        store.extend_all([(None, 0, BLOCK), (chain, 2 * BLOCK, 4 * BLOCK)])
+        store.blocks.extend_all([(None, 0, BLOCK), (chain, 2 * BLOCK, 4 * BLOCK)])
     with pytest.raises(RuntimeError, match="cannot hold"):
-        store.extend(chain, 2 * BLOCK, 5 * BLOCK)
+        extend(store, chain, 2 * BLOCK, 5 * BLOCK)
     assert store.held_blocks == 2  # only ``chain``'s: every block the extensions took let go
-    store.release(chain)
-    assert sorted(store._free) == [1, 2, 3, 4]
+    store.blocks.let_go(chain)
+    assert sorted(store.blocks._free) == [1, 2, 3, 4]
 
 
 @settings(max_examples=60, deadline=None)
@@ -464,7 +474,7 @@ def test_find_never_starts_from_a_node_no_longer_in_the_tree():
     run(store, pool, [9] * 8)  # evicts the chain of ``old``; prune then detaches it
     assert old.parent is not None and old not in old.parent.children.values()
     assert store.find(None, ids, old) == (store.root(None), 0)
-    for key, forget in (("a", lambda: store.drop_root("a")), (None, store.reset)):
+    for key, forget in (("a", lambda: store.drop_root("a")), (None, store.clear)):
         node, _ = run(store, pool, ids[:-1], key=key)
         middle = node.parent
         assert store.find(key, ids, middle) == (node, 4)
@@ -478,7 +488,7 @@ def test_find_never_starts_below_the_prefix():
     store, pool = make_store()
     ids = (1, 2, 3, 4)
     node, _ = run(store, pool, ids)
-    assert store.find(None, ids[:2], node) == store.walk(store.root(None), ids[:2])
+    assert store.find(None, ids[:2], node) == walk(store.root(None), ids[:2])
     assert store.find(None, ids[:2], node)[1] == 2
     assert store.find(None, ids, node) == (node, 4)
 
@@ -487,14 +497,14 @@ def test_rows_sharing_a_batch_count_its_memory_once_until_the_last_goes():
     import torch
 
     store, _ = make_store()
-    store._nbytes = memory_nbytes  # the default (make_store counts strings by length)
+    store._memory.nbytes_of = memory_nbytes  # the default (make_store counts strings by length)
     root = store.root(None)
     batch = torch.zeros(4, 10)  # 160 bytes
-    nodes = [store.node_at(root, [t]) for t in range(4)]
+    nodes = [node_at(root, [t]) for t in range(4)]
     for node, row in zip(nodes, batch.unbind(), strict=True):
         store.set_logprobs(node, row)
     alone = torch.zeros(10)
-    store.set_logprobs(store.node_at(root, [9]), alone)
+    store.set_logprobs(node_at(root, [9]), alone)
     assert store.logprobs_nbytes == 160 + 40
     for node in nodes[:3]:
         store.set_logprobs(node, None)
@@ -506,7 +516,7 @@ def test_rows_sharing_a_batch_count_its_memory_once_until_the_last_goes():
 def test_making_room_for_a_batch_evicts_the_least_recently_used_first():
     store, _ = make_store(max_logprobs_bytes=10)
     root = store.root(None)
-    nodes = [store.node_at(root, [t]) for t in range(4)]
+    nodes = [node_at(root, [t]) for t in range(4)]
     for node, value in zip(nodes, ["ab", "cd", "ef", "gh"], strict=True):
         store.set_logprobs(node, value)
     store.touch(nodes[0])
@@ -526,7 +536,7 @@ def test_a_batch_of_extensions_that_fails_halfway_holds_nothing_more():
     run(store, pool, prompt)
     node = store.find(None, tuple(prompt))[0]
     store.protect(node)
-    capacity, free = store.capacity, len(store._free)
+    capacity, free = store.capacity, len(store.blocks._free)
 
     def refuse(blocks):
         raise MemoryError(f"no room for {blocks} blocks")
@@ -535,9 +545,9 @@ def test_a_batch_of_extensions_that_fails_halfway_holds_nothing_more():
     # each row past the first copies the partial block: the pool runs out of free blocks
     rows = [(node.chain, len(prompt), len(prompt) + 1)] * (free + 2)
     with pytest.raises(MemoryError, match="no room"):
-        store.extend_all(rows)
+        store.blocks.extend_all(rows)
     store.unprotect(node)
-    assert store.capacity == capacity and len(store._free) == free
+    assert store.capacity == capacity and len(store.blocks._free) == free
     check_invariants(store, pool)
 
 
@@ -579,3 +589,88 @@ def test_a_pool_sized_once_serves_or_refuses_and_keeps_every_chain_exact(
         assert pool.sizes == [capacity]
         if budget is not None:
             assert store.kv_nbytes <= budget
+
+
+# -- a batch: plan, then commit or release ------------------------------------------------------
+
+
+def planned(store, pool, requests, key=None, **options):
+    """`PrefixKVStore.plan` of ``requests``, each row's new tokens then written (the
+    forward's part)."""
+    plan = store.plan([(tuple(ids), key) for ids in requests], 1, **options)
+    for row in plan.rows:
+        pool.write(row.chain, row.start, row.ids)
+    return plan
+
+
+def test_commit_caches_the_rows_and_gives_each_chain_to_its_node():
+    store, pool = make_store()
+    prompt = list(range(100, 110))
+    plan = planned(store, pool, [prompt])
+    (row,) = plan.rows
+    assert plan.cached == (None,) and (row.start, row.new_tokens, row.source) == (0, 10, None)
+    assert store.held_blocks == 3  # the row's own chain, while the batch runs
+    assert store.commit(plan, ["p"]) == ["p"]
+    node = walk(store.root(None), prompt)[0]
+    assert (node.logprobs, node.chain, store.held_blocks) == ("p", row.chain, 3)
+    # forks start from the prompt's KV; the prompt itself is answered from the tree
+    plan = planned(store, pool, [prompt + [1], prompt, prompt + [2, 3]])
+    assert plan.cached == (None, "p", None) and [row.slot for row in plan.rows] == [0, 2]
+    assert [(row.start, row.new_tokens) for row in plan.rows] == [(10, 1), (10, 2)]
+    assert all(row.source is node for row in plan.rows)
+    assert store.commit(plan, ["a", "b"]) == ["a", "p", "b"]
+    assert store._protected == set()
+    check_invariants(store, pool)
+
+
+def test_release_lets_every_row_chain_go_and_prunes_the_nodes_made_for_them():
+    store, pool = make_store()
+    prompt = list(range(100, 110))
+    store.commit(planned(store, pool, [prompt]), ["p"])
+    node = walk(store.root(None), prompt)[0]
+    plan = planned(store, pool, [prompt + [1], prompt + [2, 3], [7, 8]])
+    assert store.held_blocks > 3
+    store.release(plan)  # the forward failed
+    assert store.held_blocks == 3 and store._protected == set()
+    assert walk(store.root(None), prompt + [1]) == (node, 10)
+    assert walk(store.root(None), [7, 8]) == (store.root(None), 0)
+    check_invariants(store, pool)
+
+
+def test_a_plan_whose_copies_fail_holds_nothing():
+    store, pool = make_store()
+    prompt = list(range(100, 110))  # its last block partly filled: a second fork copies it
+    store.commit(planned(store, pool, [prompt]), ["p"])
+
+    def refuse(copies):
+        raise RuntimeError("copy failed on purpose")
+
+    pool.copy = refuse
+    with pytest.raises(RuntimeError, match="on purpose"):
+        store.plan([((*prompt, 1), None), ((*prompt, 2), None)], 1)
+    assert store.held_blocks == 3 and store._protected == set()
+    assert walk(store.root(None), prompt + [1])[1] == 10
+    check_invariants(store, pool)
+
+
+def test_commit_refuses_a_wrong_number_of_rows_and_lets_their_chains_go():
+    store, pool = make_store()
+    plan = planned(store, pool, [[1, 2, 3], [4, 5]])
+    with pytest.raises(ValueError, match="1 rows computed for a plan of 2"):
+        store.commit(plan, ["x"])
+    assert store.held_blocks == 0 and walk(store.root(None), [1, 2, 3])[1] == 0
+    check_invariants(store, pool)
+
+
+def test_a_pin_plan_computes_a_cached_prefix_and_pins_its_chain():
+    store, pool = make_store(max_kv_bytes=0)  # unpinned KV is evicted after each batch
+    prompt = list(range(100, 110))
+    store.commit(planned(store, pool, [prompt]), ["p"])
+    node = walk(store.root(None), prompt)[0]
+    assert node.logprobs == "p" and node.chain is None
+    plan = planned(store, pool, [prompt], pin=True)
+    assert plan.cached == (None,) and len(plan.rows) == 1
+    store.commit(plan, ["q"])
+    assert node.pinned and node.logprobs == "q" and store.kv_nbytes == 0
+    assert pool.read(node.chain, 10) == prompt
+    check_invariants(store, pool)

@@ -25,9 +25,10 @@ import hashlib
 import pytest
 import torch
 
-import genlm.backend.kv.store as kv_store
+import genlm.backend.kv.blocks as kv_blocks
 from genlm.backend.kv.pool import NoKVPool
 from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.kv.tree import walk
 from genlm.backend.llm import base
 from genlm.backend.llm.prefix import PrefixCachedLM
 
@@ -95,7 +96,7 @@ class FakeLM(PrefixCachedLM):
         super().__init__(tokenizer)
         self._pool = FakePool() if kv_reuse else None
         store = PrefixKVStore(self._pool or NoKVPool("fake"), max_kv_bytes, max_logprobs_bytes)
-        self._init_prefix_cache(store, kv_reuse, batch_size, timeout, "genlm-fake")
+        self._init_prefix_cache(store, batch_size, timeout, "genlm-fake")
         self.fed: list[int] = []  # tokens fed per forward
         self.fail = 0  # forwards still to fail
         self.adapters: set[str] = set()
@@ -106,7 +107,7 @@ class FakeLM(PrefixCachedLM):
     def _unload_adapter(self, lora_name):
         self.adapters.discard(lora_name)
 
-    def _run_plans(self, plans):
+    def _run_rows(self, plans):
         if self.fail:
             self.fail -= 1
             raise RuntimeError("forward failed on purpose")
@@ -126,7 +127,7 @@ class FakeLM(PrefixCachedLM):
                     self._pool.data[slot] = entry
                 entries += new
             results.append(fake_logprobs(entries, self.vocab_size))
-        return results
+        return torch.stack(results)
 
 
 # -- one harness per backend ------------------------------------------------------------------
@@ -576,7 +577,7 @@ def test_eviction_releases_the_least_recently_used_prefix_first(backend):
 async def test_the_pool_grows_for_the_rows_and_shrinks_on_clears_and_trims(
     backend, prompt, monkeypatch
 ):
-    monkeypatch.setattr(kv_store, "INITIAL_BLOCKS", 4)  # small steps: many resizes
+    monkeypatch.setattr(kv_blocks, "INITIAL_BLOCKS", 4)  # small steps: many resizes
     probe = backend.make()
     budget_blocks = 2
     lm = backend.make(max_kv_bytes=budget_blocks * probe.store.block_bytes)
@@ -685,7 +686,7 @@ async def test_a_failed_batch_reaches_every_caller_and_leaves_nothing_behind(bac
     )
     assert all(isinstance(o, RuntimeError) and "on purpose" in str(o) for o in outcomes)
     assert lm.store.held_blocks == held  # the rows' blocks went back; the pin stayed
-    assert lm.store.walk(lm.cache, tuple(queries[0]))[1] <= len(prompt)
+    assert walk(lm.cache, tuple(queries[0]))[1] <= len(prompt)
     assert lm.store.logprobs_nbytes == logprobs_nbytes
     fed = backend.fed()
     results = await asyncio.gather(*(lm.next_token_logprobs(q) for q in queries))

@@ -664,7 +664,7 @@ async def test_lora_rows_match_merged_models_per_request_and_never_cross(vlm, hf
             assert_right(lm, prompt, row, model, adapters[name])
     assert (rows[1] - rows[0]).abs().max() > 0.1 and (rows[2] - rows[1]).abs().max() > 0.1
     # One step more for each: the base row continues its session, adapter rows run as
-    # ordinary requests (see AsyncVirtualLM._process_batch).
+    # ordinary requests (see AsyncVirtualLM._compute_batch).
     longer = prompt + [11]
     rows = await asyncio.gather(*(lm.next_token_logprobs(longer, lora_name=n) for n in models))
     for (name, model), row in zip(models.items(), rows, strict=True):

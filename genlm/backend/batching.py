@@ -16,9 +16,10 @@ Callers ``await batcher.submit(key)``; the batcher
 - delivers a failure to every caller of the failed batch and keeps serving; a result
   that is an exception instance fails only that key's callers; a cancelled caller never
   disturbs the others;
-- `close` stops the worker: a pause (queued callers get ``CancelledError``, as from
-  `reset`), or for good, when queued and later callers get its owner's ``RuntimeError``
-  saying it was closed, never a cancellation they did not ask for;
+- `pause` stops the worker (queued callers get ``CancelledError``, as from `reset`; the
+  next call starts a new one); `close` stops it for good: queued and later callers get
+  its owner's ``RuntimeError`` saying it was closed, never a cancellation they did not
+  ask for;
 - works from successive event loops (``asyncio.run`` twice); a second event loop
   running at the same time (another thread) gets a clear ``RuntimeError``, never a hang;
 - keeps bounded statistics: ``num_batches``, ``num_requests`` and the sizes of the
@@ -298,18 +299,23 @@ class AutoBatcher(Generic[K, R]):
         """Run ``fn(*args)`` on the worker thread and wait, serialising it with batches."""
         return self._get_executor().submit(fn, *args).result()
 
-    def close(self, for_good: bool = False, message: str | None = None) -> None:
-        """Drop queued requests and stop the worker thread, once the running batch is done.
+    def pause(self) -> None:
+        """Drop queued requests (their callers get ``CancelledError``, as from `reset`) and
+        stop the worker thread once the running batch is done; a new worker starts if the
+        batcher is used again."""
+        self._stop(self._closed_message)
 
-        By default a pause: queued callers get ``CancelledError`` (as from `reset`) and a
-        new worker starts if the batcher is used again. ``for_good``: queued callers, and
-        every later call, get ``RuntimeError(message)`` (default: the batcher's own, naming
-        it), so that a call racing its owner's close never runs on what the close freed,
-        and a caller waiting at the close learns why, not that it was cancelled.
-        """
-        if for_good and self._closed_message is None:
+    def close(self, message: str | None = None) -> None:
+        """`pause` for good: queued callers, and every later call, get
+        ``RuntimeError(message)`` (default: the batcher's own, naming it), so that a call
+        racing its owner's close never runs on what the close freed, and a caller waiting
+        at the close learns why, not that it was cancelled."""
+        if self._closed_message is None:
             self._closed_message = message or f"{self.name}: used after its owner was closed"
-        self._drop_queued(self._closed_message)
+        self._stop(self._closed_message)
+
+    def _stop(self, message: str | None) -> None:
+        self._drop_queued(message)
         with self._executor_lock:
             executor, self._executor = self._executor, None
         if executor is not None:

@@ -112,7 +112,7 @@ class TokenSampler:
 
     def close(self) -> None:
         """Stop the worker thread (a new one starts if the sampler is used again)."""
-        self.batcher.close()
+        self.batcher.pause()
 
     def __enter__(self) -> TokenSampler:
         return self

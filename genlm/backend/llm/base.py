@@ -18,8 +18,8 @@ import inspect
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence, Set
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Mapping, Sequence, Set
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -30,8 +30,6 @@ from genlm.backend.checks import OptionCheck, check_options, check_seconds, int_
 from genlm.backend.llm.request import PrefixIndex, Query, TokenIds, checked_id, tuple_of_ids
 from genlm.backend.sampling import check_sampling_args, sample_token
 from genlm.backend.tokenization import decode_vocab
-
-R = TypeVar("R")
 
 
 class AsyncLM(ABC):
@@ -227,7 +225,7 @@ class AsyncLM(ABC):
         self._check_open()
         if lora_name not in self.lora_paths:
             raise self._unknown_lora(lora_name)
-        # Unregistered first: a request still queued for it then fails alone (`_serve_batch`).
+        # Unregistered first: a request still queued for it then fails alone (`_answer_batch`).
         del self.lora_paths[lora_name]
         self._unload_lora(lora_name)
         if self.default_lora == lora_name:
@@ -398,12 +396,13 @@ def stacked_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
 class BatchedAsyncLM(AsyncLM):
     """An `AsyncLM` whose requests all go through one `AutoBatcher`.
 
-    Subclasses create ``self.batcher = AutoBatcher(self._serve_batch, ...,
+    Subclasses create ``self.batcher = AutoBatcher(self._answer_batch, ...,
     copy_results=stacked_copies)`` (callers of the same prefix in one batch each get a row
-    of their own) and implement `_process_batch` over `Query` keys; this class routes the
-    public calls through it (the blocking ones run on the batcher's worker thread too, so
-    they never race a batch). `_serve_batch` answers a request whose adapter was removed while it
-    waited with its own `ValueError`, so the rest of its batch is served.
+    of their own) and implement `_compute_batch` over distinct `Query` keys; this class
+    routes the public calls through it (the blocking ones run on the batcher's worker
+    thread too, so they never race a batch). `_answer_batch` answers a request whose
+    adapter was removed while it waited with its own `ValueError`, so the rest of its batch
+    is served.
     """
 
     batcher: AutoBatcher[Query, torch.Tensor]
@@ -413,8 +412,13 @@ class BatchedAsyncLM(AsyncLM):
     }
 
     @abstractmethod
-    def _process_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
-        """The answers for distinct ``keys``, in order, for one batch."""
+    def _compute_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
+        """The rows of distinct ``keys`` (each served by a registered adapter), in order,
+        for one batch: the callers' own, or rows a cache keeps that `_owned` copies."""
+
+    def _owned(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`_compute_batch`'s rows as the callers' own (they are, unless a cache keeps them)."""
+        return rows
 
     @property
     def batch_size(self) -> int:
@@ -452,72 +456,57 @@ class BatchedAsyncLM(AsyncLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (a batch of one)."""
-        return self._run_batch([self._query(token_ids, lora_name)])[0]
+        return self._rows_sync([self._query(token_ids, lora_name)])[0]
 
-    def _shared_rows(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
-        """`_process_batch`'s answers, which may be tensors a cache holds: for a caller
-        that copies them (`batch_next_token_logprobs_sync` stacks them) and edits none."""
-        return self._process_batch(keys)
-
-    def _stacked_sync(self, queries: list[Query]) -> torch.Tensor:
-        """One batch; its rows, as the cache holds them, stacked on the worker thread,
-        where the batches' memory is allocated and freed: on a CPU the result then reuses
-        memory the evicted batches freed, where the caller's thread page-faulted a fresh
-        ``[B, V]`` tensor in most steps (6,112 faults, ~8 ms at 128 x 49k)."""
-        return self.batcher.run_sync(self._answers, queries, self._shared_rows, torch.stack)
-
-    def _serve_batch(
-        self,
-        keys: list[Query],
-        process: Callable[[list[Query]], BatchResults[torch.Tensor]] | None = None,
-    ) -> BatchResults[torch.Tensor]:
-        """``process`` (default: `_process_batch`) on the keys whose adapter is still
-        registered; the others get the unknown-adapter `ValueError` as their result (the
-        batcher fails only them)."""
-        process = process or self._process_batch
+    def _answer_batch(self, keys: list[Query], shared: bool = False) -> list[Any]:
+        """(Worker thread; the batcher's function) each distinct key's answer, in order: its
+        row from `_compute_batch`, the callers' own unless ``shared`` (for a caller that
+        copies them and edits none), or for a key whose adapter was removed while it
+        waited, the unknown-adapter `ValueError` (the batcher fails only its callers)."""
         served = {None, *self.lora_paths}
-        gone = [getattr(key, "lora", None) not in served for key in keys]
-        if not any(gone):
-            return process(keys)
-        kept = iter(process([key for key, g in zip(keys, gone, strict=True) if not g]))
-        answers: list[Any] = [  # an exception is its caller's answer
-            self._unknown_lora(key.lora) if g else next(kept)
-            for key, g in zip(keys, gone, strict=True)
-        ]
-        return answers
-
-    def _run_batch(
-        self,
-        keys: list[Query],
-        process: Callable[[list[Query]], BatchResults[torch.Tensor]] | None = None,
-    ) -> list[torch.Tensor]:
-        """`_serve_batch` with ``process`` (default: `_process_batch`) on the distinct
-        ``keys`` (worker thread, blocking), in ``keys`` order."""
-        return self.batcher.run_sync(self._answers, keys, process, list)
-
-    def _answers(
-        self,
-        keys: list[Query],
-        process: Callable[[list[Query]], BatchResults[torch.Tensor]] | None,
-        combine: Callable[[list[torch.Tensor]], R],
-    ) -> R:
-        """(Worker thread) `_serve_batch` on the distinct ``keys``, their answers in
-        ``keys`` order passed to ``combine``; the first failed key's error raised."""
-        distinct = list(dict.fromkeys(keys))
-        results = self._serve_batch(distinct, process)
-        answers = [results[i] for i in range(len(results))]
-        if len(answers) != len(distinct):
+        kept = [key for key in keys if key.lora in served]
+        results = self._compute_batch(kept) if kept else []
+        if len(results) != len(kept):
             raise ValueError(
-                f"{type(self).__name__} gave {len(answers)} answers to {len(distinct)} "
+                f"{type(self).__name__} gave {len(results)} answers to {len(kept)} "
                 "distinct requests"
             )
-        for result in answers:
-            if isinstance(result, BaseException):
-                raise result
-        if len(distinct) == len(keys):  # no key twice: the answers are in keys order
-            return combine(answers)
+        rows = [results[i] for i in range(len(kept))]
+        if not shared:
+            rows = self._owned(rows)
+        if len(kept) == len(keys):
+            return rows
+        computed = iter(rows)
+        return [
+            next(computed) if key.lora in served else self._unknown_lora(key.lora) for key in keys
+        ]
+
+    def _rows_in_order(self, keys: list[Query], shared: bool) -> list[torch.Tensor]:
+        """(Worker thread) `_answer_batch` on the distinct ``keys``, their rows in ``keys``
+        order; the first failed key's error raised."""
+        distinct = list(dict.fromkeys(keys))
+        answers = self._answer_batch(distinct, shared)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        if len(distinct) == len(keys):
+            return answers
         by_key = dict(zip(distinct, answers, strict=True))
-        return combine([by_key[key] for key in keys])
+        return [by_key[key] for key in keys]
+
+    def _rows_sync(self, keys: list[Query]) -> list[torch.Tensor]:
+        """The rows of ``keys`` (repeats allowed) in one batch, blocking, the callers' own."""
+        return self.batcher.run_sync(self._rows_in_order, keys, False)
+
+    def _stacked_sync(self, queries: list[Query]) -> torch.Tensor:
+        """One batch, its rows stacked on the worker thread (`_stacked`)."""
+        return self.batcher.run_sync(self._stacked, queries)
+
+    def _stacked(self, queries: list[Query]) -> torch.Tensor:
+        """(Worker thread) the rows of ``queries`` as computed, stacked: the stack is their
+        one copy, made where the batches' memory is allocated and freed (on a CPU it then
+        reuses memory the evicted batches freed; benchmark/bench_host.py)."""
+        return torch.stack(self._rows_in_order(queries, True))
 
     def reset_async_queries(self) -> None:
         """Drop queued requests (after an aborted run); their callers get CancelledError."""
@@ -525,7 +514,7 @@ class BatchedAsyncLM(AsyncLM):
         self.batcher.reset()
 
     def _close(self) -> None:
-        self.batcher.close(for_good=True, message=self._closed_message())
+        self.batcher.close(self._closed_message())
 
 
 # SPEC's path of the mock LM, which `genlm.backend.llm.mock` builds on this module to define:

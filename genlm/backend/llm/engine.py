@@ -37,8 +37,8 @@ def check_cache_opts(name: str, value: Any) -> None:
 class EngineLM(BatchedAsyncLM):
     """A `BatchedAsyncLM` over an engine object, with an output cache and `cleanup`.
 
-    Subclasses implement `_process_batch` (one engine call per batch) and
-    `_shutdown_engine`. Their constructors check all their options (this class's too)
+    Subclasses implement `_compute_batch` (one engine call per batch) and
+    `_stop_engine`. Their constructors check all their options (this class's too)
     against `OPTION_CHECKS` first, before any work of theirs; this one checks none again.
 
     Args:
@@ -69,11 +69,11 @@ class EngineLM(BatchedAsyncLM):
             OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         )
         self.batcher = AutoBatcher(
-            self._serve_batch, batch_size, timeout, name=name, copy_results=stacked_copies
+            self._answer_batch, batch_size, timeout, name=name, copy_results=stacked_copies
         )
         super().__init__(tokenizer)
 
-    def _shutdown_engine(self) -> None:
+    def _stop_engine(self) -> None:
         """Stop the engine and free its memory (called once, by `close`)."""
         raise NotImplementedError
 
@@ -92,7 +92,7 @@ class EngineLM(BatchedAsyncLM):
         query = self._query(token_ids, lora_name)
         if self.output_cache is not None and query in self.output_cache:
             return self.output_cache[query].clone()
-        logprobs = self._run_batch([query])[0]
+        logprobs = self._rows_sync([query])[0]
         self._cache_output(query, logprobs)
         return logprobs
 
@@ -114,10 +114,10 @@ class EngineLM(BatchedAsyncLM):
             self.output_cache.discard(lambda query: query.lora == lora_name)
 
     def _close(self) -> None:
-        self.batcher.close(for_good=True, message=self._closed_message())
+        self.batcher.close(self._closed_message())
         if self.output_cache is not None:
             self.output_cache.clear()
-        self._shutdown_engine()
+        self._stop_engine()
 
     def cleanup(self) -> None:
         """Stop the engine and free its memory: `close` under its older name."""

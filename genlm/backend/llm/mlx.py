@@ -3,8 +3,8 @@
 The request plan, the cache calls, input validation and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, with the same meanings as for
 `AsyncTransformer`, the paged KV from `genlm.backend.kv` (an `MlxBlockPool`: a keys and a
-values ``mx.array`` per layer); this module is the forward over query plans (each a
-block chain and new tokens, one row of the batch), per adapter:
+values ``mx.array`` per layer); this module is the forward over a batch's row plans (each
+a block chain and new tokens, one row of the batch), per adapter:
 
 1. prefills each row's new tokens but the last (rows with as many such tokens together,
    in steps of ``prefill_step_size``), then runs every row's last token in one forward.
@@ -53,9 +53,9 @@ from genlm.backend._install import install_hint
 from genlm.backend.checks import check_budget, check_options, first_line, int_option
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
-from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.kv.store import PrefixKVStore, RowPlan, plan_order, row_groups
 from genlm.backend.llm.loading import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, run_grouped
+from genlm.backend.llm.prefix import PrefixCachedLM
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
@@ -225,7 +225,7 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
             max_kv_entries=cache_size,
             max_logprobs_entries=cache_size,
         )
-        self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-mlx")
+        self._init_prefix_cache(store, batch_size, timeout, "genlm-mlx")
 
     @property
     def max_context_length(self) -> int | None:
@@ -283,19 +283,29 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _run_plans(self, plans: Sequence[QueryPlan]) -> list[torch.Tensor]:
-        """One forward per adapter (without KV reuse: per adapter and prefix length)."""
+    def _run_rows(self, rows: Sequence[RowPlan]) -> torch.Tensor:
+        """One forward per adapter (without KV reuse: per adapter and prefix length); the
+        rows' logprobs as one ``[rows, vocab]`` batch of its own."""
         pool = self._pool
         if pool is None:
-            return run_grouped(plans, lambda plan: (plan.lora, len(plan.ids)), self._run_without_kv)
-        return run_grouped(plans, lambda plan: plan.lora, lambda same: self._run_paged(pool, same))
+            groups = row_groups(rows, lambda row: (row.lora, len(row.ids)))
+        else:
+            groups = row_groups(rows, lambda row: row.lora)
+        batches = []
+        for indices in groups:
+            same = [rows[i] for i in indices]
+            batches.append(
+                self._run_without_kv(same) if pool is None else self._run_paged(pool, same)
+            )
+        order = plan_order(groups)
+        return torch.from_numpy(batches[0] if order is None else np.concatenate(batches)[order])
 
-    def _run_paged(self, pool: MlxBlockPool, plans: list[QueryPlan]) -> list[torch.Tensor]:
+    def _run_paged(self, pool: MlxBlockPool, plans: list[RowPlan]) -> np.ndarray:
         """Rows of one adapter through the block pool: a prefill of their new tokens but the
         last (plans with as many together), then one forward over every plan's last token."""
         mx = _import_mlx()
         model = self._model(plans[0].lora)
-        by_head: dict[int, list[QueryPlan]] = {}
+        by_head: dict[int, list[RowPlan]] = {}
         for plan in plans:
             by_head.setdefault(plan.new_tokens - 1, []).append(plan)
         for head, same in by_head.items():
@@ -309,10 +319,10 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         inputs, cache = self._paged_inputs(pool, plans, firsts, 1)
         logprobs = self._logprobs(model(inputs, cache=cache))
         mx.eval(logprobs, pool.keys, pool.values)
-        return _torch_rows(logprobs)
+        return np.array(logprobs)
 
     def _paged_inputs(
-        self, pool: MlxBlockPool, plans: list[QueryPlan], firsts: list[int], tokens: int
+        self, pool: MlxBlockPool, plans: list[RowPlan], firsts: list[int], tokens: int
     ) -> tuple[Any, list[_PagedCache]]:
         """The model's inputs to run ``plan.ids[first : first + tokens]`` of each plan: the
         token ids and a `_PagedCache` per layer (every plan's chain is set)."""
@@ -338,7 +348,7 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         )
         return inputs, [_PagedCache(pool, layer, step) for layer in range(len(pool.keys))]
 
-    def _run_without_kv(self, plans: list[QueryPlan]) -> list[torch.Tensor]:
+    def _run_without_kv(self, plans: list[RowPlan]) -> np.ndarray:
         """Whole prefixes of one length and adapter through a fresh mlx-lm cache."""
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -353,7 +363,7 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
             mx.eval([layer.state for layer in cache])
         logprobs = self._logprobs(model(tokens[:, -1:], cache=cache))
         mx.eval(logprobs)
-        return _torch_rows(logprobs)
+        return np.array(logprobs)
 
     def _logprobs(self, logits: Any) -> Any:
         """``[rows, V]`` float32 log-probabilities of the last position, over the tokenizer's
@@ -403,8 +413,3 @@ def _logsumexp(logits: Any, chunk: int = 256) -> Any:
         terms = mx.pad(terms, [(0, 0), (0, chunk - vocab % chunk)])
     total = terms.reshape(rows, -1, chunk).sum(axis=-1).sum(axis=-1, keepdims=True)
     return top + mx.log(total)
-
-
-def _torch_rows(logprobs: Any) -> list[torch.Tensor]:
-    """``[rows, V]`` MLX log-probabilities as one float32 tensor of its own per row."""
-    return [torch.from_numpy(row.copy()) for row in np.array(logprobs)]

@@ -31,7 +31,7 @@ class MockAsyncLM(BatchedAsyncLM):
     def __init__(self, tokenizer: Any, batch_size: int = 64, timeout: float | None = 0.02):
         # the batcher checks batch_size and timeout: before the vocabulary is decoded
         self.batcher = AutoBatcher(
-            self._serve_batch, batch_size, timeout, name="genlm-mock", copy_results=stacked_copies
+            self._answer_batch, batch_size, timeout, name="genlm-mock", copy_results=stacked_copies
         )
         super().__init__(tokenizer)
         rng = np.random.default_rng(0)
@@ -57,7 +57,7 @@ class MockAsyncLM(BatchedAsyncLM):
         start = self.vocab_size - shift  # torch.roll(table, shift) starts here
         return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size].clone()
 
-    def _process_batch(self, keys: list[Query]) -> list[torch.Tensor]:
+    def _compute_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         return [self._logprobs(key) for key in keys]
 
     def next_token_logprobs_sync(

@@ -129,7 +129,7 @@ class AsyncSGLTransformer(EngineLM):
         engine = sglang.Engine(model_path=model_id, base_gpu_id=gpu_id, **(engine_opts or {}))
         return cls(engine, **kwargs)
 
-    def _process_batch(self, keys: list[Query]) -> torch.Tensor:
+    def _compute_batch(self, keys: list[Query]) -> torch.Tensor:
         """One ``generate`` call: the ``[B, V]`` next-token log-probabilities of ``keys``."""
         self._check_open()
         adapters = {}
@@ -171,5 +171,5 @@ class AsyncSGLTransformer(EngineLM):
         self._check_open()
         self.batcher.run_sync(self.sgl_model.flush_cache)
 
-    def _shutdown_engine(self) -> None:
+    def _stop_engine(self) -> None:
         self.sgl_model.shutdown()

@@ -150,11 +150,11 @@ class AsyncTokenCharacterTrie:
             return
         self._closed = True
         for batcher in self._batchers.values():
-            batcher.close(for_good=True, message=_CLOSED)
+            batcher.close(_CLOSED)
 
     def _stop_workers(self) -> None:
         for batcher in self._batchers.values():
-            batcher.close()
+            batcher.pause()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,7 +1,14 @@
-"""Hugging Face transformers backend: `AsyncTransformer` (the LM, `model`), its paged KV
-cache layer and attention (`paged`), the CUDA graphs of its decode steps (`graphs`), its
-LM head (`head`) and its loading options (`options`)."""
+"""Hugging Face transformers backend: `AsyncTransformer` (the LM, `model`), a step's inputs
+over the paged KV (`paged`), the transformers cache over the pool (`cache`), cascade
+attention (`attention`), the CUDA graphs of its decode steps (`graphs`), its LM head
+(`head`) and its loading options (`options`)."""
 
+from genlm.backend.llm.hf.attention import (
+    CASCADE_ATTENTION,
+    cascade_attention,
+    sdpa_or_cascade_attention,
+)
+from genlm.backend.llm.hf.cache import paged_cache
 from genlm.backend.llm.hf.model import (
     BASE_ADAPTER,
     DEFAULT_MAX_KV_BYTES,
@@ -10,15 +17,11 @@ from genlm.backend.llm.hf.model import (
     AsyncTransformer,
 )
 from genlm.backend.llm.hf.options import cache_keyword
-from genlm.backend.llm.hf.paged import (
-    CASCADE_MIN_SHARED,
-    cascade_attention,
-    paged_cache,
-    sdpa_or_cascade_attention,
-)
+from genlm.backend.llm.hf.paged import CASCADE_MIN_SHARED
 
 __all__ = [
     "BASE_ADAPTER",
+    "CASCADE_ATTENTION",
     "CASCADE_MIN_SHARED",
     "DEFAULT_MAX_KV_BYTES",
     "DEFAULT_MAX_LOGPROBS_BYTES",

@@ -37,9 +37,9 @@ from typing import Protocol
 import torch
 
 from genlm.backend.checks import first_line
+from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.paged import StepInputs, StepShape, cascade_blocks, exact_shape, host_step
-from genlm.backend.llm.prefix import QueryPlan
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ class DecodeGraphs:
         self.eager_steps = 0
         self._out: torch.Tensor | None = None  # allocated at the first capture
 
-    def run(self, plans: Sequence[QueryPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
+    def run(self, plans: Sequence[RowPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
         """The plans' decode step from a captured graph, rows into ``out``. False (nothing
         computed) when the step fits no bucket or graphs are off: run it eagerly."""
         if plans[0].new_tokens != 1:

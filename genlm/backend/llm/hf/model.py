@@ -3,8 +3,8 @@
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
 tokens. The request plan, the cache calls and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
-`TorchBlockPool`: one tensor per layer); this module is the forward over query plans
-(each a block chain and new tokens, one row of the batch), per group of plans with the
+`TorchBlockPool`: one tensor per layer); this module is the forward over a batch's row plans
+(each a block chain and new tokens, one row of the batch), per group of rows with the
 same number ``t`` of new tokens:
 
 1. builds the group's inputs (ids, positions, write and read slots) on the host as ONE
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,8 +72,10 @@ from genlm.backend.checks import (
     int_option,
 )
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
-from genlm.backend.kv.store import PrefixKVStore
+from genlm.backend.kv.store import PrefixKVStore, RowPlan, plan_order, row_groups
 from genlm.backend.kv.torch_pool import TorchBlockPool
+from genlm.backend.llm.hf.attention import CASCADE_ATTENTION, use_cascade
+from genlm.backend.llm.hf.cache import paged_cache, step_cache
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import (
@@ -82,17 +84,9 @@ from genlm.backend.llm.hf.options import (
     normalize_dtype,
     quiet_bitsandbytes,
 )
-from genlm.backend.llm.hf.paged import (
-    StepInputs,
-    attention_mask,
-    cascade_blocks,
-    paged_cache,
-    register_cascade,
-    step_cache,
-    step_inputs,
-)
+from genlm.backend.llm.hf.paged import StepInputs, attention_mask, cascade_blocks, step_inputs
 from genlm.backend.llm.loading import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM, QueryPlan, plan_groups
+from genlm.backend.llm.prefix import PrefixCachedLM
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -192,7 +186,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         layout, reason = self._probe_kv_layout()
         self._pool = None if layout is None else TorchBlockPool(layout)
         self._head = plain_head(self.model, self.vocab_size, self._input_device)
-        self._cascade = self._pool is not None and register_cascade(
+        self._cascade = self._pool is not None and use_cascade(
             self.model, self._pool.layout.num_layers
         )
         self._graphs = self._decode_graphs(batch_size) if cuda_graphs else None
@@ -206,7 +200,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
                 self._input_device, layout, max_kv_bytes, cuda_kv_memory_fraction
             ),
         )
-        self._init_prefix_cache(store, self._pool is not None, batch_size, timeout, "genlm-hf")
+        self._init_prefix_cache(store, batch_size, timeout, "genlm-hf")
 
     @classmethod
     def from_name(
@@ -378,30 +372,36 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
 
-    def _run_plans(self, plans: Sequence[QueryPlan]) -> torch.Tensor:
-        """The plans' logprobs as one ``[rows, vocab]`` batch of its own, in order (the tree
-        keeps views of its rows). Plans with the same number of new tokens (and adapter,
+    def _run_rows(self, rows: Sequence[RowPlan]) -> torch.Tensor:
+        """The rows' logprobs as one ``[rows, vocab]`` batch of its own, in order (the tree
+        keeps views of its rows). Rows with the same number of new tokens (and adapter,
         with ``lora_batching="grouped"``) run in one forward each, split to respect
-        ``max_batch_tokens``; without KV reuse, plans of one length together."""
+        ``max_batch_tokens``; without KV reuse, rows of one length together."""
         pool = self._pool
+        grouped = self.lora_batching == "grouped"
+        if pool is None:
+            groups = row_groups(rows, lambda row: len(row.ids))
+        else:
+            groups = row_groups(rows, lambda row: (row.new_tokens, grouped and row.lora))
         with torch.inference_mode():
             out = torch.empty(
-                (len(plans), self.vocab_size), dtype=torch.float32, device=self._output_device
+                (len(rows), self.vocab_size), dtype=torch.float32, device=self._output_device
             )
-            if pool is None:
-                return _grouped_batch(plans, lambda plan: len(plan.ids), self._run_without_kv, out)
-            grouped = self.lora_batching == "grouped"
+            offset = 0
+            for indices in groups:
+                same = [rows[i] for i in indices]
+                batch = out if len(groups) == 1 else out[offset : offset + len(same)]
+                offset += len(same)
+                if pool is None:
+                    self._run_without_kv(same, batch)
+                    continue
+                per_forward = max(1, self.max_batch_tokens // same[0].new_tokens)
+                for i in range(0, len(same), per_forward):
+                    self._run_group(pool, same[i : i + per_forward], batch[i : i + per_forward])
+            order = plan_order(groups)
+            return out if order is None else out[torch.tensor(order, device=out.device)]
 
-            def run(same: list[QueryPlan], out: torch.Tensor) -> None:
-                step = max(1, self.max_batch_tokens // same[0].new_tokens)
-                for i in range(0, len(same), step):
-                    self._run_group(pool, same[i : i + step], out[i : i + step])
-
-            return _grouped_batch(
-                plans, lambda plan: (plan.new_tokens, grouped and plan.lora), run, out
-            )
-
-    def _run_group(self, pool: TorchBlockPool, plans: list[QueryPlan], out: torch.Tensor) -> None:
+    def _run_group(self, pool: TorchBlockPool, plans: list[RowPlan], out: torch.Tensor) -> None:
         """One forward for plans sharing their number of new tokens: their logprobs into
         ``out``, and their new tokens' KV written into their chains. Its inputs reach the
         device as one tensor (`step_inputs`), so its ops do not grow with the plans or their
@@ -448,7 +448,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         reuse_logits: bool = True,
     ) -> None:
         """Cascade attention: the shared prefix is read once per layer; each row reads only
-        its own tokens (`sdpa_or_cascade_attention` picks it by the ``genlm_cache`` keyword)."""
+        its own tokens (the model's attention, `sdpa_or_cascade_attention`, picks it by the
+        ``genlm_cache`` keyword, which the model passes on to it)."""
         cache = step_cache(pool, step)
         self._forward_logprobs(
             loras,
@@ -468,7 +469,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         assert self._pool is not None  # graphs go with KV reuse
         self._cascade_forward(self._pool, step, [None] * step.input_ids.shape[0], out, False)
 
-    def _run_without_kv(self, plans: list[QueryPlan], out: torch.Tensor) -> None:
+    def _run_without_kv(self, plans: list[RowPlan], out: torch.Tensor) -> None:
         """Fallback for models without reusable KV: one plain forward of whole prefixes of
         one length, their logprobs into ``out``."""
         input_ids = torch.tensor([plan.ids for plan in plans], device=self._input_device)
@@ -499,7 +500,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     def _additive_or_boolean(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask`` as the model's attention wants it: boolean for sdpa, additive for eager."""
-        if self.model.config._attn_implementation == "sdpa":
+        if self.model.config._attn_implementation in ("sdpa", CASCADE_ATTENTION):
             return mask
         assert self._pool is not None  # masks go with KV reuse
         dtype = self._pool.layout.dtype
@@ -522,7 +523,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it."""
         implementation = getattr(self.model.config, "_attn_implementation", None)
-        if implementation not in ("sdpa", "eager"):
+        if implementation not in ("sdpa", "eager", CASCADE_ATTENTION):
             return None, f"attention implementation {implementation!r}"
         with torch.inference_mode():
             input_ids = torch.zeros((1, 1), dtype=torch.long, device=self._input_device)
@@ -559,27 +560,3 @@ def fixed_pool_capacity(
     free, _ = torch.cuda.mem_get_info(device)
     pool_bytes = max(int(free * memory_fraction), max_kv_bytes or 0)
     return 1 + pool_bytes // layout.block_bytes(BLOCK_SIZE)
-
-
-def _grouped_batch(
-    plans: Sequence[QueryPlan],
-    key: Callable[[QueryPlan], Hashable],
-    run: Callable[[list[QueryPlan], torch.Tensor], None],
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """``run`` (writing a group's ``[rows, vocab]`` batch into the slice of ``out`` it is
-    given) over the plans grouped by ``key``; the batch in the order of ``plans`` (one
-    group, the usual step: ``out`` itself)."""
-    groups = plan_groups(plans, key)
-    if len(groups) == 1:
-        run(list(plans), out)
-        return out
-    offset = 0
-    for indices in groups:
-        run([plans[i] for i in indices], out[offset : offset + len(indices)])
-        offset += len(indices)
-    order = [index for indices in groups for index in indices]
-    inverse = [0] * len(order)
-    for position, index in enumerate(order):
-        inverse[index] = position
-    return out[torch.tensor(inverse, device=out.device)]

@@ -1,5 +1,4 @@
-"""The paged KV layer of `AsyncTransformer`: a decode step's index tensors, the transformers
-`Cache` that writes and reads the pool's slots, and cascade attention.
+"""A step's inputs for `AsyncTransformer`'s paged KV: the index tensors of its rows.
 
 A step (rows with the same number ``t`` of new tokens) is described to the device by ONE
 int64 tensor built on the host with numpy (`step_inputs`): input ids, positions, write
@@ -12,21 +11,13 @@ their context length: one write and one gather per layer and K/V, whatever the b
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.prefix import QueryPlan
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from genlm.backend.kv.store import RowPlan
 
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
 
@@ -106,7 +97,7 @@ class StepInputs:
         )
 
 
-def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
+def shared_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
     """Blocks at the start of every plan's chain that all plans share, within every plan's
     past: the common prefix of the lexicographically first and last chains (so one pass
     over one chain, not over every plan's)."""
@@ -116,7 +107,7 @@ def shared_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
     return next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
 
 
-def cascade_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
+def cascade_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
     """The `shared_blocks` a step's cascade attention reads once for all its plans, or 0
     (no cascade: a lone plan, or fewer than ``CASCADE_MIN_SHARED`` shared tokens). The
     one decision for the eager step and its CUDA graph alike: a lone row reading its
@@ -127,7 +118,7 @@ def cascade_blocks(plans: Sequence[QueryPlan], block_size: int) -> int:
     return blocks if blocks * block_size >= CASCADE_MIN_SHARED else 0
 
 
-def exact_shape(plans: Sequence[QueryPlan], block_size: int, skip_blocks: int) -> StepShape:
+def exact_shape(plans: Sequence[RowPlan], block_size: int, skip_blocks: int) -> StepShape:
     """The smallest shape of the plans' step with ``skip_blocks`` shared blocks."""
     skip = skip_blocks * block_size
     past = max(plan.start for plan in plans) - skip
@@ -135,7 +126,7 @@ def exact_shape(plans: Sequence[QueryPlan], block_size: int, skip_blocks: int) -
 
 
 def host_step(
-    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, shape: StepShape, pin: bool
+    plans: Sequence[RowPlan], block_size: int, skip_blocks: int, shape: StepShape, pin: bool
 ) -> torch.Tensor:
     """The plans' inputs as one host int64 tensor laid out as ``shape`` (at least their
     `exact_shape`), built with numpy over each plan's own blocks (the shared
@@ -187,7 +178,7 @@ def host_step(
 
 
 def step_inputs(
-    plans: Sequence[QueryPlan], block_size: int, skip_blocks: int, device: torch.device
+    plans: Sequence[RowPlan], block_size: int, skip_blocks: int, device: torch.device
 ) -> StepInputs:
     """The plans' inputs in their `exact_shape`, moved to ``device`` in one copy (from
     pinned memory, non-blocking, on CUDA)."""
@@ -203,169 +194,3 @@ def attention_mask(first: torch.Tensor, past: int, new: int) -> torch.Tensor:
     keys = torch.arange(past + new, device=first.device)
     queries = torch.arange(past, past + new, device=first.device)
     return ((keys >= first[:, None, None]) & (keys <= queries[:, None]))[:, None]
-
-
-class _PagedLayer(DynamicLayer):
-    """A cache layer over one layer's block pool: update writes the new tokens' KV into
-    their slots and returns each row's KV gathered from its chain (``[rows, heads, past + t, dim]``)."""
-
-    def __init__(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        write: torch.Tensor,
-        read: torch.Tensor,
-        past_length: int,
-        shared: torch.Tensor | None = None,
-        shared_mask: torch.Tensor | None = None,
-    ):
-        super().__init__()
-        self.pool_keys, self.pool_values = keys, values
-        self.write, self.read, self.shared = write, read, shared
-        self.shared_mask = shared_mask
-        self.dtype, self.device = keys.dtype, keys.device
-        self.past_length = past_length
-        self.is_initialized = True
-
-    def shared_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefix every row shares (cascade attention), read once: ``[heads, shared, dim]``."""
-        return (
-            self.pool_keys[self.shared].transpose(0, 1),
-            self.pool_values[self.shared].transpose(0, 1),
-        )
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, heads, new, dim = key_states.shape
-        self.pool_keys.index_copy_(
-            0, self.write, key_states.transpose(1, 2).reshape(rows * new, heads, dim)
-        )
-        self.pool_values.index_copy_(
-            0, self.write, value_states.transpose(1, 2).reshape(rows * new, heads, dim)
-        )
-        return self.pool_keys[self.read].transpose(1, 2), self.pool_values[self.read].transpose(
-            1, 2
-        )
-
-    def get_seq_length(self) -> int:
-        return self.past_length
-
-
-def paged_cache(
-    pool: TorchBlockPool,
-    write: torch.Tensor,
-    read: torch.Tensor,
-    past_length: int,
-    shared: torch.Tensor | None = None,
-    shared_used: torch.Tensor | None = None,
-) -> Cache:
-    """A transformers `Cache` over ``pool`` whose layers write ``write`` slots and read
-    ``read`` rows (after the ``shared`` slots every row attends to, with cascade attention;
-    of them only the first ``shared_used`` when it is given)."""
-    mask = None
-    if shared is not None and shared_used is not None:
-        mask = torch.arange(shared.shape[0], device=shared.device) < shared_used
-    return Cache(
-        layers=[
-            _PagedLayer(layer[0], layer[1], write, read, past_length, shared, mask)
-            for layer in pool.layers
-        ]
-    )
-
-
-def step_cache(pool: TorchBlockPool, step: StepInputs) -> Cache:
-    """The paged cache of a step whose rows read the shared slots first (cascade)."""
-    used = step.shared_used if step.shared_padded else None
-    return paged_cache(pool, step.write.flatten(), step.read, step.past, step.shared, used)
-
-
-def cascade_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention over a prefix shared by every row plus each row's own tokens.
-
-    The shared keys are read once for all rows (one matmul per KV head over every row's
-    queries), each row's own keys (``key``/``value``, ``attention_mask`` a boolean
-    ``[rows, 1, new, own]`` mask) apart; the two softmax parts are merged exactly through
-    their running maximum and sums (log-sum-exp). The layer's paged cache comes in
-    ``kwargs["genlm_cache"]`` (see `sdpa_or_cascade_attention`); padding shared slots, if
-    any, are hidden by its ``shared_mask``.
-    """
-    layer = kwargs["genlm_cache"].layers[module.layer_idx]
-    shared_keys, shared_values = layer.shared_kv()
-    rows, q_heads, new, dim = query.shape
-    kv_heads = key.shape[1]
-    groups = q_heads // kv_heads
-    scale = dim**-0.5 if scaling is None else scaling
-    q = query.reshape(rows, kv_heads, groups * new, dim) * scale
-    flat = q.transpose(0, 1).reshape(kv_heads, rows * groups * new, dim)
-    shared = torch.matmul(flat, shared_keys.transpose(1, 2))
-    shared = shared.view(kv_heads, rows, groups * new, -1).transpose(0, 1)
-    if layer.shared_mask is not None:
-        shared = torch.where(layer.shared_mask, shared, float("-inf"))
-    own = torch.matmul(q, key.transpose(2, 3)).view(rows, kv_heads, groups, new, -1)
-    own = torch.where(attention_mask[:, :, None], own, float("-inf"))
-    own = own.view(rows, kv_heads, groups * new, -1)
-    top = torch.maximum(shared.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
-    shared = shared.sub_(top).exp_()
-    own = own.sub_(top).exp_()
-    total = shared.sum(-1, keepdim=True) + own.sum(-1, keepdim=True)
-    shared_out = torch.matmul(
-        shared.transpose(0, 1).reshape(kv_heads, rows * groups * new, -1), shared_values
-    )
-    out = shared_out.view(kv_heads, rows, groups * new, dim).transpose(0, 1)
-    out = (out + torch.matmul(own, value)) / total
-    return out.reshape(rows, q_heads, new, dim).transpose(1, 2), None
-
-
-def sdpa_or_cascade_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, Any]:
-    """transformers' ``sdpa`` attention, or `cascade_attention` for a forward that passes
-    its paged cache as ``genlm_cache=``: the choice is made per call, by that keyword.
-
-    Registered (by `register_cascade`) as the ``"sdpa"`` entry of transformers' attention
-    registry, so no model config is switched around a forward: every other forward, of
-    any model in any thread, passes no ``genlm_cache`` and gets plain ``sdpa``.
-    """
-    if "genlm_cache" in kwargs:
-        assert attention_mask is not None  # a cascade forward passes its boolean mask
-        return cascade_attention(module, query, key, value, attention_mask, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def register_cascade(model: PreTrainedModel, num_layers: int) -> bool:
-    """Register `sdpa_or_cascade_attention` as ``"sdpa"``; whether ``model`` runs ``sdpa``
-    and each of its attention modules (one per KV layer) looks ``sdpa`` up in a registry
-    that now answers it (a model with its own ``sdpa`` would ignore ``genlm_cache=``)."""
-    if model.config._attn_implementation != "sdpa":
-        return False
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("sdpa", sdpa_or_cascade_attention)
-    modules = [
-        module
-        for module in model.modules()
-        if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups")
-    ]
-    registries = [
-        getattr(sys.modules[type(module).__module__], "ALL_ATTENTION_FUNCTIONS", None)
-        for module in modules
-    ]
-    return len(modules) == num_layers and all(
-        registry is not None and registry.get_interface("sdpa", None) is sdpa_or_cascade_attention
-        for registry in registries
-    )

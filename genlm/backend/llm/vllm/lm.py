@@ -229,7 +229,7 @@ class AsyncVirtualLM(EngineLM):
             return
         probe = Query((self.tokenizer.bos_token_id or 0,))
         try:
-            self.batcher.run_sync(self._process_batch, [probe])
+            self.batcher.run_sync(self._compute_batch, [probe])
         except MissingRowsError as error:
             model_config = self.llm_engine.vllm_config.model_config
             if model_config.max_logprobs != -1:
@@ -262,7 +262,7 @@ class AsyncVirtualLM(EngineLM):
         self._check_open()
         return self.llm_engine
 
-    def _process_batch(self, keys: list[_StepKey]) -> list[_StepAnswer]:  # type: ignore[override]
+    def _compute_batch(self, keys: list[_StepKey]) -> list[_StepAnswer]:  # type: ignore[override]
         """One engine step for a batch of queries and sample requests (see `_StepKey`)."""
         self._check_open()
         vllm = api.vllm_api()
@@ -420,7 +420,7 @@ class AsyncVirtualLM(EngineLM):
         super()._close()
         self.logprobs_capture.close()
 
-    def _shutdown_engine(self) -> None:
+    def _stop_engine(self) -> None:
         self.llm_engine = None
         self._handle.stop()
 
