@@ -396,9 +396,9 @@ def stacked_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
 class BatchedAsyncLM(AsyncLM):
     """An `AsyncLM` whose requests all go through one `AutoBatcher`.
 
-    Subclasses create ``self.batcher = AutoBatcher(self._answer_batch, ...,
-    copy_results=stacked_copies)`` (callers of the same prefix in one batch each get a row
-    of their own) and implement `_compute_batch` over distinct `Query` keys; this class
+    Subclasses create their batcher with `_make_batcher` (callers of the same prefix in one
+    batch each get a row of their own) and implement `_compute_batch` over distinct `Query`
+    keys; this class
     routes the public calls through it (the blocking ones run on the batcher's worker
     thread too, so they never race a batch). `_answer_batch` answers a request whose
     adapter was removed while it waited with its own `ValueError`, so the rest of its batch
@@ -415,6 +415,16 @@ class BatchedAsyncLM(AsyncLM):
     def _compute_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """The rows of distinct ``keys`` (each served by a registered adapter), in order,
         for one batch: the callers' own, or rows a cache keeps that `_owned` copies."""
+
+    def _make_batcher(
+        self, batch_size: int, timeout: float | None, name: str
+    ) -> AutoBatcher[Query, torch.Tensor]:
+        """The batcher of this LM's requests (it checks ``batch_size`` and ``timeout``): it
+        calls `_answer_batch`, and gives the second and later callers of a key in one batch
+        copies of their row (`stacked_copies`)."""
+        return AutoBatcher(
+            self._answer_batch, batch_size, timeout, name=name, copy_results=stacked_copies
+        )
 
     def _owned(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
         """`_compute_batch`'s rows as the callers' own (they are, unless a cache keeps them)."""

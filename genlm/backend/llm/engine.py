@@ -14,10 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from genlm.backend.batching import AutoBatcher
 from genlm.backend.cache import OutputCache
 from genlm.backend.checks import OptionCheck, dict_option, int_option
-from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
+from genlm.backend.llm.base import BatchedAsyncLM
 from genlm.backend.llm.request import Query
 
 
@@ -68,9 +67,7 @@ class EngineLM(BatchedAsyncLM):
         self.output_cache = (
             OutputCache(cache_size, **(cache_opts or {})) if cache_size > 0 else None
         )
-        self.batcher = AutoBatcher(
-            self._answer_batch, batch_size, timeout, name=name, copy_results=stacked_copies
-        )
+        self.batcher = self._make_batcher(batch_size, timeout, name)
         super().__init__(tokenizer)
 
     def _stop_engine(self) -> None:

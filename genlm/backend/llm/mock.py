@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genlm.backend.batching import AutoBatcher
-from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
+from genlm.backend.llm.base import BatchedAsyncLM
 from genlm.backend.llm.request import Query
 
 
@@ -30,9 +29,7 @@ class MockAsyncLM(BatchedAsyncLM):
 
     def __init__(self, tokenizer: Any, batch_size: int = 64, timeout: float | None = 0.02):
         # the batcher checks batch_size and timeout: before the vocabulary is decoded
-        self.batcher = AutoBatcher(
-            self._answer_batch, batch_size, timeout, name="genlm-mock", copy_results=stacked_copies
-        )
+        self.batcher = self._make_batcher(batch_size, timeout, "genlm-mock")
         super().__init__(tokenizer)
         rng = np.random.default_rng(0)
         logits = torch.from_numpy(rng.standard_normal((self.NUM_TABLES, self.vocab_size)) * 3)

@@ -19,7 +19,6 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
-from genlm.backend.batching import AutoBatcher
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import BatchPlan, KVNode, PrefixKVStore, RowPlan
 from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
@@ -71,9 +70,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     ) -> None:
         self.store = store
         self._row_nbytes = 4 * self.vocab_size  # a row of float32 logprobs
-        self.batcher = AutoBatcher(
-            self._answer_batch, batch_size, timeout, name=name, copy_results=stacked_copies
-        )
+        self.batcher = self._make_batcher(batch_size, timeout, name)
         self._queries: list[Query] = []  # prefixes queued by `add_query`
 
     @property
