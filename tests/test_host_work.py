@@ -201,6 +201,26 @@ def test_a_decode_step_walks_the_tree_from_the_previous_steps_nodes(smollm2_toke
                 context.append(rng.randrange(lm.vocab_size))
 
 
+def test_an_adapters_node_is_remembered_apart_from_the_base_models(mock):
+    """Each tree's node is remembered for its own key; a prefix's entry starts from its
+    parent's nodes, and remembering one for the prefix leaves the parent's as they were."""
+    from genlm.backend.kv.tree import KVNode
+    from genlm.backend.llm.prefix import node_hint, remember_node
+
+    parent = mock.validate_token_ids([4, 5, 6])
+    base, adapter, other = KVNode(), KVNode(), KVNode()
+    remember_node(parent, None, base)
+    remember_node(parent, "a", adapter)
+    child = mock.validate_token_ids([4, 5, 6, 7])
+    assert node_hint(child, None) is base and node_hint(child, "a") is adapter
+    assert node_hint(child, "b") is None and node_hint((4, 5, 6, 7), None) is None
+    remember_node(child, "a", other)
+    remember_node(child, "b", other)
+    assert node_hint(child, "a") is other and node_hint(child, "b") is other
+    assert node_hint(parent, "a") is adapter and node_hint(parent, "b") is None
+    assert node_hint(parent, None) is base
+
+
 def test_no_prefix_outlives_the_requests_of_a_decode_step(smollm2_tokenizer):
     """What validation and the tree keep of a prefix is a plain tuple (which the collector
     stops tracking), never a `TokenIds` (a tuple subclass, which every collection would

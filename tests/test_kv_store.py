@@ -74,7 +74,7 @@ def extend(store, chain, length, total):
 
 
 # The nodes a caller remembers, by store, then by (tree key, prefix), as the index of
-# validated prefixes does (`genlm.backend.llm.request.node_hint`); never told of evictions,
+# validated prefixes does (`genlm.backend.llm.prefix.node_hint`); never told of evictions,
 # prunes or dropped trees, which `find` must notice itself.
 REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

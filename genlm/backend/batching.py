@@ -204,13 +204,22 @@ class AutoBatcher(Generic[K, R]):
         work.add_done_callback(lambda done: self._deliver(batch, done))
 
     def _take_batch(self) -> dict[K, list[asyncio.Future[R]]]:
-        batch: dict[K, list[asyncio.Future[R]]] = {}
-        for key in list(self._pending):
-            waiters = [f for f in self._pending.pop(key) if not f.done()]
-            if waiters:
-                batch[key] = waiters
-            if len(batch) == self._batch_size:
-                break
+        """The next batch's keys and their callers still waiting (a caller's future is done
+        once it cancelled), at most ``batch_size`` keys in arrival order: the whole queue
+        when it fits (the usual flush, with no key hashed again), else its first keys."""
+        batch: dict[K, list[asyncio.Future[R]]]
+        if len(self._pending) <= self._batch_size:
+            batch, self._pending = self._pending, {}
+            if any(f.done() for waiters in batch.values() for f in waiters):
+                batch = {key: live for key, waiters in batch.items() if (live := _waiting(waiters))}
+        else:
+            batch = {}
+            for key in list(self._pending):
+                waiters = _waiting(self._pending.pop(key))
+                if waiters:
+                    batch[key] = waiters
+                if len(batch) == self._batch_size:
+                    break
         if not self._pending:
             self._cancel_timer()
             self._deadline_passed = False
@@ -339,3 +348,8 @@ def _running(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def _waiting(futures: list[asyncio.Future[R]]) -> list[asyncio.Future[R]]:
+    """The futures whose callers still wait (not cancelled, not answered)."""
+    return [future for future in futures if not future.done()]

@@ -31,7 +31,7 @@ from genlm.backend.kv.budget import SharedMemory, memory_nbytes
 
 # BlockCopy is also this module's name (SPEC lists it with the store's).
 from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain, NoKVPool
-from genlm.backend.kv.tree import KVNode, attached, kv_source, node_at, prune, subtree, walk
+from genlm.backend.kv.tree import KVNode, attached, kv_start, node_at, prune, subtree, walk
 
 __all__ = ["BatchPlan", "BlockCopy", "Chain", "KVNode", "PrefixKVStore", "RowPlan"]
 
@@ -65,27 +65,6 @@ class BatchPlan:
     cached: tuple[Any, ...]
     rows: tuple[RowPlan, ...]
     pin: bool = False
-
-
-def row_groups(rows: Sequence[RowPlan], key: Callable[[RowPlan], Hashable]) -> list[list[int]]:
-    """The positions of ``rows`` grouped by ``key``, groups in order of first appearance."""
-    groups: dict[Hashable, list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault(key(row), []).append(index)
-    return list(groups.values())
-
-
-def plan_order(groups: list[list[int]]) -> list[int] | None:
-    """Where each row of a plan lies in a batch computed group after group (`row_groups`,
-    each group's rows together, in the order of ``groups``): the rows to take, in the
-    plan's order (None: one group, the usual step, already in order)."""
-    if len(groups) == 1:
-        return None
-    order = [index for indices in groups for index in indices]
-    inverse = [0] * len(order)
-    for position, index in enumerate(order):
-        inverse[index] = position
-    return inverse
 
 
 class PrefixKVStore:
@@ -222,6 +201,7 @@ class PrefixKVStore:
         what it held is let go before the error propagates."""
         cached: list[Any] = []
         rows: list[RowPlan] = []
+        reuse = self.kv_reuse
         try:
             for slot, (ids, lora) in enumerate(queries):
                 node, depth = self.find(lora, ids, None if near is None else near[slot])
@@ -230,13 +210,13 @@ class PrefixKVStore:
                     cached.append(node.logprobs)
                     continue
                 cached.append(None)
-                source, start = self.kv_start(node, len(ids))
+                source, start = kv_start(node, len(ids)) if reuse else (None, 0)
+                target = node_at(node, ids)
                 if source is not None:
                     self.touch(source)
                     self.protect(source)
-                target = node_at(node, ids)
                 rows.append(RowPlan(slot, ids, lora, target, start, len(ids) - start, source))
-            if rows and self.kv_reuse:
+            if rows and reuse:
                 rows = self._with_chains(rows)
             if rows:  # a batch over the budget: the budget's worth (its rows are kept apart)
                 nbytes, budget = len(rows) * row_nbytes, self.max_logprobs_bytes
@@ -280,13 +260,8 @@ class PrefixKVStore:
         self._finish(plan.rows, 0)
 
     def kv_start(self, node: KVNode, length: int) -> tuple[KVNode | None, int]:
-        """Where a request for a prefix of ``length`` ids starts (``node``: the deepest node
-        on its path): the node whose chain holds the KV it reuses and the first token still
-        to run, at most ``length - 1`` (``(None, 0)``: no KV to reuse)."""
-        source = kv_source(node) if self.kv_reuse else None
-        if source is None or source.chain is None:
-            return None, 0
-        return source, min(source.depth, node.depth, length - 1)
+        """`genlm.backend.kv.tree.kv_start` with KV reuse, else ``(None, 0)``."""
+        return kv_start(node, length) if self.kv_reuse else (None, 0)
 
     def _with_chains(self, rows: list[RowPlan]) -> list[RowPlan]:
         """The rows with their own chains: room made for them in the pool first, then the
@@ -395,9 +370,12 @@ class PrefixKVStore:
         """Let go of least recently used unpinned chains until ``reserve_blocks`` more fit
         the budget and, in a pool sized once, are free (and at most ``max_kv_entries``
         chains are left)."""
-        limit = self.blocks.limit(reserve_blocks)
+        limit, most = self.blocks.limit(reserve_blocks), self.max_kv_entries
         lru = self._kv_lru
-        while lru and _over(self.blocks.budgeted, limit, len(lru), self.max_kv_entries):
+        while lru and (
+            (limit is not None and self.blocks.budgeted > limit)
+            or (most is not None and len(lru) > most)
+        ):
             node = next(iter(lru.values()))
             if id(node) in self._protected:
                 break
@@ -435,15 +413,14 @@ class PrefixKVStore:
             None if limit is None else limit - nbytes, None if most is None else most - entries
         )
 
-    def _evict_logprobs(self, limit: int | None, entries: int | None) -> None:
+    def _evict_logprobs(self, limit: int | None, most: int | None) -> None:
+        """Let go of least recently used logprobs until their memory is at most ``limit``
+        bytes and at most ``most`` are kept (None: no bound)."""
         lru = self._logprobs_lru
-        while lru and _over(self._memory.nbytes, limit, len(lru), entries):
+        while lru and (
+            (limit is not None and self._memory.nbytes > limit)
+            or (most is not None and len(lru) > most)
+        ):
             oldest = next(iter(lru.values()))
             self.set_logprobs(oldest, None)
             self._emptied.append(oldest)
-
-
-def _over(used: int, limit: int | None, kept: int, entries: int | None) -> bool:
-    """Whether an LRU budget is exceeded: ``used`` over ``limit`` or ``kept`` entries over
-    ``entries`` (None: no bound)."""
-    return (limit is not None and used > limit) or (entries is not None and kept > entries)

@@ -75,6 +75,16 @@ def kv_source(node: KVNode, search: int = 256) -> KVNode | None:
     return ancestor
 
 
+def kv_start(node: KVNode, length: int) -> tuple[KVNode | None, int]:
+    """Where a request for a prefix of ``length`` ids starts (``node``: the deepest node
+    on its path): the node whose chain holds the KV it reuses and the first token still
+    to run, at most ``length - 1`` (``(None, 0)``: no KV to reuse)."""
+    source = kv_source(node)
+    if source is None or source.chain is None:
+        return None, 0
+    return source, min(source.depth, node.depth, length - 1)
+
+
 def attached(node: KVNode) -> bool:
     """Whether ``node`` is still its parent's child (`prune` detaches a node and dropping a
     tree empties its nodes; an attached node's ancestors are attached, as a node is only

@@ -8,13 +8,15 @@ keeps the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`, `clear_kv
 `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with one meaning for every
 backend. A backend implements only the forward, `_run_rows`: it reads the (frozen) row
 plans, writes their new tokens' KV into their chains and returns their logprobs; it never
-calls the store or back up into this class.
+calls the store or back up into this class (`row_groups` and `plan_order` shape its
+forwards). Each row's node is remembered in its prefix's entry of the index of validated
+prefixes (`remember_node`), where the next step's plan starts its walk (`node_hint`).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
@@ -22,7 +24,7 @@ import torch
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import BatchPlan, KVNode, PrefixKVStore, RowPlan
 from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
-from genlm.backend.llm.request import Query, node_hint, remember_node
+from genlm.backend.llm.request import Query, TokenIds
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
 
@@ -243,3 +245,46 @@ def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each row, each with storage of its own (one dispatcher call, a kernel per
     row on CUDA): for a batch the logprobs budget cannot hold whole."""
     return list(torch._foreach_clone(rows))
+
+
+def node_hint(ids: Sequence[int], lora: str | None) -> KVNode | None:
+    """A node on the path of ``ids`` in the prefix tree of ``lora`` (None: the base
+    model's), remembered in their entry of the index of validated prefixes for them or for
+    their parent prefix (`PrefixKVStore.find` walks on from it), or None."""
+    entry = ids.entry if isinstance(ids, TokenIds) else None
+    if entry is None:
+        return None
+    return entry.node if lora is None else entry.adapter_nodes.get(lora)
+
+
+def remember_node(ids: Sequence[int], lora: str | None, node: KVNode) -> None:
+    """Remember ``node``, the node of ``ids`` in the prefix tree of ``lora``, in the entry
+    of ``ids`` (where they were validated here) for `node_hint`."""
+    entry = ids.entry if isinstance(ids, TokenIds) else None
+    if entry is None:
+        return
+    if lora is None:
+        entry.node = node
+    else:  # a copy: the dict may be the parent's
+        entry.adapter_nodes = {**entry.adapter_nodes, lora: node}
+
+
+def row_groups(rows: Sequence[RowPlan], key: Callable[[RowPlan], Hashable]) -> list[list[int]]:
+    """The positions of ``rows`` grouped by ``key``, groups in order of first appearance."""
+    groups: dict[Hashable, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(key(row), []).append(index)
+    return list(groups.values())
+
+
+def plan_order(groups: list[list[int]]) -> list[int] | None:
+    """Where each row of a plan lies in a batch computed group after group (`row_groups`,
+    each group's rows together, in the order of ``groups``): the rows to take, in the
+    plan's order (None: one group, the usual step, already in order)."""
+    if len(groups) == 1:
+        return None
+    order = [index for indices in groups for index in indices]
+    inverse = [0] * len(order)
+    for position, index in enumerate(order):
+        inverse[index] = position
+    return inverse

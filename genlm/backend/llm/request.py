@@ -5,14 +5,14 @@ A decode step's requests each extend by one id a prefix that the step before val
 `PrefixIndex` finds that prefix in O(1), by its length and last ids, and compares it
 with the request (tuple equality of exact ints), so only the new id's range is checked;
 its entry also keeps the prefix-tree nodes made for the prefix, from which the tree is
-walked in O(new tokens) (`node_hint`). Nothing here depends on how the interpreter
+walked in O(new tokens). Nothing here depends on how the interpreter
 hashes or serializes: ``type``, tuple equality, ``hash``, ``min`` and ``max`` only.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -29,28 +29,34 @@ class Query(NamedTuple):
     lora: str | None = None
 
 
+NO_NODES: dict[str, KVNode] = {}  # shared by entries without an adapter's node; never written
+
+
 class PrefixEntry:
-    """A validated prefix in a `PrefixIndex`, made from ``prefix`` (a plain tuple of exact
-    ints) and the entry of ``prefix[:-1]`` (``parent``), if any.
+    """A validated prefix in a `PrefixIndex`, made from ``prefix`` (a tuple of exact ints)
+    and the entry of ``prefix[:-1]`` (``parent``), if any.
 
     Its ids are ``head + tail``, plain tuples, which the collector walks once and then
     stops tracking (a tuple subclass, `TokenIds`, it would walk at every collection).
     ``head`` is its parent's, shared: a decode step's entry holds only the ids since that
     head, not a copy of the prompt per particle for the collector to walk; once the tail
-    would outgrow the head, the whole prefix becomes the head. ``nodes``: by tree key (an
-    adapter), a node on the path of its ids in that prefix tree: the node made for them
-    (`remember_node`), or until then its parent's.
+    would outgrow the head, the whole prefix becomes the head. ``node``: a node on the path
+    of its ids in the base model's prefix tree: the node made for them (`PrefixCachedLM`
+    remembers it), or until then its parent's; ``adapter_nodes``: the same by adapter,
+    its parent's dict until one is remembered (then a copy), so that a decode step's entry
+    allocates no dict.
     """
 
-    __slots__ = ("head", "nodes", "tail")
+    __slots__ = ("adapter_nodes", "head", "node", "tail")
 
     def __init__(self, prefix: tuple[int, ...], parent: PrefixEntry | None = None):
         if parent is None or len(prefix) > 2 * len(parent.head):
-            self.head: tuple[int, ...] = prefix
+            self.head: tuple[int, ...] = tuple(prefix)  # plain, whatever ``prefix`` is
             self.tail: tuple[int, ...] = ()
         else:
             self.head, self.tail = parent.head, prefix[len(parent.head) :]
-        self.nodes: dict[Hashable, KVNode] = {} if parent is None else dict(parent.nodes)
+        self.node: KVNode | None = None if parent is None else parent.node
+        self.adapter_nodes: dict[str, KVNode] = NO_NODES if parent is None else parent.adapter_nodes
 
     def __len__(self) -> int:
         return len(self.head) + len(self.tail)
@@ -75,10 +81,10 @@ class TokenIds(tuple[int, ...]):
     _hash: int
     entry: PrefixEntry | None
 
-    def __new__(cls, ids: Sequence[int], entry: PrefixEntry | None = None) -> TokenIds:
+    def __new__(cls, ids: Sequence[int]) -> TokenIds:
         self = super().__new__(cls, ids)
         self._hash = tuple.__hash__(self)
-        self.entry = entry
+        self.entry = None
         return self
 
     def __hash__(self) -> int:
@@ -88,21 +94,6 @@ class TokenIds(tuple[int, ...]):
         """What `copy` and `pickle` rebuild it from: its ids (not its entry, which holds
         nodes of this process's tree)."""
         return TokenIds, (tuple(self),)
-
-
-def node_hint(ids: Sequence[int], key: Hashable) -> KVNode | None:
-    """A node on the path of ``ids`` in the prefix tree of ``key``, remembered for them or
-    for their parent prefix (`PrefixKVStore.find` walks on from it), or None."""
-    entry = ids.entry if isinstance(ids, TokenIds) else None
-    return None if entry is None else entry.nodes.get(key)
-
-
-def remember_node(ids: Sequence[int], key: Hashable, node: KVNode) -> None:
-    """Remember ``node``, the node of ``ids`` in the prefix tree of ``key``, in the entry
-    of ``ids`` (where they were validated here) for `node_hint`."""
-    entry = ids.entry if isinstance(ids, TokenIds) else None
-    if entry is not None:
-        entry.nodes[key] = node
 
 
 # Ids at the end of a prefix that index it with its length (`PrefixIndex`).
@@ -135,11 +126,12 @@ class PrefixIndex:
         ``max``). ``TypeError``/``ValueError`` naming the first bad id and its position."""
         if operator.countOf(map(type, ids), int) != len(ids):
             ids = self._converted(ids)
-        prefix = tuple(ids)
+        prefix = TokenIds(ids)  # the one copy of the ids a request makes
         key = _index_key(len(prefix), prefix[-TAIL_IDS:])
         entry = self._get(key)
         if entry is not None and entry.holds(prefix, len(prefix)):
-            return TokenIds(prefix, entry)
+            prefix.entry = entry
+            return prefix
         parent = self._get(_index_key(len(prefix) - 1, prefix[-TAIL_IDS - 1 : -1]))
         if parent is not None and parent.holds(prefix, len(prefix) - 1):
             valid = 0 <= prefix[-1] < self.vocab_size
@@ -148,9 +140,9 @@ class PrefixIndex:
             valid = 0 <= min(prefix) and max(prefix) < self.vocab_size
         if not valid:
             raise_for_bad_id(prefix, self.vocab_size)
-        entry = PrefixEntry(prefix, parent)
+        prefix.entry = entry = PrefixEntry(prefix, parent)
         self._add(key, entry)
-        return TokenIds(prefix, entry)
+        return prefix
 
     def _converted(self, ids: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
         """Ids not all exact ints: as exact ints where each is an integer (an int subclass,

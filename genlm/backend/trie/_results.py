@@ -39,7 +39,7 @@ class ResultBlocks:
             latest released block is kept whatever its size, so a loop of calls larger than
             this still reuses one (leased blocks are the callers' and never count).
         min_bytes: smaller pageable results are plain new arrays: malloc serves them from
-            memory it holds (no fresh pages), in less time than a lease takes (~8 us).
+            memory it holds (no fresh pages), in less time than a lease takes.
     """
 
     def __init__(self, pinned: bool = False, max_bytes: int = 256 << 20, min_bytes: int = 1 << 17):

@@ -15,7 +15,7 @@ kernels (measured in ``benchmark/bench_trie.py``), so it is used instead and the
 matrix is only built if ``M`` is read or `sparse_kernels` is switched on. Results
 are float32 numpy arrays either way, so callers get the same types from both tries:
 on CUDA, one device-to-host copy per call into reused pinned blocks (`ResultBlocks`;
-about 4x faster than into fresh pageable memory). A caller who wants the result on the
+faster than into fresh pageable memory). A caller who wants the result on the
 device passes ``out=`` a tensor there, and no host copy is made.
 """
 

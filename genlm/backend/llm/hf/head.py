@@ -1,8 +1,8 @@
 """`OutputHead`: a model's LM head applied by `AsyncTransformer` itself, into reused memory.
 
 A transformers causal LM computes ``lm_head(base(...).last_hidden_state)`` into a fresh
-``[rows, vocab]`` tensor every step; on a CPU a fresh 25 MB tensor (128 rows of 49k
-tokens) is page-faulted in each time, as long as the rest of a tiny model's step. For a
+``[rows, vocab]`` tensor every step; on a CPU a fresh tensor of that size is page-faulted
+in each time (``benchmark/bench_host.py`` measures what that costs). For a
 model whose logits are exactly its head's output over its base model's last hidden state
 (`plain_head` checks it on a probe), the step runs the base model and this head: the
 tokenizer's columns only (no padding rows), into one buffer reused from step to step, and

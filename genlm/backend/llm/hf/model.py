@@ -72,7 +72,7 @@ from genlm.backend.checks import (
     int_option,
 )
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
-from genlm.backend.kv.store import PrefixKVStore, RowPlan, plan_order, row_groups
+from genlm.backend.kv.store import PrefixKVStore, RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.attention import CASCADE_ATTENTION, use_cascade
 from genlm.backend.llm.hf.cache import paged_cache, step_cache
@@ -86,7 +86,7 @@ from genlm.backend.llm.hf.options import (
 )
 from genlm.backend.llm.hf.paged import StepInputs, attention_mask, cascade_blocks, step_inputs
 from genlm.backend.llm.loading import check_vocab_fits
-from genlm.backend.llm.prefix import PrefixCachedLM
+from genlm.backend.llm.prefix import PrefixCachedLM, plan_order, row_groups
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -166,8 +166,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         )
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
-        # Read once: every prefix of every step is checked against it (a config lookup
-        # through transformers' __getattribute__ per prefix was ~3 us of each particle's step).
+        # Read once: every prefix of every step is checked against it (a config lookup goes
+        # through transformers' __getattribute__).
         self._max_positions: int | None = getattr(
             self.model.config.get_text_config(), "max_position_embeddings", None
         )
@@ -385,7 +385,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             groups = row_groups(rows, lambda row: (row.new_tokens, grouped and row.lora))
         with torch.inference_mode():
             out = torch.empty(
-                (len(rows), self.vocab_size), dtype=torch.float32, device=self._output_device
+                (len(rows), self._vocab_size), dtype=torch.float32, device=self._output_device
             )
             offset = 0
             for indices in groups:

@@ -104,8 +104,8 @@ class LogitsProcessorCapture:
     every request names its row, the processor fills it, and rows still NaN afterwards
     raise `MissingRowsError`. ``directory`` must be visible to the process that samples (a
     shared filesystem if that is another host; `AsyncVirtualLM.from_name` checks it with a
-    probe request). Files are reused from batch to batch (a fresh file costs ~1.5 ms of
-    CPU a step): `KEEP_FILES` stay between batches, `close` removes those too.
+    probe request). Files are reused from batch to batch (a fresh file's pages are
+    faulted in again): `KEEP_FILES` stay between batches, `close` removes those too.
     """
 
     engine_opts: dict[str, Any] = {"logits_processors": [CAPTURE_PROCESSOR]}
