@@ -451,7 +451,7 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     first = runs[0]
     merged = dict(first)
     for key, value in first.items():
-        if key.endswith("_ms") and value is not None:
+        if (key == "ms" or key.endswith("_ms")) and value is not None:
             merged[key] = statistics.median(run[key] for run in runs)
     merged["host_ms_runs"] = [run["host_ms"] for run in runs]
     return merged

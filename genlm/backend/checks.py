@@ -93,15 +93,6 @@ def int_option(minimum: int = 0) -> OptionCheck:
     return check
 
 
-def optional_int_option(minimum: int = 0) -> OptionCheck:
-    """An option that is an int >= ``minimum`` or None."""
-
-    def check(name: str, value: Any) -> None:
-        check_int(name, value, minimum, optional=True)
-
-    return check
-
-
 def choice_option(*choices: Any) -> OptionCheck:
     """An option that is one of ``choices``."""
 
