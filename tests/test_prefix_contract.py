@@ -420,8 +420,8 @@ def backend(request, monkeypatch, smollm2_tokenizer):
         harness = HFHarness(monkeypatch, model, smollm2_tokenizer, lora)
         yield harness
         for lm in harness.with_adapters:  # the shared model gets its plain layers back
-            if lm.runner.peft is not None:
-                lm.runner.peft.unload()
+            if lm.runner.forward.peft is not None:
+                lm.runner.forward.peft.unload()
     else:
         yield MlxHarness(monkeypatch, request.getfixturevalue("mlx_loaded"))
 

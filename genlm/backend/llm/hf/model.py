@@ -188,7 +188,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             fixed_capacity=None
             if layout is None
             else fixed_pool_capacity(
-                runner.input_device, layout, max_kv_bytes, cuda_kv_memory_fraction
+                runner.forward.input_device, layout, max_kv_bytes, cuda_kv_memory_fraction
             ),
         )
         self._init_prefix_cache(store, runner, batch_size, timeout, "genlm-hf")
@@ -248,7 +248,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     @property
     def device(self) -> torch.device:
         """The device of the model's output layer, where the returned rows are."""
-        return self.runner.output_device
+        return self.runner.forward.output_device
 
     @property
     def max_batch_tokens(self) -> int:
@@ -277,7 +277,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     ) -> torch.Tensor:
         """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
         ids, lora = self._query(token_ids, lora_name)
-        return self.batcher.run_sync(self.runner.uncached, ids, lora)
+        return self.batcher.run_sync(self.runner.forward.uncached, ids, lora)
 
     # -- LoRA ----------------------------------------------------------------------------------
 
