@@ -3,44 +3,13 @@
 Many particles await ``next_token_logprobs`` on prefixes that share most of their
 tokens. The request plan, the cache calls and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
-`TorchBlockPool`: one tensor per layer); `genlm.backend.llm.hf.runner.TransformerRunner`
-is the forward over a batch's row plans (each a block chain and new tokens, one row of
-the batch), per group of rows with the same number ``t`` of new tokens:
-
-1. builds the group's inputs (ids, positions, write and read slots) on the host as ONE
-   tensor that reaches the device in one copy (`genlm.backend.llm.hf.paged`), and runs
-   ONE forward over the ``rows x t`` new tokens with explicit position ids and a 4-D
-   mask (none when nothing is padded); a small `Cache` writes each layer's new KV into
-   the rows' blocks and reads each row's KV through its chain (left-padded to the
-   longest past with an all-zero block; the padding is masked). When the rows share a
-   prefix of at least ``CASCADE_MIN_SHARED`` tokens, `cascade_attention` reads the shared
-   blocks once per layer for all rows and only each row's own tokens through its chain;
-2. applies the LM head at the last position only, over the tokenizer's
-   ``len(byte_vocab)`` columns, and ``log_softmax``es them (float32) into a fresh
-   ``[rows, vocab]`` batch: for a model whose logits are its plain head's output
-   (`genlm.backend.llm.hf.head.plain_head`), the base model runs and `OutputHead`
-   projects into a reused logits buffer; any other model runs its own forward
-   (``logits_to_keep=1``). The base stores views of the batch's rows and the chains at
-   the requests' nodes (the batch's memory counted once in the logprobs budget).
-
-A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
-context length (tests/test_hf_step.py, benchmark/bench_host.py). With ``cuda_graphs=True``
-a decode step (one new token per row) on CUDA is a replay of its shape bucket's CUDA graph
-instead (`genlm.backend.llm.hf.graphs`); off by default: the eager step is the path a GPU
-has run, and graphs become the default once a GPU run shows them right and faster.
-
-Design choices (measured with benchmark/bench_lm.py, SmolLM2-135M, CPU):
-
-- Blocks, not per-row buffers: particles sharing a prompt share its blocks, so the KV
-  held is the prompt once plus each particle's own tokens (plus at most one partly
-  filled block per fork), and an extension by one token writes one token's KV.
-- Rows are grouped by ``t`` so no query row is padded (the usual step has ``t = 1``
-  for everyone; a fresh prompt or a recomputed prefix forms its own group), hence
-  no fully-masked attention rows and no NaNs from them.
-- Memory: KV stays within ``max_kv_bytes`` between batches (docs/kv-store.md); the
-  pool resizes one layer at a time, so it is never held twice while it copies. On CUDA
-  the pool is sized once, at construction (`fixed_pool_capacity`: at least the budget,
-  and a share of the free memory), and never moves.
+`TorchBlockPool`: one tensor per layer, in 16-token blocks, shared by the particles that
+share a prompt and copied on write where they fork), the forward over a batch's rows from
+`genlm.backend.llm.hf.runner.TransformerRunner`. This module checks the options, loads
+the model, probes whether its KV can be reused and sizes the pool: on CUDA once, at
+construction (`fixed_pool_capacity`: at least the budget, and a share of the free
+memory), elsewhere following what is held; KV stays within ``max_kv_bytes`` between
+batches (docs/kv-store.md).
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's

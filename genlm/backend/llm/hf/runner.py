@@ -1,11 +1,27 @@
 """`TransformerRunner`: `AsyncTransformer`'s forward over a batch's rows (a `RowRunner`).
 
-`PrefixCachedLM` hands it a plan's rows (`run`); it groups them by new tokens, builds
-each group's inputs (`genlm.backend.llm.hf.paged`) and runs each group as a replay of
-its decode step's CUDA graph (`genlm.backend.llm.hf.graphs`), a cascade step where the
-rows share a prefix, or chunks of at most ``max_batch_tokens`` over the pool's `Cache`,
-through the model's forward (`genlm.backend.llm.hf.forward.ModelForward`), and returns
-the rows' logprobs. It calls down only: never the store or the LM.
+`PrefixCachedLM` hands it a plan's rows (`run`: each a block chain and new tokens, one
+row of the batch); it calls down only, never the store or the LM. Per group of rows with
+the same number ``t`` of new tokens (no query row is padded, so no fully masked
+attention rows and no NaNs from them; the usual step has ``t = 1`` for everyone):
+
+1. the group's inputs (ids, positions, write and read slots) are built on the host as
+   ONE tensor that reaches the device in one copy (`genlm.backend.llm.hf.paged`), and
+   ONE forward runs over the ``rows x t`` new tokens with explicit position ids and a 4-D
+   mask (none when nothing is padded), through the model's forward
+   (`genlm.backend.llm.hf.forward.ModelForward`); a small `Cache` writes each layer's
+   new KV into the rows' blocks and reads each row's KV through its chain. When the rows
+   share a prefix of at least ``CASCADE_MIN_SHARED`` tokens, cascade attention reads the
+   shared blocks once per layer for all rows and only each row's own tokens through its
+   chain; longer groups run in chunks of ``max_batch_tokens``;
+2. the LM head runs at the last position only, over the tokenizer's columns, into a
+   fresh float32 ``[rows, vocab]`` batch of log-probabilities.
+
+A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
+context length (tests/test_hf_step.py, benchmark/bench_host.py). With ``cuda_graphs``
+a decode step on CUDA is a replay of its shape bucket's CUDA graph instead
+(`genlm.backend.llm.hf.graphs`); off by default: the eager step is the path a GPU has
+run, and graphs become the default once a GPU run shows them right and faster.
 """
 
 from __future__ import annotations
