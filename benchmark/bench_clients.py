@@ -148,7 +148,7 @@ class Probe:
             return output
 
         body.forward = forward
-        head = lm._head
+        head = lm.runner.forward.head
         if head is not None:  # the library's LM head is part of its forward
             logits = head.logits
 
@@ -167,8 +167,8 @@ class Probe:
         for name in ("next_token_logprobs", "batch_next_token_logprobs"):
             delattr(lm, name)
         del lm.model.base_model.forward
-        if lm._head is not None:
-            del lm._head.logits
+        if lm.runner.forward.head is not None:
+            del lm.runner.forward.head.logits
 
     def _awaited(self, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def call(*args: Any, **kwargs: Any) -> Any:

@@ -252,7 +252,7 @@ def library_steps(
 
     lm = AsyncTransformer(model, tokenizer, batch_size=n)
     gc.collect()  # the earlier configurations' garbage and this LM's construction, not the steps'
-    clock = ForwardClock(model, lm._head)
+    clock = ForwardClock(model, lm.runner.forward.head)
     profile = None if profile_from is None else StepProfile(lm)
     worker_counters: list[OpCounter] = []
     serve = lm._answer_batch

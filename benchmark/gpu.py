@@ -443,14 +443,26 @@ def library_lm(model: Any, tokenizer: Any, device: str, graphs: bool, **options:
         options["cuda_kv_memory_fraction"] = POOL_FRACTION
     if device.startswith("cuda") or not graphs:
         return hf_model.AsyncTransformer(model, tokenizer, **options)
-    with mock.patch.object(hf_model, "recorder_for", lambda device: EagerRecorder()):
+    # where the tree builds its graphs: the runner's module, or (before it) the LM's
+    try:
+        import genlm.backend.llm.hf.runner as builder
+    except ImportError:
+        builder = hf_model
+    with mock.patch.object(builder, "recorder_for", lambda device: EagerRecorder()):
         return hf_model.AsyncTransformer(model, tokenizer, **options)
+
+
+def decode_graphs(lm: Any) -> Any:
+    """The LM's `DecodeGraphs` (its runner's; a tree from before the runner held them
+    as ``_graphs``), or None without graphs."""
+    runner = getattr(lm, "runner", None)
+    return getattr(runner, "graphs", None) if runner is not None else getattr(lm, "_graphs", None)
 
 
 def graph_counts(lm: Any) -> dict[str, int | None] | None:
     """What the LM's decode steps ran as so far (`DecodeGraphs`' counters; None where the
     tree has no such counter), or None without graphs."""
-    graphs = getattr(lm, "_graphs", None)
+    graphs = decode_graphs(lm)
     if graphs is None:
         return None
     return {key: getattr(graphs, key, None) for key in ("replays", *GRAPH_EVENTS)}
@@ -483,7 +495,7 @@ def graph_check(
     forward, and the steps were replays (on a CPU: of the stand-in recorder)."""
     with library_lm(model, tokenizer, device, graphs=True, batch_size=64) as graphed:
         seen = _sis_contexts(graphed, prompt, plan.sis_particles, 2 * plan.sis_tokens)
-        graphs = graphed._graphs
+        graphs = decode_graphs(graphed)
         diff = _max_diff([(a, lm.next_token_logprobs_uncached(list(c))) for c, a in seen])
         detail = (
             "graphs off"
@@ -910,7 +922,7 @@ def _replay_ms(device: str, lm: Any) -> float | None:
     wall ms."""
     import torch
 
-    graphs = getattr(lm, "_graphs", None)
+    graphs = decode_graphs(lm)
     if graphs is None or not graphs.graphs:
         return None
     graph = next(reversed(graphs.graphs.values()))

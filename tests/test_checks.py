@@ -452,15 +452,15 @@ async def test_close_frees_the_trees_logprobs_and_kv_memory_the_lm_still_holds(
     lm.cache_kv([1, 2, 3])  # a pinned prompt, outside the budget
     await lm.batch_next_token_logprobs([[1, 2, 3, 4], [5, 6]])
     lm.add_query([7])
-    root, store, pool = lm.cache, lm.store, lm._pool
+    root, store, pool = lm.cache, lm.store, lm.runner.pool
     assert root.children and store.held_blocks and lm.kv_nbytes and store.logprobs_nbytes
     arrays = [] if kind == "fake" else [weakref.ref(array) for array in pool_memory(kind, pool)]
     assert pool_memory(kind, pool) and all(ref() is not None for ref in arrays)
-    assert kind != "hf" or lm._head._logits is not None
+    assert kind != "hf" or lm.runner.forward.head._logits is not None
     lm.close()
     lm.close()  # idempotent
     assert pool_memory(kind, pool) == [] and all(ref() is None for ref in arrays)
     assert store.held_blocks == 0 and store.logprobs_nbytes == 0 and store.roots == {}
     assert not root.children and lm._queries == []
-    assert kind != "hf" or lm._head._logits is None
+    assert kind != "hf" or lm.runner.forward.head._logits is None
     assert lm.kv_nbytes == 0 and not lm.cache.children and lm.cache.logprobs is None

@@ -111,7 +111,7 @@ def test_decode_steps_replayed_from_cuda_graphs_are_the_plain_forwards(tokenizer
             assert (got.cpu() - reference(cpu_model, ids, lm.vocab_size)).abs().max() <= TOL
         contexts = [contexts[-1] if i == 0 else c for i, c in enumerate(contexts)]  # a fork
         contexts = [c + [(7 * i + step) % 300 + 1] for i, c in enumerate(contexts)]
-    graphs = lm._graphs
+    graphs = lm.runner.graphs
     assert graphs is not None and graphs.failure is None, graphs and graphs.failure
     assert graphs.captures >= 1 and graphs.replays >= 12
 
@@ -125,21 +125,21 @@ def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(
     model = gpu.build_model("tiny", "cuda")
     model.load_state_dict(cpu_model.state_dict())
     lm = AsyncTransformer(model, tokenizer, batch_size=16, cuda_graphs=True)
-    forward = lm._graphs.forward
+    forward = lm.runner.graphs.forward
 
     def syncing(step, out):
         forward(step, out)
         if torch.cuda.is_current_stream_capturing():
             out.sum().item()
 
-    lm._graphs.forward = syncing
+    lm.runner.graphs.forward = syncing
     lm.next_token_logprobs_sync(prompt + prompt)
     contexts = [prompt + prompt + [i + 1] for i in range(5)]
     for step in range(4):
         for ids, got in zip(contexts, lm.batch_next_token_logprobs_sync(contexts), strict=True):
             assert (got.cpu() - reference(cpu_model, ids, lm.vocab_size)).abs().max() <= TOL
         contexts = [c + [(7 * i + step) % 300 + 1] for i, c in enumerate(contexts)]
-    assert lm._graphs.failure is not None and lm._graphs.replays == 0
+    assert lm.runner.graphs.failure is not None and lm.runner.graphs.replays == 0
     worker_stream = lm.batcher.run_sync(torch.cuda.current_stream)
     assert worker_stream == torch.cuda.default_stream()
     torch.cuda.synchronize()
@@ -149,7 +149,7 @@ def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(
         for ids, got in zip(contexts, other.batch_next_token_logprobs_sync(contexts), strict=True):
             assert (got.cpu() - reference(cpu_model, ids, lm.vocab_size)).abs().max() <= TOL
         contexts = [c + [step + 2] for c in contexts]
-    assert other._graphs.failure is None and other._graphs.replays >= 3
+    assert other.runner.graphs.failure is None and other.runner.graphs.replays >= 3
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
@@ -165,7 +165,7 @@ def test_a_decode_step_makes_no_host_sync(tokenizer, prompt, cuda_graphs):
         lm.batch_next_token_logprobs_sync(contexts)
         contexts = [c + [step + 2] for c in contexts]
     torch.cuda.synchronize()
-    replays = lm._graphs.replays if cuda_graphs else 0
+    replays = lm.runner.graphs.replays if cuda_graphs else 0
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -174,9 +174,9 @@ def test_a_decode_step_makes_no_host_sync(tokenizer, prompt, cuda_graphs):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if cuda_graphs:
-        assert lm._graphs.replays == replays + 1
+        assert lm.runner.graphs.replays == replays + 1
     else:
-        assert lm._graphs is None
+        assert lm.runner.graphs is None
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert syncs == []
 

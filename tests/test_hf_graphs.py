@@ -15,6 +15,7 @@ import torch
 from small_models import tiny_llama
 
 import genlm.backend.llm.hf.model as hf_model
+import genlm.backend.llm.hf.runner as hf_runner
 from genlm.backend.llm.hf import AsyncTransformer
 from genlm.backend.llm.hf.graphs import (
     MAX_ROWS,
@@ -62,7 +63,7 @@ def tiny_model(smollm2_tokenizer):
 @pytest.fixture
 def recorder(monkeypatch):
     recorder = CountingRecorder()
-    monkeypatch.setattr(hf_model, "recorder_for", lambda device: recorder)
+    monkeypatch.setattr(hf_runner, "recorder_for", lambda device: recorder)
     return recorder
 
 
@@ -103,10 +104,10 @@ def test_graphs_are_off_by_default_and_on_a_cpu(tiny_model, smollm2_tokenizer, r
     """The default is the eager step, the path a GPU has run; graphs only when asked for,
     and only where a recorder is (a CUDA device; here the stand-in)."""
     assert recorder_for(torch.device("cpu")) is None
-    assert AsyncTransformer(tiny_model, smollm2_tokenizer)._graphs is None
+    assert AsyncTransformer(tiny_model, smollm2_tokenizer).runner.graphs is None
     asked = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True)
-    assert asked._graphs is not None and asked._graphs.recorder is recorder
-    assert AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=False)._graphs is None
+    assert asked.runner.graphs is not None and asked.runner.graphs.recorder is recorder
+    assert AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=False).runner.graphs is None
 
 
 def test_a_bad_cuda_graphs_option_is_refused_before_any_work(tiny_model, smollm2_tokenizer):
@@ -132,9 +133,9 @@ async def test_replayed_steps_are_the_plain_forwards(
         contexts = [c + [(17 * i + step) % 500 + 1] for i, c in enumerate(contexts)]
     assert recorder.captures == 1  # one bucket: the rows, widths and shared slots stay in it
     assert recorder.replays == 5
-    assert lm._graphs.failure is None
+    assert lm.runner.graphs.failure is None
     # the capture's eager forward and two checked replays; no step ran eagerly
-    assert (lm._graphs.checks, lm._graphs.eager_steps) == (3, 0)
+    assert (lm.runner.graphs.checks, lm.runner.graphs.eager_steps) == (3, 0)
 
 
 def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
@@ -153,13 +154,15 @@ def test_steps_of_other_buckets_and_prefills_in_the_same_batch(
         queries = contexts + [list(range(200, 260))]
         assert_rows(tiny_model, lm, queries, lm.batch_next_token_logprobs_sync(queries))
     # 12 rows after a graph of 3 with the same widths: rows that vary, captured to spare
-    assert recorder.captures == 2 and [b.rows for b in lm._graphs.graphs] == [3, 24]
-    assert one_output_buffer(lm._graphs) and lm._graphs._out.shape[0] == 32  # batch_size
+    assert recorder.captures == 2 and [b.rows for b in lm.runner.graphs.graphs] == [3, 24]
+    assert (
+        one_output_buffer(lm.runner.graphs) and lm.runner.graphs._out.shape[0] == 32
+    )  # batch_size
     few = [c + [9, 9] for c in few]
     assert_rows(tiny_model, lm, few, lm.batch_next_token_logprobs_sync(few))
     many = [c + [9, 9] for c in many]  # 12 rows: held by the 24-row graph
     assert_rows(tiny_model, lm, many, lm.batch_next_token_logprobs_sync(many))
-    assert recorder.captures == 2 and [b.rows for b in lm._graphs.graphs] == [3, 24]
+    assert recorder.captures == 2 and [b.rows for b in lm.runner.graphs.graphs] == [3, 24]
 
 
 def one_output_buffer(graphs):
@@ -186,7 +189,7 @@ def sized_once(monkeypatch, tiny_model, smollm2_tokenizer, free_blocks=0):
 def test_a_cuda_pool_is_the_larger_of_the_budget_and_a_share_of_the_free_memory(
     tiny_model, smollm2_tokenizer, monkeypatch
 ):
-    layout = AsyncTransformer(tiny_model, smollm2_tokenizer)._pool.layout
+    layout = AsyncTransformer(tiny_model, smollm2_tokenizer).runner.pool.layout
     block = layout.block_bytes(16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * block, 0))
     cuda = torch.device("cuda")
@@ -227,7 +230,7 @@ def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
         tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=64, max_kv_bytes=40 * block
     )
     assert lm.store.capacity == lm.store.blocks.fixed_capacity == 41
-    addresses = [layer.data_ptr() for layer in lm._pool.layers]
+    addresses = [layer.data_ptr() for layer in lm.runner.pool.layers]
     prompt = list(range(3, 40))
     contexts = [prompt + [i + 1] for i in range(2)]  # 3 blocks each
     lm.batch_next_token_logprobs_sync(contexts)
@@ -245,7 +248,7 @@ def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
     lm.clear_kv_cache()
     lm.clear_cache()
     assert lm.store.capacity == 41
-    assert [layer.data_ptr() for layer in lm._pool.layers] == addresses
+    assert [layer.data_ptr() for layer in lm.runner.pool.layers] == addresses
     assert recorder.captures == 1 and recorder.eager_runs == 3
 
 
@@ -278,8 +281,8 @@ def test_a_lone_row_reads_no_shared_prefix_and_captures_once(
             assert_rows(tiny_model, lm, [context], [row])
         context = context + [(7 * step) % 500 + 1]
     assert recorder.captures == 1  # 70 to 165 keys: the 255-key width bucket
-    assert [(b.rows, b.past, b.shared) for b in lm._graphs.graphs] == [(1, 255, 16)]
-    assert lm._graphs.replays == 95
+    assert [(b.rows, b.past, b.shared) for b in lm.runner.graphs.graphs] == [(1, 255, 16)]
+    assert lm.runner.graphs.replays == 95
 
 
 def test_rows_sharing_fewer_than_the_cascade_minimum_take_no_shared_slots(
@@ -292,7 +295,7 @@ def test_rows_sharing_fewer_than_the_cascade_minimum_take_no_shared_slots(
     for step in range(3):
         assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
         contexts = [c + [step + 2] for c in contexts]
-    assert [(b.past, b.shared) for b in lm._graphs.graphs] == [(63, 16)]
+    assert [(b.past, b.shared) for b in lm.runner.graphs.graphs] == [(63, 16)]
 
 
 class Skewed(torch.overrides.TorchFunctionMode):
@@ -336,7 +339,7 @@ def test_a_replay_that_differs_from_the_eager_forward_turns_graphs_off(
     """At capture (skewed) or at the next step's check (stale): a warning, the step and
     every later one run eagerly, and every row served is right."""
     recorder = recorder()
-    monkeypatch.setattr(hf_model, "recorder_for", lambda device: recorder)
+    monkeypatch.setattr(hf_runner, "recorder_for", lambda device: recorder)
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=8)
     prompt = list(range(3, 50))
     lm.next_token_logprobs_sync(prompt)
@@ -345,13 +348,13 @@ def test_a_replay_that_differs_from_the_eager_forward_turns_graphs_off(
         for step in range(4):
             assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
             contexts = [c + [step + 2] for c in contexts]
-    assert lm._graphs.failure.startswith(
+    assert lm.runner.graphs.failure.startswith(
         "GraphMismatch: a replayed step differs from the eager forward by"
     )
     assert [r.getMessage() for r in caplog.records] == [
-        f"CUDA graphs off for this model, steps run eagerly ({lm._graphs.failure})"
+        f"CUDA graphs off for this model, steps run eagerly ({lm.runner.graphs.failure})"
     ]
-    assert lm._graphs.graphs == {}
+    assert lm.runner.graphs.graphs == {}
     assert recorder.replays == replays  # none after the failure
 
 
@@ -416,7 +419,7 @@ def test_a_capture_or_replay_that_raises_turns_graphs_off_and_the_step_runs_eage
     """The step that failed still returns its rows (eagerly), later steps too, and the
     recorder is never used again."""
     recorder = failing()
-    monkeypatch.setattr(hf_model, "recorder_for", lambda device: recorder)
+    monkeypatch.setattr(hf_runner, "recorder_for", lambda device: recorder)
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=8)
     prompt = [(13 * j) % 700 + 2 for j in range(70)]
     contexts = [prompt + [i + 1] for i in range(4)]
@@ -425,13 +428,15 @@ def test_a_capture_or_replay_that_raises_turns_graphs_off_and_the_step_runs_eage
         for step in range(6):
             assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
             contexts = [c + [(5 * i + step) % 300 + 1] for i, c in enumerate(contexts)]
-    assert lm._graphs.failure == message
+    assert lm.runner.graphs.failure == message
     assert [r.getMessage() for r in caplog.records] == [
         f"CUDA graphs off for this model, steps run eagerly ({message})"
     ]
-    assert lm._graphs.graphs == {} and recorder.captures == 1
+    assert lm.runner.graphs.graphs == {} and recorder.captures == 1
     assert recorder.replays == (4 if failing is FailsAtReplay else 0)
-    assert lm._graphs.eager_steps == (3 if failing is FailsAtReplay else 6)  # incl. the failed
+    assert lm.runner.graphs.eager_steps == (
+        3 if failing is FailsAtReplay else 6
+    )  # incl. the failed
 
 
 def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
@@ -447,7 +452,7 @@ def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
         for token in (2, 3, 4, 5):  # the prefill, the capture, two checked replays
             lm.batch_next_token_logprobs_sync(contexts)
             contexts = [c + [token] for c in contexts]
-        (graph,) = lm._graphs.graphs.values()
+        (graph,) = lm.runner.graphs.graphs.values()
         replays, graph.replay = [], lambda: replays.append(1)  # the replay itself not counted
         serve, counter = lm._answer_batch, OpCounter()
 
@@ -457,7 +462,7 @@ def test_a_replayed_step_launches_a_few_kernels_besides_its_replay_for_any_rows(
 
         lm._answer_batch = counted
         rows = lm._rows_sync([lm._query(c) for c in contexts])  # one row per caller
-        assert len(rows) == n and replays == [1] and lm._graphs.replays == 4
+        assert len(rows) == n and replays == [1] and lm.runner.graphs.replays == 4
         return counter.kernels
 
     few, many = kernels_besides_the_replay(8), kernels_besides_the_replay(128)
@@ -638,7 +643,7 @@ def test_smc_with_resampling_captures_a_handful_of_graphs_after_its_first_steps(
         distinct.append(len(set(map(tuple, particles))))
     assert min(distinct[16:]) < 80 and max(distinct[16:]) == 128  # falling and recovering
     assert captured[-1] - captured[15] <= 4, captured
-    assert lm._graphs.failure is None and lm._graphs.replays >= 240
+    assert lm.runner.graphs.failure is None and lm.runner.graphs.replays >= 240
 
 
 def test_a_shared_prefix_that_grows_runs_on_the_graph_it_had(
@@ -656,11 +661,11 @@ def test_a_shared_prefix_that_grows_runs_on_the_graph_it_had(
         if step in (0, 29):
             assert_rows(tiny_model, lm, contexts, rows)
         contexts = [c + [(11 * i + step) % 400 + 1] for i, c in enumerate(contexts)]
-    (bucket,) = lm._graphs.graphs
+    (bucket,) = lm.runner.graphs.graphs
     assert (bucket.shared, recorder.captures) == (64, 1)
     ancestor = contexts[0]  # 101 tokens: 6 full blocks
     contexts = [ancestor + [i + 1] for i in range(6)]
     for step in range(3):
         assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
         contexts = [c + [step + 2] for c in contexts]
-    assert list(lm._graphs.graphs) == [bucket] and recorder.captures == 1
+    assert list(lm.runner.graphs.graphs) == [bucket] and recorder.captures == 1

@@ -74,7 +74,7 @@ def test_a_model_that_changes_its_logits_runs_its_own_forward(smollm2_tokenizer,
     model = variant(cls, len(smollm2_tokenizer))
     assert plain_head(model, len(smollm2_tokenizer), torch.device("cpu")) is None
     lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=4)
-    assert lm._head is None
+    assert lm.runner.forward.head is None
     prompt = list(range(5, 40))
     rows = lm.batch_next_token_logprobs_sync([prompt + [7], prompt + [8]])
     for ids, row in zip([prompt + [7], prompt + [8]], rows, strict=True):
@@ -93,7 +93,7 @@ def test_a_hooked_or_wrapped_head_is_left_to_the_model(smollm2_tokenizer):
 def test_rows_through_the_head_are_the_models_own_forward(smollm2_tokenizer):
     model = tiny_llama(len(smollm2_tokenizer), std=0.3)
     lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=8)
-    assert lm._head is not None
+    assert lm.runner.forward.head is not None
     prompt = list(range(5, 90))
     contexts = [prompt + [i + 1] for i in range(6)]
     for step in range(3):

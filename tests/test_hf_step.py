@@ -255,7 +255,7 @@ def test_cascade_is_the_models_own_attention_and_transformers_sdpa_stays(smollm2
     with torch.inference_mode():
         before = model(input_ids=ids).logits
     with AsyncTransformer(model, smollm2_tokenizer) as lm:
-        assert lm._cascade and model.config._attn_implementation == CASCADE_ATTENTION
+        assert lm.runner.cascade and model.config._attn_implementation == CASCADE_ATTENTION
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
         with torch.inference_mode():
             assert torch.equal(model(input_ids=ids).logits, before)

@@ -51,20 +51,27 @@ class NullPool:
 
 
 class NullLM(PrefixCachedLM):
-    """A `PrefixCachedLM` whose forward costs one call per row, whatever the context."""
+    """A `PrefixCachedLM` whose forward costs one call per row, whatever the context (the
+    LM is its own `RowRunner`)."""
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
         store = PrefixKVStore(NullPool())
-        self._init_prefix_cache(store, 4 * PARTICLES, 0.02, "genlm-null")
+        self._init_prefix_cache(store, self, 4 * PARTICLES, 0.02, "genlm-null")
 
-    def _load_adapter(self, lora_path, lora_name):
+    def load_adapter(self, lora_path, lora_name):
         pass
 
-    def _unload_adapter(self, lora_name):
+    def unload_adapter(self, lora_name):
         pass
 
-    def _run_rows(self, rows):
+    def read_past(self, chain, tokens):
+        raise AssertionError("the null forward keeps no KV")
+
+    def free(self):
+        pass
+
+    def run(self, rows):
         return torch.zeros(len(rows), 2)
 
 

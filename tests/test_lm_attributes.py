@@ -127,3 +127,46 @@ def test_a_bad_assignment_is_refused_with_the_constructors_error(make, name, bad
             setattr(lm, name, bad)
         assert str(by_assignment.value) == str(by_constructor.value)
         assert (lm.batch_size, lm.timeout) == (4, 0.125)  # unchanged
+
+
+RUNNER_OPTIONS = [
+    pytest.param("hf", "max_batch_tokens", 4, 0, id="hf-max_batch_tokens"),
+    pytest.param("hf", "lora_batching", "grouped", "one", id="hf-lora_batching"),
+    pytest.param(
+        "mlx", "prefill_step_size", 4, 0, id="mlx-prefill_step_size", marks=pytest.mark.mlx
+    ),
+]
+
+
+@pytest.mark.parametrize("kind, name, good, bad", RUNNER_OPTIONS)
+def test_a_forward_option_assigned_reaches_the_runner(smollm2_tokenizer, kind, name, good, bad):
+    """A backend's forward options are its runner's: assigning one on the LM is checked as
+    the constructor checks it and changes the next forwards (rows still exact)."""
+    tokenizer = smollm2_tokenizer
+    if kind == "hf":
+        from small_models import tiny_llama
+
+        from genlm.backend.llm.hf import AsyncTransformer
+
+        lm = AsyncTransformer(tiny_llama(len(tokenizer), 16, 2, 1), tokenizer)
+        reference = lm.next_token_logprobs_uncached
+    else:
+        pytest.importorskip("mlx_lm")
+        from test_mlx import tiny_llama
+
+        from genlm.backend.llm.mlx import AsyncMlxLM
+
+        lm = AsyncMlxLM(tiny_llama(len(tokenizer), ["full_attention"]), tokenizer)
+        reference = None
+    with lm:
+        with pytest.raises((TypeError, ValueError)) as by_constructor:
+            type(lm).check_constructor_options({name: bad})
+        with pytest.raises(type(by_constructor.value)) as by_assignment:
+            setattr(lm, name, bad)
+        assert str(by_assignment.value) == str(by_constructor.value)
+        setattr(lm, name, good)
+        assert getattr(lm, name) == getattr(lm.runner, name) == good
+        prompt = list(range(5, 25))
+        row = lm.next_token_logprobs_sync(prompt)
+        if reference is not None:
+            assert (row - reference(prompt)).abs().max() <= 1e-4

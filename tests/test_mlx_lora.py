@@ -117,7 +117,7 @@ def test_an_adapter_shares_the_base_models_weight_arrays(lm, base_model):
     from mlx.utils import tree_flatten
 
     base_arrays = {id(a) for _, a in tree_flatten(base_model[0].parameters())}
-    adapter_arrays = {id(a) for _, a in tree_flatten(lm._adapters["a"].parameters())}
+    adapter_arrays = {id(a) for _, a in tree_flatten(lm.runner.adapters["a"].parameters())}
     assert base_arrays <= adapter_arrays
     assert len(adapter_arrays - base_arrays) == 2 * 2 * 7  # A and B of 7 linears in 2 blocks
 
@@ -202,7 +202,7 @@ async def test_removed_or_unknown_adapters_raise_value_error(lm, base_model, tmp
         lm.walk_cache(PROMPTS[0], lora_name="a")
     with pytest.raises(ValueError, match="'a'"):
         lm.remove_lora("a")
-    assert "a" not in lm._adapters and "a" not in lm.store.roots
+    assert "a" not in lm.runner.adapters and "a" not in lm.store.roots
     with pytest.raises(FileNotFoundError, match="missing"):
         lm.add_new_lora(tmp_path / "missing", "c")
     assert "c" not in lm.lora_paths

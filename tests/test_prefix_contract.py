@@ -82,7 +82,8 @@ class FakePool:
 
 
 class FakeLM(PrefixCachedLM):
-    """A `PrefixCachedLM` whose forward is a deterministic function of the KV it reads."""
+    """A `PrefixCachedLM` whose forward is a deterministic function of the KV it reads (the
+    LM is its own `RowRunner`)."""
 
     def __init__(
         self,
@@ -94,20 +95,26 @@ class FakeLM(PrefixCachedLM):
         kv_reuse=True,
     ):
         super().__init__(tokenizer)
-        self._pool = FakePool() if kv_reuse else None
-        store = PrefixKVStore(self._pool or NoKVPool("fake"), max_kv_bytes, max_logprobs_bytes)
-        self._init_prefix_cache(store, batch_size, timeout, "genlm-fake")
+        self.pool = FakePool() if kv_reuse else None
+        store = PrefixKVStore(self.pool or NoKVPool("fake"), max_kv_bytes, max_logprobs_bytes)
+        self._init_prefix_cache(store, self, batch_size, timeout, "genlm-fake")
         self.fed: list[int] = []  # tokens fed per forward
         self.fail = 0  # forwards still to fail
         self.adapters: set[str] = set()
 
-    def _load_adapter(self, lora_path, lora_name):
+    def load_adapter(self, lora_path, lora_name):
         self.adapters.add(lora_name)
 
-    def _unload_adapter(self, lora_name):
+    def unload_adapter(self, lora_name):
         self.adapters.discard(lora_name)
 
-    def _run_rows(self, plans):
+    def read_past(self, chain, tokens):
+        return self.pool.read(chain, tokens)
+
+    def free(self):
+        pass
+
+    def run(self, plans):
         if self.fail:
             self.fail -= 1
             raise RuntimeError("forward failed on purpose")
@@ -115,16 +122,16 @@ class FakeLM(PrefixCachedLM):
         results = []
         for plan in plans:
             assert plan.lora is None or plan.lora in self.adapters
-            if self._pool is None:
+            if self.pool is None:
                 assert plan.start == 0
                 entries = fake_entries(plan.ids, plan.lora)
             else:
-                entries = self._pool.read(plan.chain, plan.start)
+                entries = self.pool.read(plan.chain, plan.start)
                 new = fake_entries(plan.ids, plan.lora)[plan.start :]
                 for slot, entry in zip(
-                    self._pool.slots(plan.chain, len(plan.ids))[plan.start :], new, strict=True
+                    self.pool.slots(plan.chain, len(plan.ids))[plan.start :], new, strict=True
                 ):
-                    self._pool.data[slot] = entry
+                    self.pool.data[slot] = entry
                 entries += new
             results.append(fake_logprobs(entries, self.vocab_size))
         return torch.stack(results)
@@ -155,7 +162,7 @@ class Harness:
         raise NotImplementedError
 
     def pool(self, lm):
-        return lm._pool
+        return lm.runner.pool
 
 
 class ModelHarness(Harness):
@@ -195,7 +202,7 @@ class FakeHarness(Harness):
         self.lm.fail = times
 
     def pool_blocks(self, lm):
-        return len(lm._pool.data) // FAKE_BLOCK
+        return len(lm.runner.pool.data) // FAKE_BLOCK
 
     @staticmethod
     def past_tokens(past):
@@ -266,8 +273,8 @@ class HFHarness(ModelHarness):
         return references[key]
 
     def pool_blocks(self, lm):
-        layers = lm._pool.layers
-        assert len(layers) == lm._pool.layout.num_layers
+        layers = lm.runner.pool.layers
+        assert len(layers) == lm.runner.pool.layout.num_layers
         sizes = {layer.shape[1] for layer in layers}
         assert len(sizes) == 1
         return sizes.pop() // lm.store.block_size
@@ -366,8 +373,8 @@ class MlxHarness(ModelHarness):
         return MLX_REFERENCES[ids]
 
     def pool_blocks(self, lm):
-        sizes = {array.shape[0] for array in lm._pool.keys + lm._pool.values}
-        assert len(sizes) == 1 and len(lm._pool.keys) == lm._pool.layout.num_layers
+        sizes = {array.shape[0] for array in lm.runner.pool.keys + lm.runner.pool.values}
+        assert len(sizes) == 1 and len(lm.runner.pool.keys) == lm.runner.pool.layout.num_layers
         return sizes.pop() // lm.store.block_size
 
     @staticmethod
@@ -413,8 +420,8 @@ def backend(request, monkeypatch, smollm2_tokenizer):
         harness = HFHarness(monkeypatch, model, smollm2_tokenizer, lora)
         yield harness
         for lm in harness.with_adapters:  # the shared model gets its plain layers back
-            if lm._peft is not None:
-                lm._peft.unload()
+            if lm.runner.forward.peft is not None:
+                lm.runner.forward.peft.unload()
     else:
         yield MlxHarness(monkeypatch, request.getfixturevalue("mlx_loaded"))
 

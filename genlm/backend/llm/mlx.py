@@ -3,7 +3,7 @@
 The request plan, the cache calls, input validation and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, with the same meanings as for
 `AsyncTransformer`, the paged KV from `genlm.backend.kv` (an `MlxBlockPool`: a keys and a
-values ``mx.array`` per layer); this module is the forward over a batch's row plans (each
+values ``mx.array`` per layer); its `MlxRunner` is the forward over a batch's row plans (each
 a block chain and new tokens, one row of the batch), per adapter:
 
 1. prefills each row's new tokens but the last (rows with as many such tokens together,
@@ -156,104 +156,31 @@ class _PagedCache:
         )
 
 
-class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
-    """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
-
-    Each returned log-probability vector is the caller's own copy: editing it in place
-    changes nothing the cache holds.
+class MlxRunner:
+    """The forward of an mlx-lm model over a batch's rows (a `RowRunner`): one forward per
+    adapter through the paged pool (`_PagedCache`, mlx-lm's cache protocol), or without
+    KV reuse one per adapter and prefix length through a fresh mlx-lm cache.
 
     Args:
-        mlx_lm_model: a model from ``mlx_lm.load``.
-        tokenizer: its tokenizer (mlx-lm's ``TokenizerWrapper`` or the Hugging Face one).
-        batch_size: most requests per batch.
-        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
+        model: the mlx-lm model (its parameters evaluated).
+        vocab_size: the tokenizer's vocabulary: the columns of each row's logprobs.
+        pool: the KV pool (None: the model's KV cannot be reused).
         prefill_step_size: most tokens per row fed to the model in one prefill pass.
-        cache_size: most prefixes whose KV (and, apart, logprobs) are kept, least recently
-            used evicted first (0: nothing is kept between batches), over every adapter's
-            prefix tree together; prompts pinned with `cache_kv` are outside it.
-        max_kv_bytes: optional cap on the bytes of the KV blocks those prefixes hold.
-        max_logprobs_bytes: optional cap on the bytes of the cached log-probabilities.
     """
 
-    OPTION_CHECKS = {
-        **PrefixCachedLM.OPTION_CHECKS,
-        "prefill_step_size": int_option(minimum=1),
-        "cache_size": int_option(minimum=0),
-        "max_kv_bytes": check_budget,
-        "max_logprobs_bytes": check_budget,
-    }
-
     def __init__(
-        self,
-        mlx_lm_model: Any,
-        tokenizer: Any,
-        batch_size: int = 5,
-        timeout: float | None = 0.001,
-        prefill_step_size: int = 2048,
-        cache_size: int = 400,
-        *,
-        max_kv_bytes: int | None = None,
-        max_logprobs_bytes: int | None = None,
+        self, model: Any, vocab_size: int, pool: MlxBlockPool | None, prefill_step_size: int
     ):
-        mx = _import_mlx()
-        check_options(
-            self.OPTION_CHECKS,
-            {
-                "batch_size": batch_size,
-                "timeout": timeout,
-                "prefill_step_size": prefill_step_size,
-                "cache_size": cache_size,
-                "max_kv_bytes": max_kv_bytes,
-                "max_logprobs_bytes": max_logprobs_bytes,
-            },
-        )
-        super().__init__(_hf_tokenizer(tokenizer))
-        self.mlx_tokenizer = tokenizer
-        self.model = mlx_lm_model
+        self.model = model
+        self.vocab_size = vocab_size
+        self.pool = pool
         self.prefill_step_size = prefill_step_size
-        self.cache_size = cache_size
-        self.max_kv_bytes = max_kv_bytes
-        self.max_logprobs_bytes = max_logprobs_bytes
-        mx.eval(mlx_lm_model.parameters())
-        layout, reason = self._probe_kv_layout()
-        self._pool = None if layout is None else MlxBlockPool(layout)
-        self._adapters: dict[str, Any] = {}  # adapter name -> model holding its LoRA layers
-        store = PrefixKVStore(
-            self._pool or NoKVPool(reason),
-            max_kv_bytes=max_kv_bytes,
-            max_logprobs_bytes=max_logprobs_bytes,
-            max_kv_entries=cache_size,
-            max_logprobs_entries=cache_size,
-        )
-        self._init_prefix_cache(store, batch_size, timeout, "genlm-mlx")
+        self.adapters: dict[str, Any] = {}  # adapter name -> model holding its LoRA layers
 
-    @property
-    def max_context_length(self) -> int | None:
-        """The model's ``max_position_embeddings`` (None if its arguments have none), as HF."""
-        args = getattr(self.model, "args", None)
-        limit = getattr(args, "max_position_embeddings", None)
-        return limit if isinstance(limit, int) and limit > 0 else None
+    def free(self) -> None:
+        """Nothing to let go of: no buffer outlives a batch."""
 
-    @classmethod
-    def from_name(cls, model_name: str, **kwargs: Any) -> AsyncMlxLM:
-        """Load ``model_name`` (a local directory or hub id) with ``mlx_lm.load``.
-
-        The weights keep the dtype they are stored in; ``kwargs`` go to the constructor.
-        """
-        _import_mlx()
-        import mlx_lm
-
-        from genlm.backend.models import check_model_name, explained_load_errors
-
-        cls.check_constructor_options(kwargs)
-        path = check_model_name(model_name)
-        with explained_load_errors(model_name):
-            model, tokenizer = mlx_lm.load(path)[:2]
-        return cls(model, tokenizer, **kwargs)
-
-    # -- LoRA ----------------------------------------------------------------------------------
-
-    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
+    def load_adapter(self, lora_path: str, lora_name: str) -> None:
         """Load an mlx-lm adapter directory (``adapter_config.json``, ``adapters.safetensors``)
         into a model of its own: the base model and an adapter registered under the same
         name are untouched until it has loaded."""
@@ -272,21 +199,19 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
             ) from None
         model.eval()
         mx.eval(model.parameters())
-        self._adapters[lora_name] = model
+        self.adapters[lora_name] = model
 
-    def _unload_adapter(self, lora_name: str) -> None:
-        del self._adapters[lora_name]
+    def unload_adapter(self, lora_name: str) -> None:
+        del self.adapters[lora_name]
 
     def _model(self, lora: str | None) -> Any:
         """The model serving adapter ``lora`` (``None``: the base model)."""
-        return self.model if lora is None else self._adapters[lora]
+        return self.model if lora is None else self.adapters[lora]
 
-    # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
-
-    def _run_rows(self, rows: Sequence[RowPlan]) -> torch.Tensor:
+    def run(self, rows: Sequence[RowPlan]) -> torch.Tensor:
         """One forward per adapter (without KV reuse: per adapter and prefix length); the
         rows' logprobs as one ``[rows, vocab]`` batch of its own."""
-        pool = self._pool
+        pool = self.pool
         if pool is None:
             groups = row_groups(rows, lambda row: (row.lora, len(row.ids)))
         else:
@@ -372,17 +297,126 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         logits = logits[:, -1, : self.vocab_size].astype(mx.float32)
         return logits - _logsumexp(logits)
 
-    def _read_past(self, chain: Chain, tokens: int) -> list[KVCache]:
+    def read_past(self, chain: Chain, tokens: int) -> list[KVCache]:
         """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
         (keys and values ``[1, kv_heads, tokens, head_dim]``)."""
         from mlx_lm.models.cache import KVCache
 
+        assert self.pool is not None  # chains go with KV reuse
         past = []
-        for keys, values in self.store.pool.read(chain, tokens):
+        for keys, values in self.pool.read(chain, tokens):
             layer = KVCache()
             layer.keys, layer.values, layer.offset = keys, values, tokens
             past.append(layer)
         return past
+
+
+class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
+    """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
+
+    Each returned log-probability vector is the caller's own copy: editing it in place
+    changes nothing the cache holds.
+
+    Args:
+        mlx_lm_model: a model from ``mlx_lm.load``.
+        tokenizer: its tokenizer (mlx-lm's ``TokenizerWrapper`` or the Hugging Face one).
+        batch_size: most requests per batch.
+        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
+        prefill_step_size: most tokens per row fed to the model in one prefill pass.
+        cache_size: most prefixes whose KV (and, apart, logprobs) are kept, least recently
+            used evicted first (0: nothing is kept between batches), over every adapter's
+            prefix tree together; prompts pinned with `cache_kv` are outside it.
+        max_kv_bytes: optional cap on the bytes of the KV blocks those prefixes hold.
+        max_logprobs_bytes: optional cap on the bytes of the cached log-probabilities.
+    """
+
+    runner: MlxRunner
+
+    OPTION_CHECKS = {
+        **PrefixCachedLM.OPTION_CHECKS,
+        "prefill_step_size": int_option(minimum=1),
+        "cache_size": int_option(minimum=0),
+        "max_kv_bytes": check_budget,
+        "max_logprobs_bytes": check_budget,
+    }
+
+    def __init__(
+        self,
+        mlx_lm_model: Any,
+        tokenizer: Any,
+        batch_size: int = 5,
+        timeout: float | None = 0.001,
+        prefill_step_size: int = 2048,
+        cache_size: int = 400,
+        *,
+        max_kv_bytes: int | None = None,
+        max_logprobs_bytes: int | None = None,
+    ):
+        mx = _import_mlx()
+        check_options(
+            self.OPTION_CHECKS,
+            {
+                "batch_size": batch_size,
+                "timeout": timeout,
+                "prefill_step_size": prefill_step_size,
+                "cache_size": cache_size,
+                "max_kv_bytes": max_kv_bytes,
+                "max_logprobs_bytes": max_logprobs_bytes,
+            },
+        )
+        super().__init__(_hf_tokenizer(tokenizer))
+        self.mlx_tokenizer = tokenizer
+        self.model = mlx_lm_model
+        self.cache_size = cache_size
+        self.max_kv_bytes = max_kv_bytes
+        self.max_logprobs_bytes = max_logprobs_bytes
+        mx.eval(mlx_lm_model.parameters())
+        layout, reason = self._probe_kv_layout()
+        pool = None if layout is None else MlxBlockPool(layout)
+        runner = MlxRunner(mlx_lm_model, self.vocab_size, pool, prefill_step_size)
+        store = PrefixKVStore(
+            pool or NoKVPool(reason),
+            max_kv_bytes=max_kv_bytes,
+            max_logprobs_bytes=max_logprobs_bytes,
+            max_kv_entries=cache_size,
+            max_logprobs_entries=cache_size,
+        )
+        self._init_prefix_cache(store, runner, batch_size, timeout, "genlm-mlx")
+
+    @property
+    def max_context_length(self) -> int | None:
+        """The model's ``max_position_embeddings`` (None if its arguments have none), as HF."""
+        args = getattr(self.model, "args", None)
+        limit = getattr(args, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    @property
+    def prefill_step_size(self) -> int:
+        """Most tokens per row fed to the model in one prefill pass; assignable (checked as
+        the constructor's ``prefill_step_size``), with effect on the next batches."""
+        return self.runner.prefill_step_size
+
+    @prefill_step_size.setter
+    def prefill_step_size(self, value: int) -> None:
+        check_options(self.OPTION_CHECKS, {"prefill_step_size": value})
+        self.runner.prefill_step_size = value
+
+    @classmethod
+    def from_name(cls, model_name: str, **kwargs: Any) -> AsyncMlxLM:
+        """Load ``model_name`` (a local directory or hub id) with ``mlx_lm.load``.
+
+        The weights keep the dtype they are stored in; ``kwargs`` go to the constructor.
+        """
+        _import_mlx()
+        import mlx_lm
+
+        from genlm.backend.models import check_model_name, explained_load_errors
+
+        cls.check_constructor_options(kwargs)
+        path = check_model_name(model_name)
+        with explained_load_errors(model_name):
+            model, tokenizer = mlx_lm.load(path)[:2]
+        return cls(model, tokenizer, **kwargs)
 
     def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
         """Run one token to learn the KV shape, and whether this design can reuse it; check

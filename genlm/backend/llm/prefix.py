@@ -1,23 +1,23 @@
-"""`PrefixCachedLM`: the shared half of every backend whose KV lives in a `PrefixKVStore`.
+"""`PrefixCachedLM`: the shared half of every backend whose KV lives in a `PrefixKVStore`,
+composed with that backend's `RowRunner`.
 
 It composes a batch's work: the batcher hands it distinct queries, the store plans them
 (`PrefixKVStore.plan`: cached answers, and a `RowPlan` with its own chain for each query
-to compute), the backend's forward computes the plan's rows (`_run_rows`), and the store
-commits them (`PrefixKVStore.commit`), or releases the plan if the forward fails. It also
-keeps the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`, `clear_kv_cache`,
-`reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with one meaning for every
-backend. A backend implements only the forward, `_run_rows`: it reads the (frozen) row
-plans, writes their new tokens' KV into their chains and returns their logprobs; it never
-calls the store or back up into this class (`row_groups` and `plan_order` shape its
-forwards). Each row's node is remembered in its prefix's entry of the index of validated
-prefixes (`remember_node`), where the next step's plan starts its walk (`node_hint`).
+to compute), the backend's runner computes the plan's rows (`RowRunner.run`), and the
+store commits them (`PrefixKVStore.commit`), or releases the plan if the forward fails.
+It also keeps the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
+`clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with
+one meaning for every backend. A backend is its runner: it reads the (frozen) row plans,
+writes their new tokens' KV into their chains and returns their logprobs; it never calls
+the store or this class (`row_groups` and `plan_order` shape its forwards). Each row's
+node is remembered in its prefix's entry of the index of validated prefixes
+(`remember_node`), where the next step's plan starts its walk (`node_hint`).
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -27,6 +27,7 @@ from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
 from genlm.backend.llm.request import Query, TokenIds
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
+Past_co = TypeVar("Past_co", covariant=True)
 
 
 class CacheWalk(NamedTuple):
@@ -58,19 +59,56 @@ def _describe(past: Any) -> str:
     return f"<{type(past).__name__}>"
 
 
-class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
-    """An auto-batched LM with a prefix tree of cached logprobs and paged KV (`store`).
+class RowRunner(Protocol[Past_co]):
+    """A backend's forward over a batch's rows, and the model state it needs (adapters,
+    buffers); called on the batcher's worker thread, never calling back."""
 
-    Subclasses call `_init_prefix_cache` and implement `_run_rows`; ``Past`` is the type
-    of the KV copies `walk_cache` returns (`_read_past`).
+    def run(self, rows: Sequence[RowPlan]) -> torch.Tensor:
+        """Each row's next-token logprobs (float32), in order, as a ``[rows, vocab]`` batch
+        of its own (the tree keeps views of its rows). With KV reuse a row's chain is
+        allocated and its copies applied: read its first ``row.start`` tokens' KV from the
+        chain and write ``ids[start:]``'s into it; without, run the whole prefix."""
+        ...
+
+    def read_past(self, chain: Chain, tokens: int) -> Past_co:
+        """A copy of the KV of a chain's first ``tokens`` tokens (`walk_cache`'s ``past``)."""
+        ...
+
+    def load_adapter(self, lora_path: str, lora_name: str) -> None:
+        """Check and load an adapter under ``lora_name``, replacing one of that name only
+        once it has loaded (a failure leaves the model as it was)."""
+        ...
+
+    def unload_adapter(self, lora_name: str) -> None:
+        """Free a loaded adapter."""
+        ...
+
+    def free(self) -> None:
+        """Let go of the memory it keeps between batches (buffers, captured graphs)."""
+        ...
+
+
+class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
+    """An auto-batched LM with a prefix tree of cached logprobs and paged KV (`store`),
+    whose rows its `runner` computes.
+
+    Subclasses build the store and the runner and call `_init_prefix_cache`; ``Past`` is
+    the type of the KV copies `walk_cache` returns (`RowRunner.read_past`).
     """
 
     store: PrefixKVStore
+    runner: RowRunner[Past]
 
     def _init_prefix_cache(
-        self, store: PrefixKVStore, batch_size: int, timeout: float | None, name: str
+        self,
+        store: PrefixKVStore,
+        runner: RowRunner[Past],
+        batch_size: int,
+        timeout: float | None,
+        name: str,
     ) -> None:
         self.store = store
+        self.runner = runner
         self._row_nbytes = 4 * self.vocab_size  # a row of float32 logprobs
         self.batcher = self._make_batcher(batch_size, timeout, name)
         self._queries: list[Query] = []  # prefixes queued by `add_query`
@@ -79,28 +117,6 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     def kv_reuse(self) -> bool:
         """Whether requests reuse cached KV (else each runs its whole prefix)."""
         return self.store.kv_reuse
-
-    # -- backend hooks (worker thread) ---------------------------------------------------------
-
-    @abstractmethod
-    def _run_rows(self, rows: Sequence[RowPlan]) -> torch.Tensor:
-        """Each row's next-token logprobs (float32), in order, as a ``[rows, vocab]`` batch
-        of its own (the tree keeps views of its rows). With KV reuse a row's chain is
-        allocated and its copies applied: read its first ``row.start`` tokens' KV from the
-        chain and write ``ids[start:]``'s into it; without, run the whole prefix."""
-
-    def _read_past(self, chain: Chain, tokens: int) -> Past:
-        """A copy of the KV of a chain's first ``tokens`` tokens (`walk_cache`'s ``past``)."""
-        return self.store.pool.read(chain, tokens)
-
-    @abstractmethod
-    def _load_adapter(self, lora_path: str, lora_name: str) -> None:
-        """Check and load an adapter under ``lora_name``, replacing one of that name only
-        once it has loaded (a failure leaves the model as it was)."""
-
-    @abstractmethod
-    def _unload_adapter(self, lora_name: str) -> None:
-        """Free a loaded adapter."""
 
     # -- LoRA wiring: the model work on the worker, then that adapter's tree dropped ----------
 
@@ -111,11 +127,11 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         self.batcher.run_sync(self._unload_on_worker, lora_name)
 
     def _load_on_worker(self, lora_path: str, lora_name: str) -> None:
-        self._load_adapter(lora_path, lora_name)
+        self.runner.load_adapter(lora_path, lora_name)
         self.store.drop_root(lora_name)
 
     def _unload_on_worker(self, lora_name: str) -> None:
-        self._unload_adapter(lora_name)
+        self.runner.unload_adapter(lora_name)
         self.store.drop_root(lora_name)
 
     # -- public API ----------------------------------------------------------------------------
@@ -181,9 +197,11 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
 
     def _close(self) -> None:
         """Stop the worker, which waits for a running batch, then free the trees, their
-        logprobs, the KV pool's memory (`PrefixKVStore.free`) and the `add_query` queue."""
+        logprobs, the KV pool's memory (`PrefixKVStore.free`), the runner's buffers and the
+        `add_query` queue."""
         super()._close()
         self.store.free()
+        self.runner.free()
         self._queries = []
 
     # -- batch evaluation (worker thread) ------------------------------------------------------
@@ -204,7 +222,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         every query's logprobs, in order. Each row's node is remembered with its ids, for
         the next step's walk (`remember_node`)."""
         try:
-            rows = self._kept_rows(self._run_rows(plan.rows)) if plan.rows else []
+            rows = self._kept_rows(self.runner.run(plan.rows)) if plan.rows else []
         except BaseException:
             self.store.release(plan)
             raise
@@ -238,7 +256,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         source, start = self.store.kv_start(node, len(ids))
         if source is None or source.chain is None or not start:
             return CacheWalk(self.store.root(lora), 0, None, 0)
-        return CacheWalk(source, start, self._read_past(source.chain, start), source.depth)
+        return CacheWalk(source, start, self.runner.read_past(source.chain, start), source.depth)
 
 
 def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
