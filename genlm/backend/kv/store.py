@@ -201,7 +201,6 @@ class PrefixKVStore:
         what it held is let go before the error propagates."""
         cached: list[Any] = []
         rows: list[RowPlan] = []
-        reuse = self.kv_reuse
         try:
             for slot, (ids, lora) in enumerate(queries):
                 node, depth = self.find(lora, ids, None if near is None else near[slot])
@@ -210,13 +209,13 @@ class PrefixKVStore:
                     cached.append(node.logprobs)
                     continue
                 cached.append(None)
-                source, start = kv_start(node, len(ids)) if reuse else (None, 0)
+                source, start = self.kv_start(node, len(ids))
                 target = node_at(node, ids)
                 if source is not None:
                     self.touch(source)
                     self.protect(source)
                 rows.append(RowPlan(slot, ids, lora, target, start, len(ids) - start, source))
-            if rows and reuse:
+            if rows and self.kv_reuse:
                 rows = self._with_chains(rows)
             if rows:  # a batch over the budget: the budget's worth (its rows are kept apart)
                 nbytes, budget = len(rows) * row_nbytes, self.max_logprobs_bytes
@@ -370,12 +369,9 @@ class PrefixKVStore:
         """Let go of least recently used unpinned chains until ``reserve_blocks`` more fit
         the budget and, in a pool sized once, are free (and at most ``max_kv_entries``
         chains are left)."""
-        limit, most = self.blocks.limit(reserve_blocks), self.max_kv_entries
+        limit = self.blocks.limit(reserve_blocks)
         lru = self._kv_lru
-        while lru and (
-            (limit is not None and self.blocks.budgeted > limit)
-            or (most is not None and len(lru) > most)
-        ):
+        while lru and _over(self.blocks.budgeted, limit, len(lru), self.max_kv_entries):
             node = next(iter(lru.values()))
             if id(node) in self._protected:
                 break
@@ -417,10 +413,13 @@ class PrefixKVStore:
         """Let go of least recently used logprobs until their memory is at most ``limit``
         bytes and at most ``most`` are kept (None: no bound)."""
         lru = self._logprobs_lru
-        while lru and (
-            (limit is not None and self._memory.nbytes > limit)
-            or (most is not None and len(lru) > most)
-        ):
+        while lru and _over(self._memory.nbytes, limit, len(lru), most):
             oldest = next(iter(lru.values()))
             self.set_logprobs(oldest, None)
             self._emptied.append(oldest)
+
+
+def _over(used: int, limit: int | None, kept: int, most: int | None) -> bool:
+    """Whether an LRU budget is exceeded: ``used`` over ``limit`` or ``kept`` entries over
+    ``most`` (None: no bound)."""
+    return (limit is not None and used > limit) or (most is not None and kept > most)
