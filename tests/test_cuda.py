@@ -42,6 +42,28 @@ def prompt(tokenizer):
     return gpu.prompt_of(tokenizer, 20)
 
 
+# The share of free device memory a pool sized once for graphs takes here: the tests' LMs
+# share one device, and each is closed when its test ends.
+GRAPH_POOL_FRACTION = 0.01
+
+
+@pytest.fixture
+def open_lm():
+    """Make `AsyncTransformer`s (with graphs, a pool of `GRAPH_POOL_FRACTION`) that are
+    closed when the test ends, so that no test leaves device memory to the collector."""
+    made = []
+
+    def make(model, tokenizer, **options):
+        if options.get("cuda_graphs"):
+            options.setdefault("cuda_kv_memory_fraction", GRAPH_POOL_FRACTION)
+        made.append(AsyncTransformer(model, tokenizer, **options))
+        return made[-1]
+
+    yield make
+    for lm in made:
+        lm.close()
+
+
 def reference(model, ids, vocab_size):
     """Plain forward of the whole prefix on the model's device, no cache, float32 on the CPU."""
     device = model.get_input_embeddings().weight.device
@@ -58,11 +80,11 @@ def gather(lm, prefixes):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_batched_and_kv_reused_rows_match_cpu_forwards(tokenizer, prompt, attention):
+def test_batched_and_kv_reused_rows_match_cpu_forwards(open_lm, tokenizer, prompt, attention):
     cpu_model = gpu.build_model("tiny", "cpu", attn_implementation=attention)
     model = gpu.build_model("tiny", "cuda", attn_implementation=attention)
     model.load_state_dict(cpu_model.state_dict())
-    lm = AsyncTransformer(model, tokenizer, batch_size=16)
+    lm = open_lm(model, tokenizer, batch_size=16)
     first = [prompt, prompt[:7], prompt[:7] + [11], prompt[3:]]
     second = [prompt + [5], prompt[:7] + [11, 12], prompt[:7] + [13, 14, 15], prompt[3:] + [1]]
     for prefixes in (first, second):  # padded mixed lengths, then extensions of cached KV
@@ -77,10 +99,10 @@ def test_batched_and_kv_reused_rows_match_cpu_forwards(tokenizer, prompt, attent
     assert (lm.next_token_logprobs_sync(prompt + [5, 6]).cpu() - expected).abs().max() <= TOL
 
 
-def test_a_small_kv_budget_evicts_cuda_buffers_and_stays_exact(tokenizer, prompt):
+def test_a_small_kv_budget_evicts_cuda_buffers_and_stays_exact(open_lm, tokenizer, prompt):
     model = gpu.build_model("tiny", "cuda")
     budget = 64 * 1024
-    lm = AsyncTransformer(model, tokenizer, batch_size=8, max_kv_bytes=budget)
+    lm = open_lm(model, tokenizer, batch_size=8, max_kv_bytes=budget)
     contexts = [prompt[: 4 + i] for i in range(8)]
     for step in range(4):
         for ids, got in zip(contexts, gather(lm, contexts), strict=True):
@@ -89,21 +111,21 @@ def test_a_small_kv_budget_evicts_cuda_buffers_and_stays_exact(tokenizer, prompt
         contexts = [ids + [step + 1] for ids in contexts]
 
 
-def test_bfloat16_model_answers_float32_normalized_rows(tokenizer, prompt):
+def test_bfloat16_model_answers_float32_normalized_rows(open_lm, tokenizer, prompt):
     model = gpu.build_model("tiny-bf16", "cuda")
-    lm = AsyncTransformer(model, tokenizer)
+    lm = open_lm(model, tokenizer)
     for got in gather(lm, [prompt, prompt[:5], prompt[:5] + [9]]):
         assert got.dtype == torch.float32 and got.device.type == "cuda"
         assert abs(torch.logsumexp(got, 0).item()) <= TOL
 
 
-def test_decode_steps_replayed_from_cuda_graphs_are_the_plain_forwards(tokenizer, prompt):
+def test_decode_steps_replayed_from_cuda_graphs_are_the_plain_forwards(open_lm, tokenizer, prompt):
     """Particles forking and extending a shared prompt: every decode step after the first
     of its bucket is a graph replay, and every row is a CPU forward's."""
     cpu_model = gpu.build_model("tiny", "cpu")
     model = gpu.build_model("tiny", "cuda")
     model.load_state_dict(cpu_model.state_dict())
-    lm = AsyncTransformer(model, tokenizer, batch_size=16, cuda_graphs=True)
+    lm = open_lm(model, tokenizer, batch_size=16, cuda_graphs=True)
     lm.next_token_logprobs_sync(prompt + prompt)
     contexts = [prompt + prompt + [i + 1] for i in range(9)]  # 9 rows: a padding row
     for step in range(12):
@@ -116,7 +138,9 @@ def test_decode_steps_replayed_from_cuda_graphs_are_the_plain_forwards(tokenizer
     assert graphs.captures >= 1 and graphs.replays >= 12
 
 
-def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(tokenizer, prompt):
+def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(
+    open_lm, tokenizer, prompt
+):
     """A forward that syncs with the host while it is captured (refused, and the capture
     invalidated): the step and later ones run eagerly with rows equal to CPU forwards;
     the worker thread is back on the default stream, no capture is left underway
@@ -124,7 +148,7 @@ def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(
     cpu_model = gpu.build_model("tiny", "cpu")
     model = gpu.build_model("tiny", "cuda")
     model.load_state_dict(cpu_model.state_dict())
-    lm = AsyncTransformer(model, tokenizer, batch_size=16, cuda_graphs=True)
+    lm = open_lm(model, tokenizer, batch_size=16, cuda_graphs=True)
     forward = lm.runner.graphs.forward
 
     def syncing(step, out):
@@ -144,7 +168,7 @@ def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(
     assert worker_stream == torch.cuda.default_stream()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    other = AsyncTransformer(model, tokenizer, batch_size=16, cuda_graphs=True)
+    other = open_lm(model, tokenizer, batch_size=16, cuda_graphs=True)
     for step in range(4):
         for ids, got in zip(contexts, other.batch_next_token_logprobs_sync(contexts), strict=True):
             assert (got.cpu() - reference(cpu_model, ids, lm.vocab_size)).abs().max() <= TOL
@@ -153,13 +177,13 @@ def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_a_decode_step_makes_no_host_sync(tokenizer, prompt, cuda_graphs):
+def test_a_decode_step_makes_no_host_sync(open_lm, tokenizer, prompt, cuda_graphs):
     """The eager step (the default) and a replayed one: inputs in one pinned copy, rows
     out on the device; the host waits for nothing."""
     import warnings
 
     model = gpu.build_model("tiny", "cuda")
-    lm = AsyncTransformer(model, tokenizer, batch_size=64, cuda_graphs=cuda_graphs)
+    lm = open_lm(model, tokenizer, batch_size=64, cuda_graphs=cuda_graphs)
     contexts = [prompt + [i + 1] for i in range(64)]
     for step in range(4):  # with graphs: capture, two checked replays, one more
         lm.batch_next_token_logprobs_sync(contexts)
@@ -181,8 +205,36 @@ def test_a_decode_step_makes_no_host_sync(tokenizer, prompt, cuda_graphs):
     assert syncs == []
 
 
-def test_bad_ids_fail_before_the_device(tokenizer, prompt):
-    lm = AsyncTransformer(gpu.build_model("tiny", "cuda"), tokenizer)
+def test_a_default_lm_reserves_what_it_holds_and_gives_back_what_it_trims(tokenizer, prompt):
+    """No pool sized once without graphs: the caching allocator's reserve grows for a long
+    batch, comes back down when the pool trims, and back to the model's own after
+    `close()` (so a vLLM engine or another LM built next finds the memory free)."""
+    model = gpu.build_model("tiny", "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with_model = torch.cuda.memory_reserved()
+    lm = AsyncTransformer(model, tokenizer, batch_size=64, max_kv_bytes=1 << 20)
+    assert lm.store.blocks.fixed_capacity is None
+    started = lm.store.capacity
+    long_rows = [[i + 1] + prompt * 40 for i in range(32)]  # ~50 blocks each
+    lm.batch_next_token_logprobs_sync(long_rows)
+    grown = torch.cuda.memory_reserved()
+    assert (
+        lm.store.capacity > 8 * started
+        and grown > with_model + lm.store.capacity // 2 * lm.store.block_bytes
+    )
+    for _ in range(8):
+        lm.next_token_logprobs_sync(prompt[:3])
+    assert lm.store.capacity == started
+    trimmed = torch.cuda.memory_reserved()
+    assert trimmed - with_model <= (grown - with_model) / 4
+    lm.close()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() - with_model <= 4 << 20
+
+
+def test_bad_ids_fail_before_the_device(open_lm, tokenizer, prompt):
+    lm = open_lm(gpu.build_model("tiny", "cuda"), tokenizer)
     vocab = lm.vocab_size
     for bad in ([vocab], [1, -1], [vocab + 10**6]):
         with pytest.raises(ValueError, match=str(bad[-1])):

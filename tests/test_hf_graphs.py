@@ -8,6 +8,7 @@ the eager forward and the fallback when one fails. Every row is compared with a 
 transformers forward of its whole context. benchmark/gpu.sh runs the CUDA capture itself.
 """
 
+import functools
 import logging
 
 import pytest
@@ -16,6 +17,8 @@ from small_models import tiny_llama
 
 import genlm.backend.llm.hf.model as hf_model
 import genlm.backend.llm.hf.runner as hf_runner
+from genlm.backend.kv.pool import KVLayout
+from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf import AsyncTransformer
 from genlm.backend.llm.hf.graphs import (
     MAX_ROWS,
@@ -181,22 +184,48 @@ def sized_once(monkeypatch, tiny_model, smollm2_tokenizer, free_blocks=0):
     sized = hf_model.fixed_pool_capacity
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
     monkeypatch.setattr(
-        hf_model, "fixed_pool_capacity", lambda device, *args: sized(torch.device("cuda"), *args)
+        hf_model,
+        "fixed_pool_capacity",
+        lambda device, *args, **kwargs: sized(torch.device("cuda"), *args, **kwargs),
     )
     return block
 
 
-def test_a_cuda_pool_is_the_larger_of_the_budget_and_a_share_of_the_free_memory(
+def test_a_cuda_pool_for_graphs_is_the_larger_of_the_budget_and_a_share_of_the_free_memory(
     tiny_model, smollm2_tokenizer, monkeypatch
 ):
     layout = AsyncTransformer(tiny_model, smollm2_tokenizer).runner.pool.layout
     block = layout.block_bytes(16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * block, 0))
     cuda = torch.device("cuda")
-    assert hf_model.fixed_pool_capacity(torch.device("cpu"), layout, block, 0.5) is None
-    assert hf_model.fixed_pool_capacity(cuda, layout, 10 * block, 0.5) == 1 + 50
-    assert hf_model.fixed_pool_capacity(cuda, layout, 80 * block + 5, 0.5) == 1 + 80
-    assert hf_model.fixed_pool_capacity(cuda, layout, None, 0.25) == 1 + 25
+    sized = functools.partial(hf_model.fixed_pool_capacity, cuda_graphs=True)
+    assert sized(torch.device("cpu"), layout, block, 0.5) is None
+    assert sized(cuda, layout, 10 * block, 0.5) == 1 + 50
+    assert sized(cuda, layout, 80 * block + 5, 0.5) == 1 + 80
+    assert sized(cuda, layout, None, 0.25) == 1 + 25
+
+
+def test_a_default_lm_on_cuda_reserves_nothing_and_its_pool_follows_what_is_held(
+    tiny_model, smollm2_tokenizer, monkeypatch
+):
+    """Without graphs a CUDA pool is not sized once (whatever the free memory): it starts
+    small, grows for a batch and trims back, as on the CPU."""
+    block = sized_once(monkeypatch, tiny_model, smollm2_tokenizer, free_blocks=10_000)
+    layout = AsyncTransformer(tiny_model, smollm2_tokenizer).runner.pool.layout
+    assert (
+        hf_model.fixed_pool_capacity(torch.device("cuda"), layout, block, 0.5, cuda_graphs=False)
+        is None
+    )
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=8 * block)
+    assert lm.store.blocks.fixed_capacity is None
+    start = lm.store.capacity
+    assert start < 10_000
+    rows = [[i + 1] * 300 for i in range(8)]  # 19 blocks each, 152 in all
+    assert_rows(tiny_model, lm, rows, lm.batch_next_token_logprobs_sync(rows))
+    assert lm.store.capacity > start
+    for _ in range(4):
+        lm.batch_next_token_logprobs_sync([[7]])
+    assert lm.store.capacity == start
 
 
 def test_the_budget_is_what_a_cuda_pool_keeps_and_a_running_batch_may_use_the_rest(
@@ -669,3 +698,22 @@ def test_a_shared_prefix_that_grows_runs_on_the_graph_it_had(
         assert_rows(tiny_model, lm, contexts, lm.batch_next_token_logprobs_sync(contexts))
         contexts = [c + [step + 2] for c in contexts]
     assert list(lm.runner.graphs.graphs) == [bucket] and recorder.captures == 1
+
+
+def test_a_cuda_pool_gives_the_layers_it_replaces_back_to_the_device(monkeypatch):
+    """The caching allocator would keep a replaced layer reserved: a CUDA pool empties the
+    cache after each resize and after `free` (not after its first allocation)."""
+    layout = KVLayout(2, 2, 4, torch.float32, 4, torch.device("cuda"))
+    pool = TorchBlockPool(layout)
+    monkeypatch.setattr(pool, "_empty", lambda shape: torch.zeros(shape))
+    released = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(len(pool.layers)))
+    pool.resize(4)
+    assert released == []
+    pool.layers[1][:, 16:32] = 1.0
+    pool.resize(8)
+    assert released == [2] and pool.layers[1][:, 16:32].eq(1).all()
+    pool.resize(2)
+    assert released == [2, 2] and pool.layers[1][:, 16:32].eq(1).all()
+    pool.free()
+    assert released == [2, 2, 0]

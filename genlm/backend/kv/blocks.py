@@ -10,7 +10,7 @@ held by one count in C, a chain appended to within its last block keeps its tupl
 
 The pool's size (`capacity`) follows what is held: the lowest free block is handed out
 first, `grow_for` grows the pool once per batch, `trim` halves it while three quarters of
-it are free. A pool sized once (``fixed_capacity``: on CUDA, where captured graphs hold its
+it are free. A pool sized once (``fixed_capacity``: under CUDA graphs, which hold its
 addresses) is allocated at construction and never resized.
 """
 

@@ -17,8 +17,10 @@ class TorchBlockPool:
     """The KV blocks of every layer: ``layers[layer][0 / 1, block * block_size + offset, head, dim]``.
 
     One tensor per layer, so that a resize holds only one layer twice while it copies. A
-    store that sizes the pool once (on CUDA: captured graphs hold the layers' addresses)
-    resizes it only to allocate it.
+    store that sizes the pool once (CUDA graphs hold the layers' addresses) resizes it only
+    to allocate it. On CUDA the layers a resize or `free` replaces go back to the device
+    (the caching allocator would keep them reserved), so the pool holds on the device only
+    what it holds.
     """
 
     def __init__(self, layout: KVLayout, block_size: int = BLOCK_SIZE):
@@ -48,11 +50,19 @@ class TorchBlockPool:
             layer[:, :kept].copy_(old[:, :kept])
             self.layers[index] = layer
             del old, layer  # the old layer goes before the next one is allocated
+        self._release_replaced()
 
     def free(self) -> None:
         """Drop every layer (on CPU its memory map goes back to the system once no tensor
         uses it); the next `resize` allocates afresh."""
         self.layers = []
+        self._release_replaced()
+
+    def _release_replaced(self) -> None:
+        """On CUDA, hand the dropped layers' memory back to the device: a resize is rare (the
+        pool grows geometrically, trims between batches), so its sync costs little."""
+        if self.layout.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialized layer. On CPU, an anonymous memory map of its own: its pages cost

@@ -196,12 +196,12 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         self._queries = []
 
     def _close(self) -> None:
-        """Stop the worker, which waits for a running batch, then free the trees, their
-        logprobs, the KV pool's memory (`PrefixKVStore.free`), the runner's buffers and the
-        `add_query` queue."""
+        """Stop the worker, which waits for a running batch, then free the runner's buffers,
+        the trees, their logprobs and the KV pool's memory (`PrefixKVStore.free`; last, as
+        the pool gives a device's memory back) and the `add_query` queue."""
         super()._close()
-        self.store.free()
         self.runner.free()
+        self.store.free()
         self._queries = []
 
     # -- batch evaluation (worker thread) ------------------------------------------------------

@@ -19,7 +19,7 @@ syncs with the host, or whose kernels depend on the data), a warning is logged a
 and every later one run eagerly, the recorder never used again: a wrong row is never
 served, and a failed capture leaves the device as it found it (`CudaRecorder.capture`). A
 bucket captured again (dropped from the LRU) is not checked again: its kernels are the
-checked ones. The graphs hold the KV pool's addresses: on CUDA the pool is sized once and
+checked ones. The graphs hold the KV pool's addresses: with graphs on, the pool is sized once and
 never moves (`genlm.backend.llm.hf.model.fixed_pool_capacity`).
 
 Only the capture is CUDA's: `EagerRecorder` "replays" by running the forward again, so the

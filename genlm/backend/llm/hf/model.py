@@ -6,10 +6,11 @@ tokens. The request plan, the cache calls and the batcher come from
 `TorchBlockPool`: one tensor per layer, in 16-token blocks, shared by the particles that
 share a prompt and copied on write where they fork), the forward over a batch's rows from
 `genlm.backend.llm.hf.runner.TransformerRunner`. This module checks the options, loads
-the model, probes whether its KV can be reused and sizes the pool: on CUDA once, at
-construction (`fixed_pool_capacity`: at least the budget, and a share of the free
-memory), elsewhere following what is held; KV stays within ``max_kv_bytes`` between
-batches (docs/kv-store.md).
+the model, probes whether its KV can be reused and sizes the pool: the
+pool follows what is held (it grows for a batch, trims between batches), except under
+CUDA graphs, whose captures hold its addresses: then it is sized once, at construction
+(`fixed_pool_capacity`); KV stays within ``max_kv_bytes`` between batches
+(docs/kv-store.md).
 
 LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
 under the same budgets), and rows of several adapters share one forward: peft's
@@ -57,7 +58,7 @@ LORA_BATCHING = ("mixed", "grouped")
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
 # The share of the device's free memory (after the model is loaded) that a CUDA KV pool
-# takes at least (`cuda_kv_memory_fraction`'s default).
+# sized once for CUDA graphs takes at least (`cuda_kv_memory_fraction`'s default).
 CUDA_KV_MEMORY_FRACTION = 0.5
 
 
@@ -82,11 +83,12 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs (captured per
             shape bucket; `genlm.backend.llm.hf.graphs`); no effect elsewhere. Off by
             default until a GPU run shows them right and faster (docs/kv-store.md).
-        cuda_kv_memory_fraction: on a CUDA device, the KV pool is allocated here and never
-            resized: the larger of ``max_kv_bytes`` and this share of the device's free
-            memory (after the model is loaded), in ``(0, 1)``. Pinned prompts and a
-            running batch's rows must fit in it; a batch that cannot fails before any work.
-            No effect elsewhere (a CPU pool follows what is held).
+        cuda_kv_memory_fraction: with ``cuda_graphs=True`` on a CUDA device, the KV pool is
+            allocated here and never resized (the graphs hold its addresses): the larger of
+            ``max_kv_bytes`` and this share of the device's free memory (after the model is
+            loaded), in ``(0, 1)``. Pinned prompts and a running batch's rows must fit in
+            it; a batch that cannot fails before any work. No effect otherwise: the pool
+            follows what is held, on CUDA as on the CPU.
     """
 
     runner: TransformerRunner
@@ -157,7 +159,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             fixed_capacity=None
             if layout is None
             else fixed_pool_capacity(
-                runner.forward.input_device, layout, max_kv_bytes, cuda_kv_memory_fraction
+                runner.forward.input_device,
+                layout,
+                max_kv_bytes,
+                cuda_kv_memory_fraction,
+                cuda_graphs=cuda_graphs,
             ),
         )
         self._init_prefix_cache(store, runner, batch_size, timeout, "genlm-hf")
@@ -275,20 +281,26 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
 
 def fixed_pool_capacity(
-    device: torch.device, layout: KVLayout, max_kv_bytes: int | None, memory_fraction: float
+    device: torch.device,
+    layout: KVLayout,
+    max_kv_bytes: int | None,
+    memory_fraction: float,
+    *,
+    cuda_graphs: bool,
 ) -> int | None:
-    """The blocks of a KV pool on ``device`` sized once, at construction, as vLLM sizes its
-    KV cache, or None where the pool follows what is held.
+    """The blocks of a KV pool sized once, at construction, as vLLM sizes its KV cache, or
+    None where the pool follows what is held.
 
-    On CUDA: block 0 and the larger of the KV budget and ``memory_fraction`` of the
+    Sized once only for CUDA graphs on a CUDA device (their captures hold the layers'
+    addresses): block 0 and the larger of the KV budget and ``memory_fraction`` of the
     device's free memory. The budget stays a caching limit (what is kept between
     batches, `PrefixKVStore.evict`); the rest of the pool is room for a running batch's
     rows, so that a long run does not fail once its particles' own tokens outgrow the
-    budget. The pool never moves, so captured graphs hold its addresses for good (and
-    the caching allocator would keep a grown pool's memory anyway). Elsewhere None: a
-    CPU pool's unwritten blocks cost no memory and a shrunk one goes back to the system.
+    budget. Otherwise None: the pool grows for a batch and trims between batches, so an
+    LM never holds device memory it does not use (a vLLM engine or a second LM built
+    after it on the same GPU gets what is free).
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or not cuda_graphs:
         return None
     free, _ = torch.cuda.mem_get_info(device)
     pool_bytes = max(int(free * memory_fraction), max_kv_bytes or 0)
