@@ -116,7 +116,7 @@ def _checks() -> list[Check]:
         Check(lm, "call", f"{engine}.remove_lora", (1, ())),
         Check(lm, "call", f"{engine}.reset_prefix_cache", (0, ())),
         Check(lm, "fields", "vllm.config:VllmConfig", ("model_config", "cache_config", "scheduler_config", "lora_config", "parallel_config", "logging_config")),
-        Check(lm, "fields", "vllm.config:ModelConfig", ("max_logprobs", "max_model_len", "hf_config", "logits_processors")),
+        Check(lm, "fields", "vllm.config:ModelConfig", ("max_logprobs", "max_model_len", "hf_config", "logits_processors", "get_vocab_size")),
         Check(lm, "fields", "vllm.config:LoRAConfig", ("max_lora_rank",)),
         Check(lm, "fields", "vllm.outputs:RequestOutput", ("outputs", "finished")),
         Check(lm, "fields", "vllm.outputs:CompletionOutput", ("token_ids", "logprobs", "finish_reason")),

@@ -9,6 +9,7 @@ log-probabilities come from the stand-in's own logits function, not from the bac
 
 import abc
 import asyncio
+import errno
 import gc
 import hashlib
 import os
@@ -16,6 +17,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -38,7 +40,9 @@ from genlm.backend.llm.vllm import (
     logging_configured,
 )
 from genlm.backend.llm.vllm import api as api_module
+from genlm.backend.llm.vllm import capture as capture_module
 from genlm.backend.llm.vllm import loop as vllm_loop
+from genlm.backend.llm.vllm.capture import CaptureSpaceError
 from genlm.backend.llm.vllm.loop import EngineLoop, EngineLoopClosedError
 from genlm.backend.llm.vllm.processor import processor_class
 from genlm.backend.llm.vllm.sessions import EngineLimits, StepStalledError
@@ -647,6 +651,44 @@ def test_capture_files_are_reused_refilled_and_removed_after_a_failure_or_close(
     assert list(tmp_path.iterdir()) == []
 
 
+def room_for_rows(rows, width):
+    """A ``posix_fallocate`` for a directory with room for a file of ``rows`` rows alone."""
+    fallocate = os.posix_fallocate
+
+    def reserve(fd, offset, length):
+        if length > rows * width * 4:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, length)
+
+    return reserve
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="this OS has no posix_fallocate")
+async def test_a_batch_whose_new_capture_file_finds_no_room_fails_its_callers_alone(
+    lm, engine, tmp_path, monkeypatch
+):
+    """Files are made as batch sizes first occur: a batch of 4 needs a file of 4 rows where
+    only 2 fit, and fails its callers before the engine sees it; the engine serves on."""
+    lm.logprobs_capture = LogitsProcessorCapture(directory=str(tmp_path))
+    monkeypatch.setattr(os, "posix_fallocate", room_for_rows(2, lm.vocab_size))
+    await asyncio.gather(*(lm.next_token_logprobs(p) for p in PROMPTS[:2]))  # a file of 2
+    computed = len(engine.requests)
+    results = await asyncio.gather(
+        *(lm.next_token_logprobs(p + [7]) for p in PROMPTS), return_exceptions=True
+    )
+    needed = f"{4 * lm.vocab_size * 4:,} bytes"
+    assert all(
+        isinstance(r, CaptureSpaceError) and str(tmp_path) in str(r) and needed in str(r)
+        for r in results
+    ), results
+    assert len(engine.requests) == computed
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p + [7]) for p in PROMPTS[:2]))
+    for prompt, row in zip(PROMPTS[:2], rows, strict=True):
+        torch.testing.assert_close(row, expected_logprobs(prompt + [7], lm.vocab_size))
+    assert len(list(tmp_path.iterdir())) == 1  # the file of 2, reused
+    lm.close()
+
+
 def test_module_imports_without_vllm_and_from_name_names_the_extra():
     code = (
         "import sys\n"
@@ -721,6 +763,51 @@ async def test_from_name_takes_a_capture_with_a_shared_directory(fake_vllm, tmp_
         r.params.extra_args[CAPTURE_KEY][0].startswith(str(tmp_path)) for r in engine.requests
     )
     await serves_and_closes(lm)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fallocate"), reason="this OS has no posix_fallocate")
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_from_name_refuses_a_capture_directory_without_room_before_the_engine_starts(
+    fake_vllm, tmp_path, monkeypatch, batch_size
+):
+    """The file of a full batch (``batch_size`` rows, 20 by default, rounded up to a power
+    of two, of the model's vocabulary) is made before the engine starts."""
+    monkeypatch.setattr(os, "posix_fallocate", room_for_rows(0, 1))
+    capture = LogitsProcessorCapture(directory=str(tmp_path))
+    options = {} if batch_size is None else {"batch_size": batch_size}
+    with pytest.raises(CaptureSpaceError) as error:
+        AsyncVirtualLM.from_name("m", capture=capture, **options)
+    rows, width, message = 32 if batch_size is None else 4, fake_vllm.vocab_size, str(error.value)
+    assert f"({rows} rows of {width} float32 logits: {rows * width * 4:,} bytes" in message
+    assert str(tmp_path) in message and "--shm-size" in message
+    assert fake_vllm.built == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs Linux's /proc")
+async def test_from_name_moves_a_full_default_directory_to_the_temp_dir_before_the_engine_starts(
+    fake_vllm, tmp_path, monkeypatch, caplog
+):
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    monkeypatch.setattr(capture_module, "shared_memory_dir", lambda: str(shm))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    fallocate = os.posix_fallocate
+
+    def shm_is_full(fd, offset, length):
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == str(shm):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", shm_is_full)
+    lm = AsyncVirtualLM.from_name("m")
+    warnings = [r for r in caplog.records if r.name == capture_module.__name__]
+    assert len(warnings) == 1 and f"go to {tmp} " in warnings[0].getMessage()
+    (engine,) = fake_vllm.built
+    (probe,) = engine.requests
+    assert os.path.dirname(probe.params.extra_args[CAPTURE_KEY][0]) == str(tmp)
+    await serves_and_closes(lm)
+    assert list(shm.iterdir()) == []
 
 
 async def test_a_context_asked_again_replaces_its_paused_session(lm, engine):
@@ -871,12 +958,17 @@ def fake_vllm(monkeypatch, smollm2_tokenizer):
     `AsyncVirtualLM.from_name` runs on the stand-in; ``built`` lists the engines,
     ``rows_reach_us = False`` makes their capture write nothing, and ``runner`` ("V1" or
     "V2") is the model runner the engine's config picks, each loading the subclasses of its
-    own processor base class (`FakeV1Processor`, `FakeV2Processor`)."""
+    own processor base class (`FakeV1Processor`, `FakeV2Processor`); ``vocab_size`` is the
+    model's (``ModelConfig.get_vocab_size``)."""
     built = []
-    state = SimpleNamespace(built=built, rows_reach_us=True, runner="V1")
+    vocab_size = len(smollm2_tokenizer.get_vocab())
+    state = SimpleNamespace(built=built, rows_reach_us=True, runner="V1", vocab_size=vocab_size)
 
     def engine_config(args):
-        model_config = SimpleNamespace(logits_processors=getattr(args, "logits_processors", None))
+        model_config = SimpleNamespace(
+            logits_processors=getattr(args, "logits_processors", None),
+            get_vocab_size=lambda: state.vocab_size,
+        )
         return SimpleNamespace(
             args=args, use_v2_model_runner=state.runner == "V2", model_config=model_config
         )

@@ -11,6 +11,13 @@ each file once and reuse it step after step. `EngineLogprobsCapture` asks vLLM f
 row travels as Python lists through vLLM's output processing, and the first such request
 pays a one-off warm-up (seconds on CPU). Compared in ``benchmark/bench_vllm.py --captures``.
 
+Capture files take their whole size when they are made (`reserve_space`): a sparse file
+on a full tmpfs (``/dev/shm`` is 64 MB in Docker's and Kubernetes' containers by default)
+would kill the first process that writes into its mapping with SIGBUS instead. Where the
+directory has no room, a capture in the default directory moves to the temp dir for good
+(one logged warning), and one given its ``directory`` raises `CaptureSpaceError` (see
+`LogitsProcessorCapture`).
+
 The caller imports this module without vllm: it imports the standard library, numpy and
 torch. ``genlm.backend.llm.vllm.capture:FullLogitsCapture``, the processor's name before
 it had a module of its own, still loads the same class.
@@ -18,9 +25,12 @@ it had a module of its own, still loads the same class.
 
 from __future__ import annotations
 
+import errno
+import logging
 import math
 import mmap
 import os
+import shutil
 import tempfile
 import threading
 import weakref
@@ -39,6 +49,11 @@ from genlm.backend.llm.vllm.processor import processor_class
 if TYPE_CHECKING:
     from genlm.backend.llm.protocols import LogprobsCapture
 
+logger = logging.getLogger(__name__)
+
+# The errors of a file system without room for a file: full, over a size or a quota limit.
+NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
+
 
 def shared_memory_dir() -> str:
     """Where capture files go: RAM-backed ``/dev/shm`` when there is one, else the temp dir."""
@@ -48,20 +63,48 @@ def shared_memory_dir() -> str:
     return tempfile.gettempdir()
 
 
+def reserve_space(fd: int, size: int) -> None:
+    """Give the file ``fd`` its first ``size`` bytes now, so that a file system without room
+    raises ``OSError`` here (`NO_ROOM`) rather than SIGBUS at a write into a mapping:
+    ``posix_fallocate``, or zeros written where the OS has none (macOS) or the file system
+    cannot (``EOPNOTSUPP``)."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is not None:
+        try:
+            fallocate(fd, 0, size)
+            return
+        except OSError as error:
+            if error.errno != errno.EOPNOTSUPP:
+                raise
+    zeros = bytes(min(size, 1 << 20))
+    written = 0
+    while written < size:
+        written += os.pwrite(fd, zeros[: size - written], written)
+
+
 class MissingRowsError(RuntimeError):
     """The logits processor wrote no logits for some rows of a batch."""
 
 
+class CaptureSpaceError(OSError):
+    """A capture file found no room in its directory (nor in the fallback, if any)."""
+
+
 class _CaptureFile:
-    """A float32 file of ``capacity x width`` rows, memory-mapped here and reused batch
-    after batch (so the engine maps it once too); removed when closed or collected."""
+    """A float32 file of ``capacity x width`` rows, its space reserved (`reserve_space`),
+    memory-mapped here and reused batch after batch (so the engine maps it once too);
+    removed when closed or collected, or at once if it cannot be made."""
 
     def __init__(self, directory: str, capacity: int, width: int):
+        size = capacity * width * 4
         fd, self.path = tempfile.mkstemp(prefix="genlm-logits-", suffix=".f32", dir=directory)
         self._removal = weakref.finalize(self, Path(self.path).unlink, missing_ok=True)
         try:
-            os.ftruncate(fd, capacity * width * 4)
-            self._map = mmap.mmap(fd, capacity * width * 4)
+            reserve_space(fd, size)
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            self._removal()
+            raise
         finally:
             os.close(fd)
         self.rows = np.frombuffer(self._map, dtype=np.float32).reshape(capacity, width)
@@ -97,6 +140,44 @@ class _FileBatch:
         return self.rows
 
 
+# How to give the capture room (where its directory is a container's small /dev/shm).
+FIXES = (
+    "give /dev/shm more room with `docker run --shm-size=1g` or `--ipc=host` (Kubernetes: "
+    "an emptyDir volume with medium: Memory at /dev/shm), or name a local directory with room "
+    "with capture=LogitsProcessorCapture(directory=...), or use capture='logprobs' (no files)"
+)
+
+
+def _capacity(n: int) -> int:
+    """The rows of the file made for a batch of ``n``: rounded up to a power of two, so
+    that batches of nearby sizes share it."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _size(size: int) -> str:
+    """``size`` bytes, for a person."""
+    return f"{size:,} bytes ({size / 1e6:.1f} MB)"
+
+
+def _no_room(
+    error: OSError, capacity: int, width: int, directories: list[str]
+) -> CaptureSpaceError:
+    """The error for a file of ``capacity x width`` float32s that none of ``directories``
+    could hold (``error``: the last directory's)."""
+    free = []
+    for directory in directories:
+        try:
+            free.append(f"{directory} ({_size(shutil.disk_usage(directory).free)} free)")
+        except OSError:
+            free.append(directory)
+    return CaptureSpaceError(
+        error.errno,
+        f"No room for a vLLM capture file ({capacity} rows of {width} float32 logits: "
+        f"{_size(capacity * width * 4)}) in {' or in '.join(free)}: {error.strerror}. To fix: "
+        f"{FIXES}.",
+    )
+
+
 class LogitsProcessorCapture:
     """Full-vocabulary logits through vLLM's custom logits-processor interface.
 
@@ -106,6 +187,14 @@ class LogitsProcessorCapture:
     shared filesystem if that is another host; `AsyncVirtualLM.from_name` checks it with a
     probe request). Files are reused from batch to batch (a fresh file's pages are
     faulted in again): `KEEP_FILES` stay between batches, `close` removes those too.
+
+    A file takes its space when made (the first batch of its size): where the directory
+    has no room, the default directory gives way to the temp dir (on this host, so the
+    engine's processes here see it) for this file and the later ones, with one logged
+    warning; a ``directory`` given here has no fallback (it may be the one shared with
+    another machine). Where no directory has room, `CaptureSpaceError` names the
+    directory, the bytes needed and the fixes; it fails that batch's callers alone.
+    `AsyncVirtualLM.from_name` calls `check_room` before the engine starts.
     """
 
     engine_opts: dict[str, Any] = {"logits_processors": [CAPTURE_PROCESSOR]}
@@ -113,6 +202,9 @@ class LogitsProcessorCapture:
 
     def __init__(self, directory: str | None = None):
         self.directory = directory or shared_memory_dir()
+        fallback = tempfile.gettempdir()
+        same = os.path.realpath(fallback) == os.path.realpath(self.directory)
+        self._fallback = None if directory is not None or same else fallback
         self._free: list[_CaptureFile] = []
         self._lock = threading.Lock()  # for LMs that share this capture
 
@@ -129,13 +221,48 @@ class LogitsProcessorCapture:
         self._give_back(file)
 
     def _take(self, n: int, width: int) -> _CaptureFile:
-        """A free file with room for ``n`` rows of ``width``, else a new one (its rows
-        rounded up to a power of two, so that batches of nearby sizes share it)."""
+        """A free file with room for ``n`` rows of ``width``, else a new one (`_capacity`)."""
         with self._lock:
             for i, file in enumerate(self._free):
                 if file.width == width and file.capacity >= n:
                     return self._free.pop(i)
-        return _CaptureFile(self.directory, 1 << max(n - 1, 0).bit_length(), width)
+        return self._new_file(_capacity(n), width)
+
+    def check_room(self, n: int, width: int) -> None:
+        """Make the file a batch of ``n`` rows of ``width`` takes, and remove it: where no
+        directory has room for it, `CaptureSpaceError` now (before an engine starts)
+        rather than at the first batch that size; where only the fallback has, the
+        capture moves there now."""
+        self._new_file(_capacity(n), width).close()
+
+    def _new_file(self, capacity: int, width: int) -> _CaptureFile:
+        """A new file in the capture's directory, else in its fallback (moving there)."""
+        directory, fallback = self.directory, self._fallback
+        try:
+            return _CaptureFile(directory, capacity, width)
+        except OSError as error:
+            if error.errno not in NO_ROOM:
+                raise
+            if fallback is None:
+                raise _no_room(error, capacity, width, [directory]) from error
+        try:
+            file = _CaptureFile(fallback, capacity, width)
+        except OSError as error:
+            if error.errno not in NO_ROOM:
+                raise
+            raise _no_room(error, capacity, width, [directory, fallback]) from error
+        with self._lock:
+            moved, self.directory, self._fallback = self._fallback is not None, fallback, None
+        if moved:
+            logger.warning(
+                "No room for a vLLM capture file of %s in %s: capture files go to %s from "
+                "now on (to keep them in memory: %s)",
+                _size(capacity * width * 4),
+                directory,
+                fallback,
+                FIXES,
+            )
+        return file
 
     def _give_back(self, file: _CaptureFile) -> None:
         with self._lock:

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 # The highest sampling temperature vLLM's ``SamplingParams`` accepts.
 MAX_TEMPERATURE = 2.0
+# Most requests per batch unless ``batch_size`` says otherwise.
+DEFAULT_BATCH_SIZE = 20
 
 
 def hash_to_int(value: str) -> int:
@@ -127,7 +129,7 @@ class AsyncVirtualLM(EngineLM):
         logprobs_capture: LogprobsCapture,
         cache_size: int = 0,
         cache_opts: dict[str, Any] | None = None,
-        batch_size: int = 20,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         timeout: float | None = 0.02,
         stall_timeout: float = STALL_TIMEOUT,
     ):
@@ -185,6 +187,10 @@ class AsyncVirtualLM(EngineLM):
                 logits processor the engine options name (the capture's, engine_opts')
                 is checked against the engine's model runner before the engine starts
                 (`check_logits_processors`): the default's serves both.
+                A `LogitsProcessorCapture`'s directory must hold the file of a full batch
+                (``batch_size`` rows of the model's vocabulary), checked before the engine
+                starts (`LogitsProcessorCapture.check_room`): else the default directory
+                gives way to the temp dir, or `CaptureSpaceError` names the fixes.
             **kwargs: for the constructor (``cache_size``, ``batch_size``, ...).
         """
         # Every option checked before vllm is imported and an engine starts (~30 s on CPU).
@@ -200,6 +206,9 @@ class AsyncVirtualLM(EngineLM):
         args = vllm.AsyncEngineArgs(model=model_name, **opts)
         vllm_config = api.engine_config(args)
         check_logits_processors(vllm_config)
+        width = model_vocab_size(vllm_config)
+        if isinstance(logprobs_capture, LogitsProcessorCapture) and width is not None:
+            logprobs_capture.check_room(kwargs.get("batch_size", DEFAULT_BATCH_SIZE), width)
         engine = start_engine(
             lambda: vllm.AsyncLLMEngine.from_vllm_config(
                 vllm_config,
@@ -430,6 +439,14 @@ def engine_max_model_len(engine: Any) -> int | None:
     model_config = getattr(getattr(engine, "vllm_config", None), "model_config", None)
     length = getattr(model_config, "max_model_len", None)
     return length if isinstance(length, int) else None
+
+
+def model_vocab_size(vllm_config: Any) -> int | None:
+    """The width of the model's logits (``ModelConfig.get_vocab_size``), None where the
+    config publishes none."""
+    get_vocab_size = getattr(getattr(vllm_config, "model_config", None), "get_vocab_size", None)
+    size = get_vocab_size() if callable(get_vocab_size) else None
+    return size if isinstance(size, int) and size > 0 else None
 
 
 _OPEN_LMS: weakref.WeakSet[AsyncVirtualLM] = weakref.WeakSet()
