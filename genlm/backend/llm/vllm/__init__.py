@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING
 from genlm.backend._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .capture import EngineLogprobsCapture, LogitsProcessorCapture, MissingRowsError
+    from .capture import (
+        CaptureSpaceError,
+        EngineLogprobsCapture,
+        LogitsProcessorCapture,
+        MissingRowsError,
+    )
     from .defaults import engine_options, logging_configured
     from .lm import AsyncVirtualLM, hash_to_int
     from .processor import CAPTURE_KEY, CAPTURE_PROCESSOR
@@ -21,6 +26,7 @@ __all__ = [
     "LogitsProcessorCapture",
     "EngineLogprobsCapture",
     "MissingRowsError",
+    "CaptureSpaceError",
     "RequestEndedError",
     "StepStalledError",
     "CAPTURE_KEY",
@@ -38,6 +44,7 @@ __getattr__, __dir__ = lazy_exports(
         "LogitsProcessorCapture": ".capture",
         "EngineLogprobsCapture": ".capture",
         "MissingRowsError": ".capture",
+        "CaptureSpaceError": ".capture",
         "RequestEndedError": ".sessions",
         "StepStalledError": ".sessions",
         "CAPTURE_KEY": ".processor",
