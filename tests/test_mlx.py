@@ -181,10 +181,10 @@ def test_loads_float32_weights_and_the_configs_rope_theta(lm, default_model_dir)
 
 @pytest.mark.slow
 async def test_each_returned_row_holds_only_itself(lm, prompts):
-    rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in [*prompts[:3], prompts[0]]))
-    assert_rows_hold_only_themselves(
-        [*rows, lm.next_token_logprobs_sync(prompts[1])], lm.vocab_size
-    )
+    ids = [prompts["short"], prompts["mid"], prompts["long"], prompts["short"]]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in ids))
+    rows.append(lm.next_token_logprobs_sync(prompts["mid"]))
+    assert_rows_hold_only_themselves(rows, lm.vocab_size)
 
 
 async def test_single_request_matches_hf(lm, prompts, reference):
