@@ -242,10 +242,16 @@ def library_steps(
     steps: int,
     count_ops: bool,
     profile_from: int | None = None,
+    form: str = "batch",
 ) -> dict[str, Any]:
     """``steps`` decode steps of N particles through `AsyncTransformer`: per-step wall and
     host seconds, and the op count of the last step (when ``count_ops``); with
-    ``profile_from``, a `StepProfile` of the steps from that one on (``profile``)."""
+    ``profile_from``, a `StepProfile` of the steps from that one on (``profile``). A step
+    is one ``batch_next_token_logprobs_sync`` (``form="batch"``), or each particle an
+    asyncio task awaiting its own ``next_token_logprobs`` (``"tasks"``, as clients call:
+    each row the caller's own copy)."""
+    import asyncio
+
     import torch
 
     from genlm.backend.llm.hf import AsyncTransformer
@@ -263,6 +269,17 @@ def library_steps(
         worker_counters.append(counter)
         return rows
 
+    loop = asyncio.new_event_loop()
+
+    def step_rows(contexts: list[list[int]], lm: AsyncTransformer = lm) -> Any:
+        if form == "batch":
+            return lm.batch_next_token_logprobs_sync(contexts)
+
+        async def gathered() -> list[Any]:
+            return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+
+        return loop.run_until_complete(gathered())
+
     generator = torch.Generator().manual_seed(0)
     first = lm.batch_next_token_logprobs_sync([prompt])
     draws = torch.multinomial(first[0].exp(), n, replacement=True, generator=generator)
@@ -276,28 +293,30 @@ def library_steps(
             operator.countOf(map(type, context), int)
         checks.append(time.perf_counter() - start)
         last = count_ops and step == steps - 1
-        if last:
-            lm._answer_batch = counted  # type: ignore[method-assign]
+        if last:  # the batch form's path, and the batcher's (the tasks form's)
+            lm._answer_batch = lm.batcher.process_batch = counted  # type: ignore[method-assign]
         clock.seconds = 0.0
         start = time.perf_counter()
         if last:
             with OpCounter() as caller:
-                rows = lm.batch_next_token_logprobs_sync(contexts)
+                rows = step_rows(contexts)
             ops = caller.counts + worker_counters[-1].counts
             kernels = caller.kernels + worker_counters[-1].kernels
         elif profile is not None and profile_from is not None and step >= profile_from:
-            run = functools.partial(lm.batch_next_token_logprobs_sync, contexts)
+            run = functools.partial(step_rows, contexts)
             rows = profile.step(run) if step < steps - 4 else profile.count_retained(run)
         else:
-            rows = lm.batch_next_token_logprobs_sync(contexts)
+            rows = step_rows(contexts)
         wall = time.perf_counter() - start
         walls.append(wall)
         hosts.append(wall - clock.seconds)
-        tokens = torch.multinomial(rows.exp(), 1, generator=generator).flatten().tolist()
+        batch = rows if form == "batch" else torch.stack(rows)
+        tokens = torch.multinomial(batch.exp(), 1, generator=generator).flatten().tolist()
         contexts = [context + [token] for context, token in zip(contexts, tokens, strict=True)]
     clock.remove()
     lm.close()  # its tree, pool and worker must not weigh on the next configuration
-    del lm, rows, first
+    loop.close()
+    del lm, rows, batch, first
     return {
         "walls": walls,
         "hosts": hosts,
@@ -360,13 +379,19 @@ def floor_steps(model: Any, prompt: list[int], n: int, steps: int) -> dict[str, 
 
 
 def measure(
-    model: Any, tokenizer: Any, n: int, prompt_tokens: int, steps: int, warmup: int
+    model: Any,
+    tokenizer: Any,
+    n: int,
+    prompt_tokens: int,
+    steps: int,
+    warmup: int,
+    form: str = "batch",
 ) -> dict[str, Any]:
     import torch
 
     generator = torch.Generator().manual_seed(prompt_tokens)
     prompt = torch.randint(0, len(tokenizer), (prompt_tokens,), generator=generator).tolist()
-    library = library_steps(model, tokenizer, prompt, n, warmup + steps, True)
+    library = library_steps(model, tokenizer, prompt, n, warmup + steps, True, form=form)
     floor = floor_steps(model, prompt, n, warmup + steps)
     median: Callable[[list[float]], float] = lambda xs: 1e3 * statistics.median(xs[warmup:])  # noqa: E731
     filling: Callable[[list[float]], float] = lambda xs: 1e3 * statistics.median(xs[1:warmup])  # noqa: E731
@@ -400,10 +425,12 @@ def tiny_model() -> tuple[Any, Any]:
     return tiny_llama(len(tokenizer), max_positions=4096, attn_implementation="sdpa"), tokenizer
 
 
-def measure_here(n: int, prompt_tokens: int, steps: int, warmup: int) -> dict[str, Any]:
+def measure_here(
+    n: int, prompt_tokens: int, steps: int, warmup: int, form: str = "batch"
+) -> dict[str, Any]:
     """`measure` in this process, on the tiny Llama."""
     model, tokenizer = tiny_model()
-    return measure(model, tokenizer, n, prompt_tokens, steps, warmup)
+    return measure(model, tokenizer, n, prompt_tokens, steps, warmup, form)
 
 
 def profile_here(n: int, prompt_tokens: int, steps: int, warmup: int, top: int) -> str:
@@ -430,6 +457,7 @@ def measure_apart(
     warmup: int,
     fixed_malloc: bool = True,
     collector: bool = True,
+    form: str = "batch",
 ) -> dict[str, Any]:
     """`measure` in a fresh Python process: each configuration starts from the same heap
     (after another configuration's steps, what the C allocator kept of the freed
@@ -438,7 +466,7 @@ def measure_apart(
     collector disabled unless ``collector``."""
     command = [sys.executable, __file__, "--one", str(n), str(prompt_tokens)]
     command += ["--steps", str(steps), "--warmup", str(warmup)]
-    command += ["--collector", "on" if collector else "off"]
+    command += ["--collector", "on" if collector else "off", "--form", form]
     env = {**os.environ, **(FIXED_MALLOC if fixed_malloc else {})}
     done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
     return json.loads(done.stdout.splitlines()[-1])
@@ -506,13 +534,19 @@ def main(argv: list[str] | None = None) -> None:
         default="on",
         help="CPython's cyclic collector during the steps (off: results to host_collector_off.json)",
     )
+    parser.add_argument(
+        "--form",
+        choices=["batch", "tasks"],
+        default="batch",
+        help="a step as one batch call, or as a task per particle (tasks: to host_tasks.json)",
+    )
     parser.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)  # N, prompt
     args = parser.parse_args(argv)
     steps, warmup = (1, 1) if args.ops_only else (args.steps, args.warmup)
     if args.one:
         if args.collector == "off":
             gc.disable()
-        print(json.dumps(measure_here(*args.one, steps, warmup)))
+        print(json.dumps(measure_here(*args.one, steps, warmup, args.form)))
         return
     if args.profile is not None:
         for n in args.particles:
@@ -538,6 +572,7 @@ def main(argv: list[str] | None = None) -> None:
                 warmup,
                 args.glibc_malloc == "fixed",
                 args.collector == "on",
+                args.form,
             )
             runs[n, prompt_tokens].append(r)
             print(
@@ -564,9 +599,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     import torch
 
-    out = args.out or RESULTS_DIR / (
-        "host.json" if args.collector == "on" else "host_collector_off.json"
+    suffix = ("" if args.form == "batch" else "_tasks") + (
+        "" if args.collector == "on" else "_collector_off"
     )
+    out = args.out or RESULTS_DIR / f"host{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -578,6 +614,7 @@ def main(argv: list[str] | None = None) -> None:
                 "repeats": repeats,
                 "glibc_malloc": args.glibc_malloc,
                 "collector": args.collector,
+                "form": args.form,
                 "targets": targets,
                 "table": TABLE,
                 "rows": results,

@@ -93,3 +93,11 @@ def mapped() -> int:
                 start, end = (int(address, 16) for address in fields[0].split("-"))
                 total += end - start
     return total
+
+
+def assert_rows_hold_only_themselves(rows: Iterable[torch.Tensor], vocab_size: int) -> None:
+    """Each row a call returned owns a storage of its own ``vocab_size`` floats: a caller
+    that keeps one row keeps nothing of its batch, nor of another caller's row."""
+    rows = list(rows)
+    assert [row.untyped_storage().nbytes() for row in rows] == [4 * vocab_size] * len(rows)
+    assert len({row.untyped_storage().data_ptr() for row in rows}) == len(rows)

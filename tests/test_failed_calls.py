@@ -11,6 +11,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from held_memory import assert_rows_hold_only_themselves
 
 from genlm.backend import AsyncTokenCharacterTrie, Token
 from genlm.backend.llm import MockAsyncLM
@@ -75,6 +76,23 @@ async def test_output_cache_hits_edited_in_place_leave_the_cache_alone(smollm2_t
         for row in (await lm.next_token_logprobs([3, 4]), lm.next_token_logprobs_sync([3, 4])):
             edit_in_place(row)  # cache hits
         assert torch.equal(lm.next_token_logprobs_sync([3, 4]), lm.expected([3, 4]))
+
+
+async def test_mock_and_engine_rows_hold_only_themselves(smollm2_tokenizer):
+    """A row a caller keeps holds its own floats: not a batch's (an engine LM's rows are
+    views of one ``[B, V]`` tensor as computed), nor a duplicate caller's."""
+
+    class BatchEngineLM(EchoEngineLM):
+        def _compute_batch(self, keys):
+            return torch.stack([self.expected(key.token_ids) for key in keys])
+
+    prompts = [[5, 6], [7], [5, 6], [8, 9, 10]]
+    with MockAsyncLM(smollm2_tokenizer) as mock, BatchEngineLM(smollm2_tokenizer) as engine:
+        for lm in (mock, engine):
+            rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+            rows.append(lm.next_token_logprobs_sync([11]))
+            assert_rows_hold_only_themselves(rows, lm.vocab_size)
+            assert torch.equal(rows[0], rows[2]) and rows[0] is not rows[2]
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 import torch
-from op_count import OpCounter, kernel_launches
+from held_memory import assert_rows_hold_only_themselves
+from op_count import OpCounter, kernel_launches, multi_tensor_launches
 from small_models import tiny_llama
 
 from genlm.backend.kv.pool import BlockCopy, KVLayout
@@ -81,24 +82,42 @@ def test_a_steps_kernel_count_does_not_grow_with_particles_or_context(
 
 
 def test_kernels_are_counted_as_a_gpu_launches_them():
-    """A view launches none, a ``_foreach_*`` op one per tensor, a ``cat`` one per 128
-    inputs: as CUDA's kernels do (the dispatcher sees one call each)."""
+    """A view or an allocation launches none, a fused ``_foreach_*`` op one per chunk of
+    tensors (ATen's ``multi_tensor_apply``), another ``_foreach_*`` op one per tensor, a
+    ``cat`` one per 128 inputs: as CUDA's kernels do (the dispatcher sees one call each)."""
     rows = list(torch.zeros(300, 4).unbind())
     with torch.inference_mode(), OpCounter() as counter:
         torch._foreach_clone(rows[:5])
+        copies = torch._foreach_mul(rows, 1.0)  # 300 tensors of one chunk: one launch
+        torch._foreach_copy_([torch.empty_like(row) for row in rows[:2]], rows[:2])
         torch.cat(rows)
         torch.stack(rows[:128])
         rows[0].view(2, 2)
         rows[0] + 1
     assert counter.kernels == {
         "aten._foreach_clone.default": 5,
+        "aten._foreach_mul.Scalar": 1,
+        "aten.empty_like.default": 0,
+        "aten._foreach_copy_.default": 1,
         "aten.cat.default": 3,
         "aten.stack.default": 1,
         "aten.view.default": 0,
         "aten.add.Tensor": 1,
     }
-    assert sum(counter.counts.values()) == 5
+    assert sum(counter.counts.values()) == 9 and len(copies) == 300
     assert kernel_launches(torch.ops.aten.slice.Tensor, (rows[0],)) == 0
+
+
+def test_a_fused_foreach_op_launches_once_per_chunk_of_tensors():
+    """``multi_tensor_apply``'s launches: 448 tensors or 2,240 chunks of 65,536 elements
+    each, a tensor split over two launches counted in both."""
+    assert multi_tensor_launches([], 2) == 0
+    assert multi_tensor_launches([49_152] * 128, 2) == 1  # 128 rows of SmolLM2's vocabulary
+    assert multi_tensor_launches([131_072] * 128, 2) == 1  # 256 chunks
+    assert multi_tensor_launches([49_152] * 449, 2) == 2
+    assert multi_tensor_launches([65_536 * 1_000, 65_536 * 2_000], 2) == 2  # 3,000 chunks
+    assert multi_tensor_launches([65_536 * 2_240, 1], 2) == 2
+    assert multi_tensor_launches([1] * 771, 1) == 2
 
 
 def test_a_step_makes_no_host_sync_per_particle(tiny_model, smollm2_tokenizer):
@@ -140,10 +159,10 @@ async def test_rows_of_forks_and_mixed_lengths_are_the_plain_forwards(
 async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     tiny_model, smollm2_tokenizer
 ):
-    """A batch's callers get one copy of its rows, a view of it each: editing a row
-    changes neither what the tree holds nor another caller's row. The tree keeps views of
-    each forward's batch, whose memory the logprobs budget counts once, until the batch's
-    last row goes."""
+    """A batch's callers get a copy of its rows with storage of their own each: editing a
+    row changes neither what the tree holds nor another caller's row, and a kept row holds
+    only itself. The tree keeps views of each forward's batch, whose memory the logprobs
+    budget counts once, until the batch's last row goes."""
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
     prompt = list(range(3, 70))
     contexts = particles(8, prompt)
@@ -151,8 +170,7 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     rows = lm._rows_sync([lm._query(c) for c in contexts])
     cached = [walk(lm.cache, tuple(c))[0].logprobs for c in contexts]
     assert len({row.untyped_storage().data_ptr() for row in cached}) == 1  # one batch
-    copies = {row.untyped_storage().data_ptr() for row in rows}
-    assert len(copies) == 1 and copies != {cached[0].untyped_storage().data_ptr()}
+    assert_rows_hold_only_themselves(rows, lm.vocab_size)
     rows[3].fill_(0.0)  # a caller's edit reaches neither the tree nor the other callers
     for ids, row in [*zip(contexts, cached, strict=True), (contexts[2], rows[2])]:
         assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from held_memory import assert_rows_hold_only_themselves
 
 from genlm.backend.llm.mlx import AsyncMlxLM
 
@@ -179,6 +180,13 @@ def test_loads_float32_weights_and_the_configs_rope_theta(lm, default_model_dir)
 
 
 @pytest.mark.slow
+async def test_each_returned_row_holds_only_itself(lm, prompts):
+    ids = [prompts["short"], prompts["mid"], prompts["long"], prompts["short"]]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in ids))
+    rows.append(lm.next_token_logprobs_sync(prompts["mid"]))
+    assert_rows_hold_only_themselves(rows, lm.vocab_size)
+
+
 async def test_single_request_matches_hf(lm, prompts, reference):
     lm.clear_cache()
     ids = prompts["long"]

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from held_memory import assert_rows_hold_only_themselves
 
 from genlm.backend.llm.sgl import AsyncSGLTransformer
 
@@ -252,3 +253,11 @@ async def test_an_engine_built_inside_a_running_loop_serves_like_one_built_outsi
         torch.testing.assert_close(row, stand_in_logprobs(prompt, lm.vocab_size))
     await asyncio.wait_for(asyncio.to_thread(lm.close), timeout=10)
     assert engine.shutdowns == 1
+
+
+async def test_each_returned_row_holds_only_itself(lm):
+    """Rows leave a batch with storage of their own, duplicates' copies too."""
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in PROMPTS + [PROMPTS[0]]))
+    assert_rows_hold_only_themselves(
+        [*rows, lm.next_token_logprobs_sync(PROMPTS[1])], lm.vocab_size
+    )

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from held_memory import assert_rows_hold_only_themselves
 
 from genlm.backend.llm.vllm import (
     CAPTURE_KEY,
@@ -302,6 +303,13 @@ def engine(smollm2_tokenizer):
 @pytest.fixture
 def lm(engine):
     return AsyncVirtualLM(engine, LogitsProcessorCapture(), batch_size=8, timeout=0.01)
+
+
+async def test_each_returned_row_holds_only_itself_not_its_batch(lm):
+    """A row a caller keeps holds its own floats, not the step's ``[B, V]`` batch."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8], [1, 2, 3]]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in prompts))
+    assert_rows_hold_only_themselves([*rows, lm.next_token_logprobs_sync([9, 9])], lm.vocab_size)
 
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10], [11]]

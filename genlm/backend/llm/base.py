@@ -387,10 +387,14 @@ class AsyncLM(ABC):
         )
 
 
-def stacked_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A copy of each of same-shaped rows, in one op: views of one stacked tensor (one
-    kernel per 128 rows on CUDA, not one per row)."""
-    return list(torch.stack(rows).unbind())
+def owned_rows(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A copy of each row with storage of its own (a caller that keeps one row keeps its
+    own floats, not its batch's), in one fused op: ``torch._foreach_mul`` by 1, exact for
+    every float (NaN and -0.0 included), allocates each output itself (on CUDA from the
+    caching allocator, no kernel) and copies them all in one multi-tensor kernel per
+    chunk of rows (torch has no out-of-place ``_foreach_copy``). Same-dtype rows on one
+    device."""
+    return list(torch._foreach_mul(list(rows), 1.0)) if rows else []
 
 
 class BatchedAsyncLM(AsyncLM):
@@ -414,21 +418,24 @@ class BatchedAsyncLM(AsyncLM):
     @abstractmethod
     def _compute_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
         """The rows of distinct ``keys`` (each served by a registered adapter), in order,
-        for one batch: the callers' own, or rows a cache keeps that `_owned` copies."""
+        for one batch, as computed (views of one batch, rows a cache keeps): `_owned`
+        makes them the callers' own."""
 
     def _make_batcher(
         self, batch_size: int, timeout: float | None, name: str
     ) -> AutoBatcher[Query, torch.Tensor]:
         """The batcher of this LM's requests (it checks ``batch_size`` and ``timeout``): it
         calls `_answer_batch`, and gives the second and later callers of a key in one batch
-        copies of their row (`stacked_copies`)."""
+        copies of their row (`owned_rows`)."""
         return AutoBatcher(
-            self._answer_batch, batch_size, timeout, name=name, copy_results=stacked_copies
+            self._answer_batch, batch_size, timeout, name=name, copy_results=owned_rows
         )
 
     def _owned(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`_compute_batch`'s rows as the callers' own (they are, unless a cache keeps them)."""
-        return rows
+        """`_compute_batch`'s rows as the callers' own: copies with storage of their own
+        (`owned_rows`, one fused op), so that a row edited in place changes nothing the LM
+        keeps nor another caller's row, and a row a caller keeps holds only its own floats."""
+        return owned_rows(rows)
 
     @property
     def batch_size(self) -> int:

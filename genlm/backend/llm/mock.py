@@ -46,13 +46,14 @@ class MockAsyncLM(BatchedAsyncLM):
         return cls(load_tokenizer(model_name), **kwargs)
 
     def _logprobs(self, query: Query) -> torch.Tensor:
+        """The query's row: a view of the tables (`_owned` copies a batch's rows)."""
         digest = hashlib.blake2b(np.asarray(query.token_ids, dtype="<i8").tobytes(), digest_size=8)
         if query.lora is not None:
             digest.update(b"\0lora:" + query.lora.encode("utf-8"))
         code = int.from_bytes(digest.digest(), "little")
         shift = (code // self.NUM_TABLES) % self.vocab_size
         start = self.vocab_size - shift  # torch.roll(table, shift) starts here
-        return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size].clone()
+        return self._tables[code % self.NUM_TABLES, start : start + self.vocab_size]
 
     def _compute_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         return [self._logprobs(key) for key in keys]
@@ -61,7 +62,7 @@ class MockAsyncLM(BatchedAsyncLM):
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (computed in the calling thread: it is cheap)."""
-        return self._logprobs(self._query(token_ids, lora_name))
+        return self._logprobs(self._query(token_ids, lora_name)).clone()
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
         """Nothing to load: an adapter's distributions derive from its name."""

@@ -23,7 +23,7 @@ import torch
 
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import BatchPlan, KVNode, PrefixKVStore, RowPlan
-from genlm.backend.llm.base import BatchedAsyncLM, stacked_copies
+from genlm.backend.llm.base import BatchedAsyncLM, owned_rows
 from genlm.backend.llm.request import Query, TokenIds
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
@@ -211,12 +211,6 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         hints = [node_hint(ids, lora) for ids, lora in keys]
         return self._run_plan(self.store.plan(keys, self._row_nbytes, hints))
 
-    def _owned(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The callers' rows: one copy of the batch's rows (one op, one kernel up to 128
-        rows on CUDA), a view of it each, so that a row edited in place changes neither
-        what the tree holds nor another caller's row."""
-        return stacked_copies(rows) if rows else rows
-
     def _run_plan(self, plan: BatchPlan) -> list[torch.Tensor]:
         """The plan's rows computed and committed (the plan released if the forward fails):
         every query's logprobs, in order. Each row's node is remembered with its ids, for
@@ -237,7 +231,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         larger batch's rows copied apart, so that as many as fit are kept."""
         rows = list(batch.unbind())
         budget = self.store.max_logprobs_bytes
-        return rows if budget is None or batch.nbytes <= budget else _copies(rows)
+        return rows if budget is None or batch.nbytes <= budget else owned_rows(rows)
 
     def _cache_kv(self, ids: tuple[int, ...], lora: str | None) -> None:
         if not self.kv_reuse:
@@ -257,12 +251,6 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         if source is None or source.chain is None or not start:
             return CacheWalk(self.store.root(lora), 0, None, 0)
         return CacheWalk(source, start, self.runner.read_past(source.chain, start), source.depth)
-
-
-def _copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A copy of each row, each with storage of its own (one dispatcher call, a kernel per
-    row on CUDA): for a batch the logprobs budget cannot hold whole."""
-    return list(torch._foreach_clone(rows))
 
 
 def node_hint(ids: Sequence[int], lora: str | None) -> KVNode | None:

@@ -23,6 +23,7 @@ import torch
 
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.checks import OptionCheck, check_options
+from genlm.backend.llm.base import owned_rows
 from genlm.backend.llm.engine import EngineLM
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
 from genlm.backend.llm.request import Query
@@ -271,6 +272,11 @@ class AsyncVirtualLM(EngineLM):
         self._check_open()
         return self.llm_engine
 
+    def _owned(self, rows: list[Any]) -> list[Any]:
+        """A step's answers as `_compute_batch` made them: its query rows are already the
+        callers' own there (the answers mix them with sampled tokens)."""
+        return rows
+
     def _compute_batch(self, keys: list[_StepKey]) -> list[_StepAnswer]:  # type: ignore[override]
         """One engine step for a batch of queries and sample requests (see `_StepKey`)."""
         self._check_open()
@@ -296,7 +302,10 @@ class AsyncVirtualLM(EngineLM):
             outputs = self._handle.loop.run(
                 self._handle.sessions.step(requests, draws, self.stall_timeout)
             )
-            logprobs = torch.log_softmax(batch.read(outputs[: len(queries)]), dim=-1)
+            # Rows of their own: the batch's log_softmax is freed once the step ends.
+            logprobs = owned_rows(
+                torch.log_softmax(batch.read(outputs[: len(queries)]), dim=-1).unbind()
+            )
         answers: dict[_StepKey, _StepAnswer] = dict(zip(queries, logprobs, strict=True))
         for request, output in zip(samples, outputs[len(queries) :], strict=True):
             answers[request] = request.tokens(output)
