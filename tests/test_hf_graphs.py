@@ -229,7 +229,7 @@ def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
     lm = AsyncTransformer(
         tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=64, max_kv_bytes=40 * block
     )
-    assert lm.store.capacity == lm.store.blocks.fixed_capacity == 41
+    assert lm.store.capacity == 41
     addresses = [layer.data_ptr() for layer in lm.runner.pool.layers]
     prompt = list(range(3, 40))
     contexts = [prompt + [i + 1] for i in range(2)]  # 3 blocks each

@@ -282,7 +282,7 @@ def fixed_pool_capacity(
 
     On CUDA: block 0 and the larger of the KV budget and ``memory_fraction`` of the
     device's free memory. The budget stays a caching limit (what is kept between
-    batches, `PrefixKVStore.evict`); the rest of the pool is room for a running batch's
+    batches, least recently used first); the rest of the pool is room for a running batch's
     rows, so that a long run does not fail once its particles' own tokens outgrow the
     budget. The pool never moves, so captured graphs hold its addresses for good (and
     the caching allocator would keep a grown pool's memory anyway). Elsewhere None: a
