@@ -4,6 +4,7 @@ answer; nothing hangs. One test (or more) per row of the issue's table."""
 import asyncio
 import copy
 import pickle
+import re
 import threading
 from pathlib import Path
 
@@ -266,6 +267,26 @@ def test_mock_lm_arguments_are_checked(smollm2_tokenizer, kwargs, error):
         MockAsyncLM(smollm2_tokenizer, **kwargs)
 
 
+def test_a_timeout_no_float_holds_is_refused_naming_timeout(mock_lm, smollm2_tokenizer):
+    """10**400 is an int, finite, and yet no float: refused as out of range, by name, in
+    a constructor, an assignment and the batcher alike (not an ``OverflowError``)."""
+    from genlm.backend.llm.hf import AsyncTransformer
+
+    huge = 10**400
+    message = r"timeout must be a finite number of seconds >= 0 or None, got 10000"
+    for make in (
+        lambda: MockAsyncLM(smollm2_tokenizer, timeout=huge),
+        lambda: AsyncTransformer(None, None, timeout=huge),  # checked before the model
+        lambda: AutoBatcher(lambda keys: keys, 2, huge),
+    ):
+        with pytest.raises(ValueError, match=message):
+            make()
+    timeout = mock_lm.timeout
+    with pytest.raises(ValueError, match=message):
+        mock_lm.timeout = huge
+    assert mock_lm.timeout == timeout
+
+
 @pytest.mark.parametrize("tokenizer", [None, "HuggingFaceTB/SmolLM2-135M", b"x", Path("/x")])
 def test_a_name_instead_of_a_tokenizer_points_at_from_name(tokenizer):
     with pytest.raises(TypeError, match="from_name"):
@@ -319,6 +340,27 @@ async def test_unordered_collections_are_not_prefixes(mock_lm, unordered):
         await mock_lm.batch_next_token_logprobs([[1], unordered])
     with pytest.raises(TypeError):
         mock_lm.batch_next_token_logprobs_sync({(1,), (2,)})
+
+
+@pytest.mark.parametrize("batch", [torch.tensor([4, 5, 6]), np.array([4, 5]), torch.tensor(4)])
+async def test_a_tensor_of_ids_is_not_a_batch_and_the_error_names_token_ids_list(
+    mock_lm, monkeypatch, batch
+):
+    """One prefix passed where a batch of them goes: the error names ``token_ids_list`` and
+    its shape (not that of an element), before any model work; a 2-D tensor is a batch."""
+    batches = spy_batches(mock_lm, monkeypatch)
+    message = (
+        rf"token_ids_list must be a list of token-id prefixes \(as a tensor or array: 2-D, "
+        rf"one prefix per row\), got a {type(batch).__name__} of shape "
+        rf"{re.escape(str(tuple(batch.shape)))}; for one prefix, pass \[token_ids\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        await mock_lm.batch_next_token_logprobs(batch)
+    with pytest.raises(ValueError, match=message):
+        mock_lm.batch_next_token_logprobs_sync(batch)
+    assert batches == []
+    rows = mock_lm.batch_next_token_logprobs_sync(torch.tensor([[4, 5, 6], [4, 5, 7]]))
+    assert torch.equal(rows[1], mock_lm.next_token_logprobs_sync([4, 5, 7]))
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,6 @@ from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import KVLayout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.kv.tree import node_at
 from genlm.backend.llm import MockAsyncLM
 from genlm.backend.sampling import check_sampling_args
 
@@ -278,20 +277,19 @@ class ListPool:
     def resize(self, blocks):
         self.blocks = blocks
 
+    def copy(self, copies):
+        pass
+
     def read(self, chain, tokens):
         return list(range(tokens))
 
 
 def test_a_5000_token_chain_prints_one_short_line_per_node():
     store = PrefixKVStore(ListPool(), nbytes=len)
-    root = store.root(None)
-    ids = [7] * CHAIN
-    deep = node_at(root, ids)
-    store.reserve([(None, 0, CHAIN)])
-    (chain,), _ = store.blocks.extend_all([(None, 0, CHAIN)])
-    store.set_chain(deep, chain)
-    store.set_logprobs(deep, [0.0] * 8)
-    store.pin(deep)
+    ids = (7,) * CHAIN
+    plan = store.plan([(ids, None)], 8, pin=True)  # the prefix's KV, pinned (`cache_kv`)
+    store.commit(plan, [[0.0] * 8])
+    root, deep = store.root(None), plan.rows[0].node
     assert repr(root) == (
         "KVNode(depth=0, token=None, children=1, blocks=0, pinned=False, logprobs=False)"
     )

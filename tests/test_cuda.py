@@ -214,7 +214,6 @@ def test_a_default_lm_reserves_what_it_holds_and_gives_back_what_it_trims(tokeni
     torch.cuda.empty_cache()
     with_model = torch.cuda.memory_reserved()
     lm = AsyncTransformer(model, tokenizer, batch_size=64, max_kv_bytes=1 << 20)
-    assert lm.store.blocks.fixed_capacity is None
     started = lm.store.capacity
     long_rows = [[i + 1] + prompt * 40 for i in range(32)]  # ~50 blocks each
     lm.batch_next_token_logprobs_sync(long_rows)

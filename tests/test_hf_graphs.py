@@ -217,7 +217,6 @@ def test_a_default_lm_on_cuda_reserves_nothing_and_its_pool_follows_what_is_held
         is None
     )
     lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=64, max_kv_bytes=8 * block)
-    assert lm.store.blocks.fixed_capacity is None
     start = lm.store.capacity
     assert start < 10_000
     rows = [[i + 1] * 300 for i in range(8)]  # 19 blocks each, 152 in all
@@ -258,7 +257,7 @@ def test_a_pool_sized_once_never_moves_and_its_graphs_are_never_captured_again(
     lm = AsyncTransformer(
         tiny_model, smollm2_tokenizer, cuda_graphs=True, batch_size=64, max_kv_bytes=40 * block
     )
-    assert lm.store.capacity == lm.store.blocks.fixed_capacity == 41
+    assert lm.store.capacity == 41
     addresses = [layer.data_ptr() for layer in lm.runner.pool.layers]
     prompt = list(range(3, 40))
     contexts = [prompt + [i + 1] for i in range(2)]  # 3 blocks each

@@ -13,7 +13,7 @@ from small_models import tiny_llama
 
 from genlm.backend.kv.pool import BlockCopy, KVLayout
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.kv.tree import walk
+from genlm.backend.kv.tree import subtree, walk
 from genlm.backend.llm.hf import AsyncTransformer
 
 TOL = 1e-4  # float32 rows: batched / KV-reused / cascade vs one plain forward
@@ -163,7 +163,10 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     row changes neither what the tree holds nor another caller's row, and a kept row holds
     only itself. The tree keeps views of each forward's batch, whose memory the logprobs
     budget counts once, until the batch's last row goes."""
-    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=8)
+    row_bytes = 4 * len(smollm2_tokenizer)
+    lm = AsyncTransformer(
+        tiny_model, smollm2_tokenizer, batch_size=8, max_logprobs_bytes=10 * row_bytes
+    )
     prompt = list(range(3, 70))
     contexts = particles(8, prompt)
     await lm.next_token_logprobs(prompt)
@@ -174,14 +177,15 @@ async def test_callers_rows_are_their_own_and_the_tree_counts_each_batch_once(
     rows[3].fill_(0.0)  # a caller's edit reaches neither the tree nor the other callers
     for ids, row in [*zip(contexts, cached, strict=True), (contexts[2], rows[2])]:
         assert torch.allclose(row, expected(tiny_model, lm.vocab_size, ids), atol=TOL)
-    row_bytes = 4 * lm.vocab_size
     assert lm.store.logprobs_nbytes == 9 * row_bytes  # the prompt's row and the batch of 8
-    for context in contexts[:7]:  # all but one row of the batch go: its memory stays
-        node = walk(lm.cache, tuple(context))[0]
-        lm.store.set_logprobs(node, None)
-    assert lm.store.logprobs_nbytes == 9 * row_bytes
-    lm.store.set_logprobs(walk(lm.cache, tuple(contexts[7]))[0], None)
-    assert lm.store.logprobs_nbytes == row_bytes
+    lm.next_token_logprobs_sync(prompt + [100])  # one row more: the budget is full
+    assert lm.store.logprobs_nbytes == 10 * row_bytes
+    # room made for one row more: the least recently used rows are the batch's (the
+    # prompt's is used as each row's KV source), and its memory goes only with the last
+    # of them, so all eight go for one
+    lm.next_token_logprobs_sync(prompt + [101])
+    kept = [walk(lm.cache, tuple(c))[0].logprobs is not None for c in [prompt, *contexts]]
+    assert kept == [True] + [False] * 8 and lm.store.logprobs_nbytes == 3 * row_bytes
     again = lm.next_token_logprobs_sync(contexts[2])
     assert torch.allclose(again, expected(tiny_model, lm.vocab_size, contexts[2]), atol=TOL)
     again.fill_(0.0)  # nor an edit of a cached row's copy, nor of a stacked batch of them
@@ -277,3 +281,33 @@ def test_cascade_is_the_models_own_attention_and_transformers_sdpa_stays(smollm2
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
         with torch.inference_mode():
             assert torch.equal(model(input_ids=ids).logits, before)
+
+
+def test_clearing_the_kv_detaches_the_nodes_it_empties_and_rows_stay_right(
+    tiny_model, smollm2_tokenizer
+):
+    """Rounds of requests under a logprobs budget of two rows, each followed by
+    `clear_kv_cache`: the tree keeps the paths to the two rows kept and no node more, the
+    same size every round; the rows computed after a clear (on no KV, or on the KV of a
+    prefix computed since) are those of the uncached forward."""
+    row_bytes = 4 * len(smollm2_tokenizer)
+    lm = AsyncTransformer(
+        tiny_model, smollm2_tokenizer, batch_size=8, max_logprobs_bytes=2 * row_bytes
+    )
+    prompt = list(range(3, 40))
+    sizes = []
+    for round_ in range(3):
+        contexts = [prompt + [100 * round_ + i + 1] for i in range(4)]
+        lm.batch_next_token_logprobs_sync([prompt])
+        lm.batch_next_token_logprobs_sync(contexts)
+        lm.batch_next_token_logprobs_sync([c + [5] for c in contexts])
+        lm.clear_kv_cache()
+        nodes = subtree(lm.cache)
+        sizes.append(len(nodes))
+        kept = [walk(lm.cache, tuple(c + [5]))[0].logprobs is not None for c in contexts]
+        assert kept == [False, False, True, True]
+        for ids in (contexts[0] + [5], contexts[0] + [5, 6], prompt + [7]):
+            got = lm.next_token_logprobs_sync(ids)
+            torch.testing.assert_close(got, lm.next_token_logprobs_uncached(ids), atol=TOL, rtol=0)
+    # the root, the prompt's nodes, and each of the two rows kept: its context's and its own
+    assert sizes == [1 + len(prompt) + 2 * 2] * 3

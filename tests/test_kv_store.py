@@ -2,20 +2,19 @@
 
 Every check is against an independent account: a node's chain must read back exactly
 its own prefix, and the bytes the store charges must equal the distinct blocks of the
-unpinned chains counted by brute force.
+unpinned chains counted by brute force. The store is driven as its LMs drive it, through
+`plan`, `commit` and `release` (and the clears), and read through its views.
 """
 
-import collections
 import weakref
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genlm.backend.kv.blocks import INITIAL_BLOCKS, ZERO_BLOCK
-from genlm.backend.kv.budget import memory_nbytes
+from genlm.backend.kv.blocks import INITIAL_BLOCKS, ZERO_BLOCK, BlockAllocator
 from genlm.backend.kv.store import PrefixKVStore
-from genlm.backend.kv.tree import kv_source, node_at, walk
+from genlm.backend.kv.tree import subtree, walk
 
 BLOCK = 4
 BLOCK_BYTES = 10
@@ -54,7 +53,7 @@ class FakePool:
         return [self.slots[chain[j // BLOCK] * BLOCK + j % BLOCK] for j in range(tokens)]
 
 
-def make_store(max_kv_bytes=None, max_logprobs_bytes=None, fixed_capacity=None):
+def make_store(max_kv_bytes=None, max_logprobs_bytes=None, fixed_capacity=None, **options):
     pool = FakePool()
     store = PrefixKVStore(
         pool,
@@ -62,15 +61,9 @@ def make_store(max_kv_bytes=None, max_logprobs_bytes=None, fixed_capacity=None):
         max_logprobs_bytes=max_logprobs_bytes,
         nbytes=len,
         fixed_capacity=fixed_capacity,
+        **options,
     )
     return store, pool
-
-
-def extend(store, chain, length, total):
-    """One row's own chain, as a batch of one gets it: room made, then extended."""
-    store.reserve([(chain, length, total)])
-    chains, copies = store.blocks.extend_all([(chain, length, total)])
-    return chains[0], copies
 
 
 # The nodes a caller remembers, by store, then by (tree key, prefix), as the index of
@@ -79,54 +72,34 @@ def extend(store, chain, length, total):
 REMEMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def run(store, pool, ids, key=None):
-    """What a backend does for one request: reuse the deepest KV, write the rest, store."""
-    [(node, start)], _ = run_batch(store, pool, [ids], key)
+def run(store, pool, ids, key=None, **options):
+    """What a backend does for one request (`run_batch`): ``(node, start)``."""
+    [(node, start)], _ = run_batch(store, pool, [ids], key, **options)
     return node, start
 
 
-def run_batch(store, pool, requests, key=None):
-    """What `PrefixCachedLM` does for a batch: plan every row (find the deepest KV, touch and
-    protect its node from eviction), reserve, extend and write every row, store, unprotect,
-    evict, trim, prune. Returns ``[(node, start)]`` and the blocks held while all rows
-    were extended. `find` (which starts from the node remembered for the prefix or its
-    parent prefix) must agree with a walk from the root."""
+def run_batch(store, pool, requests, key=None, *, pin=False, values=None):
+    """What `PrefixCachedLM` does for a batch: plan it from the nodes remembered for the
+    requests' prefixes or their parents (`find` from them must agree with a walk from the
+    root), write each row's new tokens into its chain (the forward's part), then commit
+    the rows' logprobs (``values``, one per request; "v" by default). Returns each
+    request's ``(node, start)`` (``start`` None: answered from the tree) and the blocks
+    held while the rows ran."""
     remembered = REMEMBERED.setdefault(store, {})
-    rows = []
-    for ids in map(tuple, requests):
-        near = remembered.get((key, ids)) or remembered.get((key, ids[:-1]))
-        node, depth = store.find(key, ids, near)
-        assert (node, depth) == walk(store.root(key), ids)
-        source = kv_source(node)
-        start = 0 if source is None else min(source.depth, node.depth, len(ids) - 1)
-        if source is not None:
-            store.touch(source)
-            store.protect(source)
-        rows.append((ids, node, start, source))
-    sources = [None if source is None else source.chain for *_, source in rows]
-    needs = [
-        (chain, start, len(ids)) for (ids, _, start, _), chain in zip(rows, sources, strict=True)
-    ]
-    try:
-        store.reserve(needs)
-        chains, copies = store.blocks.extend_all(needs)
-        pool.copy(copies)
-        for (ids, _, start, _), chain in zip(rows, chains, strict=True):
-            pool.write(chain, start, ids)
-        in_flight = store.held_blocks
-        done = []
-        for (ids, node, start, _), chain in zip(rows, chains, strict=True):
-            node = node_at(node, ids)
-            remembered[key, ids] = node
-            store.set_chain(node, chain)
-            done.append((node, start))
-    finally:
-        for *_, source in rows:
-            if source is not None:
-                store.unprotect(source)
-        store.evict()
-        store.blocks.trim()
-        store.prune()
+    queries = [(tuple(ids), key) for ids in requests]
+    near = [remembered.get((key, ids)) or remembered.get((key, ids[:-1])) for ids, _ in queries]
+    for (ids, _), node in zip(queries, near, strict=True):
+        assert store.find(key, ids, node) == walk(store.root(key), ids)
+    plan = store.plan(queries, 1, near, pin=pin)
+    in_flight = store.held_blocks
+    for row in plan.rows:
+        pool.write(row.chain, row.start, row.ids)
+    values = ["v"] * len(queries) if values is None else values
+    store.commit(plan, [values[row.slot] for row in plan.rows])
+    done = [(walk(store.root(key), ids)[0], None) for ids, _ in queries]
+    for row in plan.rows:
+        remembered[key, row.ids] = row.node
+        done[row.slot] = (row.node, row.start)
     return done, in_flight
 
 
@@ -140,31 +113,43 @@ def prefix_of(node):
 
 def chains(store):
     for root in store.roots.values():
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
+        for node in subtree(root):
             if node.chain is not None:
                 yield node
 
 
 def check_invariants(store, pool):
+    """Every chain reads back exactly its own prefix (a block handed out twice would be
+    overwritten), and the store's counts are those of the chains, recounted: the blocks
+    held by any chain, and those held by unpinned chains alone (the budgeted ones)."""
     pinned, unpinned = set(), set()
     for node in chains(store):
         assert pool.read(node.chain, node.depth) == prefix_of(node)
-        assert ZERO_BLOCK not in node.chain
+        assert ZERO_BLOCK not in node.chain and max(node.chain) < store.capacity
         (pinned if node.pinned else unpinned).update(node.chain)
     assert store.held_blocks == len(pinned | unpinned)
     assert store.kv_nbytes == len(unpinned - pinned) * BLOCK_BYTES
-    # each block's count, recounted: the chains holding it (block 0 is held forever)
-    holders, pins = collections.Counter([ZERO_BLOCK]), collections.Counter([ZERO_BLOCK])
-    for node in chains(store):
-        holders.update(node.chain)
-        pins.update(node.chain if node.pinned else ())
-    assert store.blocks._refs == [holders[block] for block in range(store.capacity)]
-    assert store.blocks._pins == [pins[block] for block in range(store.capacity)]
-    free = [block for block in range(store.capacity) if not holders[block]]
-    assert sorted(store.blocks._free) == free
+    assert store.capacity == len(pool.slots) // BLOCK
+
+
+def check_drained(store, pool):
+    """Every block is held by the chains alone: once `clear_kv` lets go of them all, none
+    is held (a hold counted twice would keep its block) and the trees keep no node
+    without logprobs."""
+    check_invariants(store, pool)
+    store.clear_kv()
+    assert store.held_blocks == 0 and store.kv_nbytes == 0
+    for root in store.roots.values():
+        assert all(node.logprobs is not None or node.children for node in subtree(root)[1:])
+
+
+def check_evictable(store, pool):
+    """No ended plan still keeps a chain from eviction: a batch of another tree that needs
+    the whole KV budget evicts every unpinned chain but its own (eviction stops at a
+    chain a running plan reads)."""
+    budget_blocks = store.max_kv_bytes // BLOCK_BYTES
+    flush, _ = run(store, pool, [7] * budget_blocks * BLOCK, key="flush")
+    assert [node for node in chains(store) if not node.pinned] == [flush]
 
 
 def test_particles_share_the_prompt_and_fork_copies_only_a_partial_block():
@@ -181,63 +166,59 @@ def test_particles_share_the_prompt_and_fork_copies_only_a_partial_block():
     # extending a child again runs one token and copies nothing
     node, start = run(store, pool, prompt + [2, 7])
     assert start == len(prompt) + 1 and pool.copied_tokens == 4
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def test_budget_counts_exactly_the_blocks_and_evicts_least_recently_used():
     store, pool = make_store(max_kv_bytes=4 * BLOCK_BYTES)
     first, _ = run(store, pool, [1] * 8)  # 2 blocks
     second, _ = run(store, pool, [2] * 8)  # 2 blocks
-    store.touch(first)
+    assert run(store, pool, [1] * 8) == (first, None)  # answered from the tree: used again
     run(store, pool, [3] * 4)  # 1 more block: the least recently used (second) goes
     assert second.chain is None and first.chain is not None
     assert store.kv_nbytes == 3 * BLOCK_BYTES
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def test_pinned_chains_survive_eviction_outside_the_budget():
-    store, pool = make_store(max_kv_bytes=0)
+    store, pool = make_store(max_kv_bytes=0, max_logprobs_bytes=0)
     node, _ = run(store, pool, [5, 6, 7, 8, 9])
     assert node.chain is None  # a zero budget keeps nothing unpinned
     assert 5 not in store.root(None).children  # and the emptied node was pruned
-    node = node_at(store.root(None), [5, 6, 7, 8, 9])
-    chain, _ = extend(store, None, 0, 5)
-    pool.write(chain, 0, [5, 6, 7, 8, 9])
-    store.set_chain(node, chain)
-    store.pin(node)
-    store.evict()
-    assert node.chain is not None and store.kv_nbytes == 0
+    node, start = run(store, pool, [5, 6, 7, 8, 9], pin=True)
+    assert start == 0 and node.pinned and node.chain is not None and store.kv_nbytes == 0
     child, start = run(store, pool, [5, 6, 7, 8, 9, 10])
     # the child appended to the pinned partial block: it holds only pinned blocks, free
     assert start == 5 and child.chain == node.chain and store.kv_nbytes == 0
     check_invariants(store, pool)
     store.clear_kv()
     assert node.chain is None and store.held_blocks == 0
+    assert 5 not in store.root(None).children  # the emptied nodes were detached
 
 
 def test_entry_budgets_keep_the_most_recent_chains_and_logprobs():
-    pool = FakePool()
-    store = PrefixKVStore(pool, nbytes=len, max_kv_entries=2, max_logprobs_entries=1)
+    store, pool = make_store(max_kv_entries=2, max_logprobs_entries=1)
     nodes = [run(store, pool, [t] * 3)[0] for t in (1, 2, 3)]
-    store.touch(nodes[1])
-    run(store, pool, [4] * 3)  # the least recently used chain (nodes[0], then nodes[2]) goes
+    assert [node.chain is not None for node in nodes] == [False, True, True]
+    assert [node.logprobs for node in nodes] == [None, None, "v"]
+    # its logprobs gone, nodes[1] runs its last token on its own KV: its chain used again
+    assert run(store, pool, [2] * 3) == (nodes[1], 2)
+    last, _ = run(store, pool, [4] * 3)  # the least recently used chain (nodes[2]) goes
     assert [node.chain is not None for node in nodes] == [False, True, False]
     assert store.kv_nbytes == 2 * BLOCK_BYTES
-    for node, value in zip(nodes, "abc", strict=True):
-        store.set_logprobs(node, value)
-    assert [node.logprobs for node in nodes] == [None, None, "c"]
-    check_invariants(store, pool)
+    assert [node.logprobs for node in nodes] == [None, None, None] and last.logprobs == "v"
+    check_drained(store, pool)
 
 
-def test_pin_keeps_a_computed_chain_and_unpins_nothing_else():
+def test_a_pin_plan_pins_a_chain_where_it_is_and_it_outlives_the_budget():
     store, pool = make_store(max_kv_bytes=2 * BLOCK_BYTES)
     node, _ = run(store, pool, [1, 2, 3, 4, 5])
-    store.pin(node)
+    assert run(store, pool, [1, 2, 3, 4, 5], pin=True) == (node, None)  # nothing runs
     assert node.pinned and store.kv_nbytes == 0
     for t in range(10):
         run(store, pool, [20 + t] * 6)
     assert node.chain is not None
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def test_adapter_roots_are_separate_and_dropping_one_releases_its_blocks():
@@ -248,40 +229,38 @@ def test_adapter_roots_are_separate_and_dropping_one_releases_its_blocks():
     assert store.held_blocks == 2
     store.drop_root("a")
     assert store.held_blocks == 1 and "a" not in store.roots
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def test_logprobs_budget_evicts_least_recently_used_and_prunes_empty_nodes():
-    store, _ = make_store(max_logprobs_bytes=6)
+    store, pool = make_store(max_kv_bytes=0, max_logprobs_bytes=6)  # no KV keeps a node
     root = store.root(None)
-    a, b = node_at(root, [1, 2]), node_at(root, [3])
-    store.set_logprobs(a, "xyz")
-    store.set_logprobs(b, "uvw")
-    store.touch(a)
-    store.set_logprobs(node_at(root, [4]), "q")  # over budget: b goes
+    run_batch(store, pool, [[1, 2], [3]], values=["xyz", "uvw"])
+    a, b = walk(root, [1, 2])[0], walk(root, [3])[0]
+    assert run(store, pool, [1, 2]) == (a, None)  # answered from the tree: used again
+    run(store, pool, [4], values=["q"])  # room made for its row: b, least recently used, goes
     assert b.logprobs is None and a.logprobs == "xyz" and store.logprobs_nbytes == 4
-    store.prune()
     assert 3 not in root.children and 1 in root.children
 
 
 def test_a_descendant_chain_serves_its_prefix():
     store, pool = make_store()
     run(store, pool, list(range(10)))
-    store.set_chain(walk(store.root(None), list(range(5)))[0], None)  # no-op: no chain
     node, start = run(store, pool, list(range(6)) + [99])
     assert start == 6  # read from the longer prefix's chain
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def test_without_a_budget_the_pool_doubles_and_clears_shrink_it():
-    store, pool = make_store()
+    store, pool = make_store(max_logprobs_bytes=0)  # every request runs
     assert pool.sizes == [INITIAL_BLOCKS]
-    node, _ = run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
+    run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
     assert pool.sizes == [INITIAL_BLOCKS, 2 * INITIAL_BLOCKS]
-    store.pin(node)
+    run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)), pin=True)
     store.clear_kv()
     assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
     run(store, pool, list(range(INITIAL_BLOCKS * BLOCK)))
+    assert pool.sizes[-1] == 2 * INITIAL_BLOCKS
     store.clear()
     assert pool.sizes[-1] == INITIAL_BLOCKS and store.held_blocks == 0
 
@@ -289,16 +268,15 @@ def test_without_a_budget_the_pool_doubles_and_clears_shrink_it():
 def test_free_empties_every_tree_and_the_pool_and_the_store_serves_again():
     store, pool = make_store()
     prompt, _ = run(store, pool, list(range(10)))
-    store.pin(prompt)
+    run(store, pool, list(range(10)), pin=True)
     run(store, pool, list(range(7)) + [50, 51])
     run(store, pool, [1, 2, 3], key="a")
-    store.set_logprobs(prompt, "xyz")
     nodes = [  # every node of the trees (roots included): each prefix's, walked to
         walk(store.roots[key], ids[:k])[0]
         for key, ids in ((None, list(range(10))), (None, [*range(7), 50, 51]), ("a", [1, 2, 3]))
         for k in range(len(ids) + 1)
     ]
-    assert store.held_blocks and store.logprobs_nbytes
+    assert prompt.pinned and store.held_blocks and store.logprobs_nbytes
     store.free()
     assert pool.slots == [] and pool.sizes[-1] == 0  # all the memory, not INITIAL_BLOCKS
     assert store.capacity == 1 and store.held_blocks == 0 and store.kv_nbytes == 0
@@ -308,7 +286,7 @@ def test_free_empties_every_tree_and_the_pool_and_the_store_serves_again():
         assert (node.children, node.chain, node.logprobs, node.pinned) == ({}, None, None, False)
     node, start = run(store, pool, list(range(10)))
     assert start == 0 and store.capacity == pool.sizes[-1] == len(pool.slots) // BLOCK > 1
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def particle_steps(store, pool, particles, steps, prompt):
@@ -334,6 +312,7 @@ def test_under_a_budget_the_pool_stays_within_budget_plus_what_the_rows_hold():
     # the first step stops at the budget; past it the pool grows only to what rows need
     assert pool.sizes[:2] == [INITIAL_BLOCKS, 1 + budget_blocks]
     assert pool.sizes == sorted(pool.sizes)
+    check_drained(store, pool)
     # a budget above the need: the pool grows only as far as the need
     store, pool = make_store(max_kv_bytes=10_000 * BLOCK_BYTES)
     peak = particle_steps(store, pool, 4, 40, list(range(10)))
@@ -344,54 +323,45 @@ def test_pinned_blocks_raise_the_bound_and_clear_kv_gives_the_memory_back():
     budget_blocks = 20
     store, pool = make_store(max_kv_bytes=budget_blocks * BLOCK_BYTES)
     prompt = list(range(100, 100 + 90 * BLOCK))  # 90 pinned blocks, outside the budget
-    store.reserve([(None, 0, len(prompt))])
-    chain, _ = extend(store, None, 0, len(prompt))
-    pool.write(chain, 0, prompt)
-    node = node_at(store.root(None), prompt)
-    store.set_chain(node, chain)
-    store.pin(node)
+    node, _ = run(store, pool, prompt, pin=True)
     peak = particle_steps(store, pool, 6, 12, prompt)
     assert node.chain is not None and store.kv_nbytes <= budget_blocks * BLOCK_BYTES
     assert max(pool.sizes) <= max(1 + budget_blocks + 90, 1 + peak)
     store.clear_kv()
     assert store.capacity == pool.sizes[-1] == INITIAL_BLOCKS
     node, _ = run(store, pool, list(range(5)))  # the shrunk pool still serves requests
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
-def test_reserve_counts_exactly_the_blocks_a_batch_allocates():
+def test_a_plan_makes_room_for_exactly_the_blocks_its_rows_allocate():
     store, pool = make_store(max_kv_bytes=0)  # no slack: the pool grows to exactly the need
     prompt = [1, 2, 3, 4, 5, 6]  # a full block and a partial one, pinned
-    chain, _ = extend(store, None, 0, len(prompt))
-    pool.write(chain, 0, prompt)
-    node = node_at(store.root(None), prompt)
-    store.set_chain(node, chain)
-    store.pin(node)
+    run(store, pool, prompt, pin=True)
     forks = [prompt + [t] * 90 for t in (7, 8, 9)]  # 24 blocks each
     _, in_flight = run_batch(store, pool, forks)
     # the first fork appends to the partial block in place (22 new), the others copy it (23)
     assert in_flight == 2 + 22 + 23 + 23
     # one resize, to the exact need; once the rows let go (budget 0) trim shrinks it back
     assert pool.sizes == [INITIAL_BLOCKS, 1 + in_flight, INITIAL_BLOCKS]
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def test_trim_halves_a_mostly_free_pool_keeping_the_held_blocks():
     store, pool = make_store()
     keep, _ = run(store, pool, list(range(3 * BLOCK)))  # the lowest blocks
-    big, _ = run(store, pool, [7] * (8 * INITIAL_BLOCKS - 4) * BLOCK)  # block 0 + 3 + these
+    big, _ = run(store, pool, [7] * (8 * INITIAL_BLOCKS - 4) * BLOCK, key="big")  # the rest
     assert store.capacity == 8 * INITIAL_BLOCKS
-    store.blocks.trim()  # still in use: no shrink
+    assert run(store, pool, list(range(3 * BLOCK))) == (keep, None)  # a batch trims: in use
     assert store.capacity == 8 * INITIAL_BLOCKS
-    store.set_chain(big, None)
+    store.drop_root("big")
     sizes = []
-    for _ in range(4):
-        store.blocks.trim()
+    for _ in range(4):  # each batch trims once, the next batch halves again
+        run(store, pool, list(range(3 * BLOCK)))
         sizes.append(store.capacity)
     assert sizes == [4 * INITIAL_BLOCKS, 2 * INITIAL_BLOCKS, INITIAL_BLOCKS, INITIAL_BLOCKS]
     check_invariants(store, pool)  # the kept chain reads back exactly after the shrinks
     run(store, pool, list(range(3 * BLOCK)) + [1, 2])
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
 def test_a_pool_sized_once_is_allocated_at_construction_and_only_evicts():
@@ -411,26 +381,27 @@ def test_a_pool_sized_once_is_allocated_at_construction_and_only_evicts():
         run_batch(store, pool, [[62] * 21 * BLOCK])  # everything is evicted, still short
     assert store.held_blocks == 0
     check_invariants(store, pool)
-    for clear in (store.clear_kv, store.blocks.trim, store.clear):
-        run(store, pool, [63] * 5 * BLOCK)
+    for token, clear in ((63, store.clear_kv), (64, store.clear)):
+        run(store, pool, [token] * 5 * BLOCK)
         clear()
     assert pool.sizes == [21] and store.capacity == 21
     store.free()
-    run(store, pool, [64] * 2 * BLOCK)  # allocated again, at the same size
+    run(store, pool, [65] * 2 * BLOCK)  # allocated again, at the same size
     assert pool.sizes == [21, 0, 21]
-    check_invariants(store, pool)
+    check_drained(store, pool)
 
 
-def test_extend_without_room_in_a_pool_sized_once_releases_what_it_took():
-    store, pool = make_store(fixed_capacity=5)
-    chain, _ = extend(store, None, 0, 2 * BLOCK)
+def test_extensions_without_room_in_a_pool_sized_once_let_go_of_what_they_took():
+    blocks = BlockAllocator(FakePool(), None, 5)  # 4 blocks to hand out
+    (chain,), _ = blocks.extend_all([(None, 0, 2 * BLOCK)])
     with pytest.raises(RuntimeError, match="cannot hold"):  # 2 free blocks of the 3 asked
-        store.blocks.extend_all([(None, 0, BLOCK), (chain, 2 * BLOCK, 4 * BLOCK)])
+        blocks.extend_all([(None, 0, BLOCK), (chain, 2 * BLOCK, 4 * BLOCK)])
     with pytest.raises(RuntimeError, match="cannot hold"):
-        extend(store, chain, 2 * BLOCK, 5 * BLOCK)
-    assert store.held_blocks == 2  # only ``chain``'s: every block the extensions took let go
-    store.blocks.let_go(chain)
-    assert sorted(store.blocks._free) == [1, 2, 3, 4]
+        blocks.extend_all([(chain, 2 * BLOCK, 5 * BLOCK)])
+    assert blocks.held_blocks == 2  # only ``chain``'s: every block the extensions took let go
+    blocks.let_go(chain)
+    assert blocks.held_blocks == 0
+    assert blocks.extend_all([(None, 0, 4 * BLOCK)])[0] == [(1, 2, 3, 4)]  # all free again
 
 
 @settings(max_examples=60, deadline=None)
@@ -455,15 +426,14 @@ def test_random_forks_evictions_and_pins_keep_every_chain_exact(steps, budget_bl
     for pick, tokens, key, pin in steps:
         ids = history[pick % len(history)] + tokens
         history.append(ids)
-        [(node, _)], in_flight = run_batch(store, pool, [ids], key=key)
-        if pin:
-            store.pin(node)
+        _, in_flight = run_batch(store, pool, [ids], key=key, pin=pin)
         check_invariants(store, pool)
         if budget is not None:
             assert store.kv_nbytes <= budget
             pinned = store.held_blocks - store.kv_nbytes // BLOCK_BYTES
             bound = max(bound, 1 + budget_blocks + pinned, 1 + in_flight)
             assert store.capacity <= bound
+    check_drained(store, pool)
 
 
 def test_find_never_starts_from_a_node_no_longer_in_the_tree():
@@ -496,59 +466,56 @@ def test_find_never_starts_below_the_prefix():
 def test_rows_sharing_a_batch_count_its_memory_once_until_the_last_goes():
     import torch
 
-    store, _ = make_store()
-    store._memory.nbytes_of = memory_nbytes  # the default (make_store counts strings by length)
-    root = store.root(None)
+    pool = FakePool()
+    store = PrefixKVStore(pool, max_logprobs_entries=5)  # counts a tensor's storage
     batch = torch.zeros(4, 10)  # 160 bytes
-    nodes = [node_at(root, [t]) for t in range(4)]
-    for node, row in zip(nodes, batch.unbind(), strict=True):
-        store.set_logprobs(node, row)
-    alone = torch.zeros(10)
-    store.set_logprobs(node_at(root, [9]), alone)
+    run_batch(store, pool, [[t] for t in range(4)], values=list(batch.unbind()))
+    run(store, pool, [9], values=[torch.zeros(10)])
     assert store.logprobs_nbytes == 160 + 40
-    for node in nodes[:3]:
-        store.set_logprobs(node, None)
-    assert store.logprobs_nbytes == 200  # one row still holds the batch
-    store.set_logprobs(nodes[3], None)
-    assert store.logprobs_nbytes == 40
+    for t in range(3):  # each new row pushes out the oldest, a row of the batch: it stays
+        run(store, pool, [20 + t], values=[torch.zeros(10)])
+        assert store.logprobs_nbytes == 160 + 40 + 40 * (t + 1)
+    run(store, pool, [23], values=[torch.zeros(10)])  # the batch's last row goes, and it
+    assert store.logprobs_nbytes == 5 * 40
 
 
 def test_making_room_for_a_batch_evicts_the_least_recently_used_first():
-    store, _ = make_store(max_logprobs_bytes=10)
+    store, pool = make_store(max_logprobs_bytes=10)
     root = store.root(None)
-    nodes = [node_at(root, [t]) for t in range(4)]
-    for node, value in zip(nodes, ["ab", "cd", "ef", "gh"], strict=True):
-        store.set_logprobs(node, value)
-    store.touch(nodes[0])
-    store.make_room_for_logprobs(5, 2)  # 8 held: 3 must go, the oldest first (nodes[1], [2])
-    assert [node.logprobs for node in nodes] == ["ab", None, None, "gh"]
+    run_batch(store, pool, [[t] for t in range(4)], values=["ab", "cd", "ef", "gh"])
+    nodes = [walk(root, [t])[0] for t in range(4)]
+    assert run(store, pool, [0]) == (nodes[0], None)  # answered from the tree: used again
+    plan = store.plan([((5,), None), ((6,), None)], 3)  # 6 bytes: 8 held, 4 must go
+    assert [node.logprobs for node in nodes] == ["ab", None, None, "gh"]  # the oldest first
     assert store.logprobs_nbytes == 4
-    store.make_room_for_logprobs(10, 1)  # the whole budget
+    store.release(plan)
+    plan = store.plan([((5,), None), ((6,), None)], 20)  # over the budget: all of it
     assert store.logprobs_nbytes == 0
+    store.release(plan)
 
 
 def test_a_batch_of_extensions_that_fails_halfway_holds_nothing_more():
     """`extend_all` holds the rows' shared blocks once at the end: when the pool cannot
-    grow for a row, the rows made before it are let go and every block's count is what
-    the tree's chains alone make it (recounted by `check_invariants`)."""
-    store, pool = make_store()
-    prompt = list(range(100, 100 + 9 * BLOCK + 2))
-    run(store, pool, prompt)
-    node = store.find(None, tuple(prompt))[0]
-    store.protect(node)
-    capacity, free = store.capacity, len(store.blocks._free)
+    grow for a row, the rows made before it are let go and every block is held as the
+    chain extended alone holds it (letting that go frees them all)."""
+    pool = FakePool()
+    blocks = BlockAllocator(pool, None, None)
+    length = 9 * BLOCK + 2
+    (chain,), _ = blocks.extend_all([(None, 0, length)])
+    capacity, held = blocks.capacity, blocks.held_blocks
 
-    def refuse(blocks):
-        raise MemoryError(f"no room for {blocks} blocks")
+    def refuse(size):
+        raise MemoryError(f"no room for {size} blocks")
 
     pool.resize = refuse
     # each row past the first copies the partial block: the pool runs out of free blocks
-    rows = [(node.chain, len(prompt), len(prompt) + 1)] * (free + 2)
+    rows = [(chain, length, length + 1)] * (capacity - held + 1)
     with pytest.raises(MemoryError, match="no room"):
-        store.blocks.extend_all(rows)
-    store.unprotect(node)
-    assert store.capacity == capacity and len(store.blocks._free) == free
-    check_invariants(store, pool)
+        blocks.extend_all(rows)
+    assert blocks.capacity == capacity and blocks.held_blocks == held
+    blocks.let_go(chain)
+    assert blocks.held_blocks == 0  # and every block is free: the whole pool, no resize
+    assert blocks.extend_all([(None, 0, (capacity - 1) * BLOCK)])[0] == [tuple(range(1, capacity))]
 
 
 @settings(max_examples=60, deadline=None)
@@ -574,7 +541,7 @@ def test_a_pool_sized_once_serves_or_refuses_and_keeps_every_chain_exact(
     for pick, tokens, pin in steps:
         ids = history[pick % len(history)] + tokens
         try:
-            [(node, _)], _ = run_batch(store, pool, [ids])
+            run_batch(store, pool, [ids], pin=pin)
         except RuntimeError as error:
             assert "cannot hold this batch" in str(error)
             check_invariants(store, pool)
@@ -583,12 +550,11 @@ def test_a_pool_sized_once_serves_or_refuses_and_keeps_every_chain_exact(
                 run(store, pool, [7] * BLOCK, key="other")
         else:
             history.append(ids)
-            if pin:
-                store.pin(node)
         check_invariants(store, pool)
         assert pool.sizes == [capacity]
         if budget is not None:
             assert store.kv_nbytes <= budget
+    check_drained(store, pool)
 
 
 # -- a batch: plan, then commit or release ------------------------------------------------------
@@ -604,13 +570,13 @@ def planned(store, pool, requests, key=None, **options):
 
 
 def test_commit_caches_the_rows_and_gives_each_chain_to_its_node():
-    store, pool = make_store()
+    store, pool = make_store(max_kv_bytes=16 * BLOCK_BYTES)
     prompt = list(range(100, 110))
     plan = planned(store, pool, [prompt])
     (row,) = plan.rows
     assert plan.cached == (None,) and (row.start, row.new_tokens, row.source) == (0, 10, None)
     assert store.held_blocks == 3  # the row's own chain, while the batch runs
-    assert store.commit(plan, ["p"]) == ["p"]
+    assert store.commit(plan, ["p"]) == ["p"] and plan.ended == "committed"
     node = walk(store.root(None), prompt)[0]
     assert (node.logprobs, node.chain, store.held_blocks) == ("p", row.chain, 3)
     # forks start from the prompt's KV; the prompt itself is answered from the tree
@@ -619,28 +585,44 @@ def test_commit_caches_the_rows_and_gives_each_chain_to_its_node():
     assert [(row.start, row.new_tokens) for row in plan.rows] == [(10, 1), (10, 2)]
     assert all(row.source is node for row in plan.rows)
     assert store.commit(plan, ["a", "b"]) == ["a", "p", "b"]
-    assert store._protected == set()
     check_invariants(store, pool)
+    check_evictable(store, pool)
+
+
+def test_a_plan_keeps_its_sources_through_its_own_evictions_until_it_ends():
+    store, pool = make_store(max_kv_bytes=2 * BLOCK_BYTES)
+    prompt = list(range(100, 108))  # 2 full blocks: the whole budget
+    node, _ = run(store, pool, prompt)
+    # room made for the row's block: the prompt, least recently used, is read, so it stays
+    plan = planned(store, pool, [prompt + [1]])
+    (row,) = plan.rows
+    assert row.source is node and row.chain[:2] == node.chain
+    assert pool.read(row.chain, 9) == prompt + [1]
+    store.commit(plan, ["a"])  # then the budget holds again: both chains go
+    assert node.chain is None and row.node.chain is None and store.kv_nbytes == 0
+    check_drained(store, pool)
 
 
 def test_release_lets_every_row_chain_go_and_prunes_the_nodes_made_for_them():
-    store, pool = make_store()
+    store, pool = make_store(max_kv_bytes=16 * BLOCK_BYTES)
     prompt = list(range(100, 110))
     store.commit(planned(store, pool, [prompt]), ["p"])
     node = walk(store.root(None), prompt)[0]
     plan = planned(store, pool, [prompt + [1], prompt + [2, 3], [7, 8]])
     assert store.held_blocks > 3
     store.release(plan)  # the forward failed
-    assert store.held_blocks == 3 and store._protected == set()
+    assert store.held_blocks == 3 and plan.ended == "released"
     assert walk(store.root(None), prompt + [1]) == (node, 10)
     assert walk(store.root(None), [7, 8]) == (store.root(None), 0)
     check_invariants(store, pool)
+    check_evictable(store, pool)
 
 
 def test_a_plan_whose_copies_fail_holds_nothing():
-    store, pool = make_store()
+    store, pool = make_store(max_kv_bytes=16 * BLOCK_BYTES)
     prompt = list(range(100, 110))  # its last block partly filled: a second fork copies it
     store.commit(planned(store, pool, [prompt]), ["p"])
+    copy = pool.copy
 
     def refuse(copies):
         raise RuntimeError("copy failed on purpose")
@@ -648,18 +630,52 @@ def test_a_plan_whose_copies_fail_holds_nothing():
     pool.copy = refuse
     with pytest.raises(RuntimeError, match="on purpose"):
         store.plan([((*prompt, 1), None), ((*prompt, 2), None)], 1)
-    assert store.held_blocks == 3 and store._protected == set()
+    assert store.held_blocks == 3
     assert walk(store.root(None), prompt + [1])[1] == 10
     check_invariants(store, pool)
+    pool.copy = copy
+    check_evictable(store, pool)
 
 
 def test_commit_refuses_a_wrong_number_of_rows_and_lets_their_chains_go():
     store, pool = make_store()
     plan = planned(store, pool, [[1, 2, 3], [4, 5]])
-    with pytest.raises(ValueError, match="1 rows computed for a plan of 2"):
+    with pytest.raises(ValueError, match=r"1 rows computed for a plan of 2 \(the plan is released"):
         store.commit(plan, ["x"])
     assert store.held_blocks == 0 and walk(store.root(None), [1, 2, 3])[1] == 0
-    check_invariants(store, pool)
+    with pytest.raises(RuntimeError, match="cannot release a plan that was already released"):
+        store.release(plan)
+    check_drained(store, pool)
+
+
+ENDINGS = {"commit": "committed", "release": "released"}
+
+
+@pytest.mark.parametrize("first", ENDINGS)
+@pytest.mark.parametrize("second", ENDINGS)
+def test_a_plan_ends_once_and_a_second_end_changes_nothing(first, second):
+    """Commit twice, release after commit, release twice, commit after release: the second
+    end raises before it lets go of anything (the chains it would let go of are nodes' by
+    now, or free, where the next plan takes them)."""
+    store, pool = make_store()
+    prompt = list(range(100, 110))
+    run(store, pool, prompt)
+    plan = planned(store, pool, [prompt + [1], [7, 8, 9]])
+    ends = {"commit": lambda values: store.commit(plan, values), "release": store.release}
+    ends[first](["a", "b"]) if first == "commit" else ends[first](plan)
+    trees = [(prefix_of(node), node.chain, node.logprobs) for node in subtree(store.root(None))]
+    held = store.held_blocks
+    with pytest.raises(
+        RuntimeError,
+        match=rf"cannot {second} a plan that was already {ENDINGS[first]}: a plan ends once",
+    ):
+        ends[second](["x", "y"]) if second == "commit" else ends[second](plan)
+    assert plan.ended == ENDINGS[first] and store.held_blocks == held
+    assert [(prefix_of(node), node.chain, node.logprobs) for node in subtree(store.root(None))] == (
+        trees
+    )
+    run_batch(store, pool, [[50] * 3 * BLOCK, prompt + [2], [7, 8, 9, 10]])  # new blocks only
+    check_drained(store, pool)
 
 
 def test_a_pin_plan_computes_a_cached_prefix_and_pins_its_chain():
@@ -673,4 +689,28 @@ def test_a_pin_plan_computes_a_cached_prefix_and_pins_its_chain():
     store.commit(plan, ["q"])
     assert node.pinned and node.logprobs == "q" and store.kv_nbytes == 0
     assert pool.read(node.chain, 10) == prompt
-    check_invariants(store, pool)
+    # a pin plan of a prefix whose node holds its KV already pins nothing new, runs nothing
+    plan = planned(store, pool, [prompt], pin=True)
+    assert (plan.cached, plan.rows) == (("q",), ())
+    assert store.commit(plan, []) == ["q"]
+    check_drained(store, pool)
+
+
+def test_clear_kv_detaches_the_nodes_it_empties_and_keeps_those_with_logprobs():
+    """Rounds of requests, each followed by a KV clear: the trees hold the paths to the
+    logprobs kept (the two latest) and nothing more, round after round."""
+    store, pool = make_store(max_logprobs_entries=2)
+    prompt = list(range(100, 109))
+    for round_ in range(3):
+        requests = [prompt + [round_, t] for t in range(4)]
+        run_batch(store, pool, [prompt + [round_]])
+        run_batch(store, pool, requests)
+        store.clear_kv()
+        kept = {tuple(ids[:k]) for ids in requests[-2:] for k in range(len(ids) + 1)}
+        nodes = subtree(store.root(None))
+        assert sorted(tuple(prefix_of(node)) for node in nodes) == sorted(kept)
+        assert [prefix_of(node) for node in nodes if node.logprobs is not None] in (
+            requests[-2:],
+            requests[-2:][::-1],
+        )
+        assert store.held_blocks == 0

@@ -56,17 +56,26 @@ def check_budget(name: str, value: Any) -> None:
 
 
 def check_seconds(name: str, value: Any, optional: bool = True) -> None:
-    """A duration: a finite number of seconds >= 0 (or None, if ``optional``)."""
+    """A duration: a finite number of seconds >= 0 (or None, if ``optional``), one that a
+    float holds (an int such as ``10**400`` does not)."""
     if value is None and optional:
         return
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
+        or not _finite_float(value)
         or value < 0
     ):
         allowed = " or None" if optional else ""
         raise ValueError(f"{name} must be a finite number of seconds >= 0{allowed}, got {value!r}")
+
+
+def _finite_float(value: numbers.Real) -> bool:
+    """Whether ``value`` converts to a finite float (a huge int overflows it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:

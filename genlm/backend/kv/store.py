@@ -5,24 +5,26 @@ logprobs and its *chain*, the blocks of a `BlockPool` holding its KV, which a
 `genlm.backend.kv.blocks.BlockAllocator` hands out. The store decides what stays: the KV
 budget counts the blocks held by unpinned chains (optionally also how many chains), the
 logprobs budget the bytes of the memory the values occupy (`genlm.backend.kv.budget`),
-least recently used first; pinned chains (`pin`) are outside the budget.
+least recently used first; pinned chains (a ``pin`` plan's) are outside the budget.
 
-A batch's order of work is three verbs: `plan` (each query's cached logprobs, or a
-`RowPlan`: its node made, the deepest usable KV source touched and kept from eviction,
-room made for its blocks, its own chain made and the copy-on-write copies applied, room
-made for its logprobs), then `commit` (each row's logprobs cached at its node, its chain
-given to the node) or `release` (the chains let go); both then unprotect the sources,
-evict, trim and prune. Between them a backend's forward reads each row's chain and writes
-its new tokens' KV into it. A decode step costs O(new tokens) per request in Python,
-whatever its context: `find` starts from a node the caller remembers for the request's
-prefix from an earlier step (`RowPlan.node`).
+A batch's order of work is three verbs, which with `drop_root` and the clears are all that
+changes what the store holds (the rest are read-only views): `plan` (each query's cached
+logprobs, or a `RowPlan`: its node made, the deepest usable KV source touched and kept
+from eviction, room made for its blocks, its own chain made and the copy-on-write copies
+applied, room made for its logprobs), then `commit` (each row's logprobs cached at its
+node, its chain given to the node) or `release` (the chains let go), either of which ends
+the plan, once, then unprotects the sources, evicts, trims and prunes. Between them a
+backend's forward reads each row's chain and writes its new tokens' KV into it. A decode
+step costs O(new tokens) per request in Python, whatever its context: `find` starts from
+a node the caller remembers for the request's prefix from an earlier step (`RowPlan.node`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from genlm.backend.checks import check_budget, check_int
@@ -60,11 +62,15 @@ class BatchPlan:
     """A batch as `PrefixKVStore.plan` made it: ``cached``, each query's logprobs found in
     the tree (None for a query to compute); ``rows``, the queries to compute, each holding
     its chain until `PrefixKVStore.commit` gives it to its node or `PrefixKVStore.release`
-    lets it go; ``pin``: the rows' KV is pinned at commit (`cache_kv`)."""
+    lets it go; ``pin``: the rows' KV is pinned at commit (`cache_kv`; a query whose node
+    holds its KV already is pinned by `plan`, its ``cached`` entry what the node holds).
+    ``ended``: how the plan ended (None while it runs, ``"committed"``, ``"released"``),
+    set by the store: a plan ends once."""
 
     cached: tuple[Any, ...]
     rows: tuple[RowPlan, ...]
     pin: bool = False
+    ended: str | None = field(default=None, init=False, compare=False)
 
 
 class PrefixKVStore:
@@ -109,8 +115,8 @@ class PrefixKVStore:
         self.max_logprobs_entries = max_logprobs_entries
         self._nbytes = memory_nbytes if nbytes is None else nbytes
         budget_blocks = None if max_kv_bytes is None else max_kv_bytes // pool.block_bytes
-        self.blocks = BlockAllocator(pool, budget_blocks, fixed_capacity)
-        self.roots: dict[Hashable, KVNode] = {}
+        self._blocks = BlockAllocator(pool, budget_blocks, fixed_capacity)
+        self._roots: dict[Hashable, KVNode] = {}
         self._forget()
 
     # -- state -------------------------------------------------------------------------------
@@ -118,64 +124,69 @@ class PrefixKVStore:
     def clear(self) -> None:
         """Forget every tree, chain and logprob; the pool goes back to its first size."""
         self._forget()
-        self.blocks.clear()
+        self._blocks.clear()
 
     def free(self) -> None:
         """Forget every tree, chain and logprob, and let go of all the pool's memory, not
         just shrink it (a closed LM's store); the next batch allocates it afresh."""
         self._forget()
-        self.blocks.free()
+        self._blocks.free()
 
     def _forget(self) -> None:
         """No tree, no chain, no logprob. The old trees' nodes are emptied, so that one a
         caller still holds (an old root) keeps no tree alive."""
-        for root in self.roots.values():
+        for root in self._roots.values():
             for node in subtree(root):
                 node.children.clear()
                 node.logprobs = node.chain = None
                 node.pinned = False
-        self.roots = {}
+        self._roots = {}
         self._kv_lru: OrderedDict[int, KVNode] = OrderedDict()
         self._logprobs_lru: OrderedDict[int, KVNode] = OrderedDict()
         self._memory = SharedMemory(self._nbytes)
         self._emptied: list[KVNode] = []
-        self._protected: set[int] = set()  # ids of nodes `protect` keeps from eviction
+        self._protected: set[int] = set()  # ids of nodes `_protect` keeps from eviction
 
     @property
     def capacity(self) -> int:
         """Blocks in the pool (block 0 included): `BlockAllocator.capacity`."""
-        return self.blocks.capacity
+        return self._blocks.capacity
 
     @property
     def held_blocks(self) -> int:
         """Blocks held by any chain, pinned or not (block 0 excluded)."""
-        return self.blocks.held_blocks
+        return self._blocks.held_blocks
 
     @property
     def kv_nbytes(self) -> int:
         """Bytes of the blocks held by unpinned chains (the budgeted KV)."""
-        return self.blocks.budgeted * self.block_bytes
+        return self._blocks.budgeted * self.block_bytes
 
     @property
     def logprobs_nbytes(self) -> int:
         """Bytes of the memory the cached logprobs occupy (shared memory counted once)."""
         return self._memory.nbytes
 
+    @property
+    def roots(self) -> Mapping[Hashable, KVNode]:
+        """The root of each prefix tree, by adapter key (a read-only view: `root` makes one)."""
+        return MappingProxyType(self._roots)
+
     def root(self, key: Hashable) -> KVNode:
         """The root of the prefix tree for ``key`` (an adapter name, None for the base model)."""
-        root = self.roots.get(key)
+        root = self._roots.get(key)
         if root is None:
-            root = self.roots[key] = KVNode()
+            root = self._roots[key] = KVNode()
         return root
 
     def drop_root(self, key: Hashable) -> None:
         """Forget the tree of ``key`` and let go of everything it holds (its nodes emptied,
         so that none is attached any more: `find`)."""
-        root = self.roots.pop(key, None)
+        root = self._roots.pop(key, None)
         if root is not None:
             for node in subtree(root):
-                self.set_logprobs(node, None)
-                self.set_chain(node, None)
+                self._set_logprobs(node, None)
+                self._set_chain(node, None)
                 node.children.clear()
 
     # -- a batch: plan, then commit or release --------------------------------------------------
@@ -195,31 +206,35 @@ class PrefixKVStore:
         then room made in the logprobs budget for the rows (of ``row_nbytes`` each), so the
         forward reuses the memory of those it pushes out. ``near``: for each query, a node
         the caller remembers on its path, or None (`find`). With ``pin`` (`cache_kv`) every
-        query is computed and its node's chain pinned at `commit`.
+        query is computed and its node's chain pinned at `commit`, but one whose node holds
+        its KV already: that chain is pinned here.
 
-        The plan ends with `commit` (its rows computed) or `release`; if planning fails,
-        what it held is let go before the error propagates."""
+        The plan ends once, with `commit` (its rows computed) or `release`; if planning
+        fails, what it held is let go before the error propagates."""
         cached: list[Any] = []
         rows: list[RowPlan] = []
         try:
             for slot, (ids, lora) in enumerate(queries):
                 node, depth = self.find(lora, ids, None if near is None else near[slot])
-                if not pin and depth == len(ids) and node.logprobs is not None:
-                    self.touch(node)
+                if depth == len(ids) and (node.chain if pin else node.logprobs) is not None:
+                    if pin:
+                        self._pin(node)
+                    else:
+                        self._touch(node)
                     cached.append(node.logprobs)
                     continue
                 cached.append(None)
                 source, start = self.kv_start(node, len(ids))
                 target = node_at(node, ids)
                 if source is not None:
-                    self.touch(source)
-                    self.protect(source)
+                    self._touch(source)
+                    self._protect(source)
                 rows.append(RowPlan(slot, ids, lora, target, start, len(ids) - start, source))
             if rows and self.kv_reuse:
                 rows = self._with_chains(rows)
             if rows:  # a batch over the budget: the budget's worth (its rows are kept apart)
                 nbytes, budget = len(rows) * row_nbytes, self.max_logprobs_bytes
-                self.make_room_for_logprobs(
+                self._make_room_for_logprobs(
                     nbytes if budget is None else min(nbytes, budget), len(rows)
                 )
         except BaseException:
@@ -231,32 +246,50 @@ class PrefixKVStore:
         """Cache each row's logprobs (``rows``, in the order of ``plan.rows``) at its node
         and give the node the row's chain (a node holding a pinned chain keeps it: the row's
         is let go), pinning it for a ``pin`` plan; then end the plan as `release` does.
-        Returns every query's logprobs, in order."""
-        if len(rows) != len(plan.rows):
+        Returns every query's logprobs, in order. A wrong number of rows releases the plan
+        (``ValueError``); a plan that has ended raises ``RuntimeError`` (`_end`)."""
+        refused = len(rows) != len(plan.rows)
+        self._end(plan, "commit", "released" if refused else "committed")
+        if refused:
             self._finish(plan.rows, 0)
-            raise ValueError(f"{len(rows)} rows computed for a plan of {len(plan.rows)}")
+            raise ValueError(
+                f"{len(rows)} rows computed for a plan of {len(plan.rows)} (the plan is released)"
+            )
         answers = list(plan.cached)
         given = 0  # rows whose chains went to their nodes (or were let go)
         try:
             for row, logprobs in zip(plan.rows, rows, strict=True):
                 node = row.node
-                self.set_logprobs(node, logprobs)
+                self._set_logprobs(node, logprobs)
                 answers[row.slot] = logprobs
                 if row.chain and node.pinned:
-                    self.blocks.let_go(row.chain)
+                    self._blocks.let_go(row.chain)
                 elif row.chain:
-                    self.set_chain(node, row.chain)
+                    self._set_chain(node, row.chain)
                 given += 1
                 if plan.pin:
-                    self.pin(node)
+                    self._pin(node)
         finally:
             self._finish(plan.rows, given)
         return answers
 
     def release(self, plan: BatchPlan) -> None:
         """End a plan whose rows were not computed: let go of their chains (their nodes,
-        left without values, are pruned), unprotect the sources, evict, trim and prune."""
+        left without values, are pruned), unprotect the sources, evict, trim and prune. A
+        plan that has ended raises ``RuntimeError`` (`_end`)."""
+        self._end(plan, "release", "released")
         self._finish(plan.rows, 0)
+
+    def _end(self, plan: BatchPlan, verb: str, ending: str) -> None:
+        """Mark ``plan`` as ended (``ending``: how), or raise ``RuntimeError`` if it has
+        already ended, before anything is let go: its chains went to their nodes or back
+        to the pool, where the next plan may have them by now."""
+        if plan.ended is not None:
+            raise RuntimeError(
+                f"cannot {verb} a plan that was already {plan.ended}: a plan ends once, "
+                "with commit or release"
+            )
+        object.__setattr__(plan, "ended", ending)  # frozen for everyone but the store
 
     def kv_start(self, node: KVNode, length: int) -> tuple[KVNode | None, int]:
         """`genlm.backend.kv.tree.kv_start` with KV reuse, else ``(None, 0)``."""
@@ -268,13 +301,13 @@ class PrefixKVStore:
         needs = [
             (row.source.chain if row.source else None, row.start, len(row.ids)) for row in rows
         ]
-        self.reserve(needs)
-        chains, copies = self.blocks.extend_all(needs)
+        self._reserve(needs)
+        chains, copies = self._blocks.extend_all(needs)
         try:
             self.pool.copy(copies)
         except BaseException:
             for chain in chains:
-                self.blocks.let_go(chain)
+                self._blocks.let_go(chain)
             raise
         return [
             RowPlan(
@@ -288,14 +321,14 @@ class PrefixKVStore:
         pruned), every source unprotected, KV brought back within budget, a mostly free
         pool shrunk, the trees pruned."""
         for row in rows[given:]:
-            self.blocks.let_go(row.chain)
+            self._blocks.let_go(row.chain)
             self._emptied.append(row.node)
         for row in rows:
             if row.source is not None:
-                self.unprotect(row.source)
-        self.evict()
-        self.blocks.trim()
-        self.prune()
+                self._unprotect(row.source)
+        self._evict()
+        self._blocks.trim()
+        self._prune()
 
     # -- the trees ---------------------------------------------------------------------------
 
@@ -310,85 +343,88 @@ class PrefixKVStore:
             near = self.root(key)
         return walk(near, ids)
 
-    def protect(self, node: KVNode) -> None:
+    def _protect(self, node: KVNode) -> None:
         """Keep ``node``'s chain through evictions (a running batch reads it) until
-        `unprotect`: O(1), unlike holding each of its blocks. `touch` it first: eviction
+        `_unprotect`: O(1), unlike holding each of its blocks. `_touch` it first: eviction
         stops at the least recently used protected node (it keeps its place in the LRU
         order)."""
         self._protected.add(id(node))
 
-    def unprotect(self, node: KVNode) -> None:
+    def _unprotect(self, node: KVNode) -> None:
         """Let evictions take ``node``'s chain again."""
         self._protected.discard(id(node))
 
-    def touch(self, node: KVNode) -> None:
+    def _touch(self, node: KVNode) -> None:
         """Mark ``node``'s values as recently used."""
         if id(node) in self._kv_lru:
             self._kv_lru.move_to_end(id(node))
         if id(node) in self._logprobs_lru:
             self._logprobs_lru.move_to_end(id(node))
 
-    def prune(self) -> None:
-        """Detach the nodes evictions left with no value and no children (call between
+    def _prune(self) -> None:
+        """Detach the nodes evictions and clears left with no value and no children (between
         batches, when no caller holds a node), so the trees stay bounded."""
         emptied, self._emptied = self._emptied, []
         prune(emptied)
 
     # -- chains ------------------------------------------------------------------------------
 
-    def reserve(self, extensions: Sequence[Extension]) -> None:
+    def _reserve(self, extensions: Sequence[Extension]) -> None:
         """Make room for the `BlockAllocator.extend_all` of a batch about to run: let go of
         least recently used chains for the blocks it will allocate, then grow the pool once
         if the free blocks fall short. A pool sized once that eviction leaves short raises
         ``RuntimeError`` (nothing allocated)."""
-        blocks = self.blocks.blocks_for(extensions)
-        self.evict(blocks)
-        self.blocks.grow_for(blocks)
+        blocks = self._blocks.blocks_for(extensions)
+        self._evict(blocks)
+        self._blocks.grow_for(blocks)
 
-    def pin(self, node: KVNode) -> None:
+    def _pin(self, node: KVNode) -> None:
         """Keep ``node``'s chain until a clear, outside the budget."""
         if node.chain is not None and not node.pinned:
-            self.set_chain(node, self.blocks.hold(node.chain), pinned=True)
+            self._set_chain(node, self._blocks.hold(node.chain), pinned=True)
 
-    def set_chain(self, node: KVNode, chain: Chain | None, pinned: bool = False) -> None:
+    def _set_chain(self, node: KVNode, chain: Chain | None, pinned: bool = False) -> None:
         """Give ``node`` a chain (held by the caller; the node takes that hold), or drop its chain."""
         if node.chain is not None:
             if node.pinned:
-                self.blocks.unpin(node.chain)
-            self.blocks.let_go(node.chain)
+                self._blocks.unpin(node.chain)
+            self._blocks.let_go(node.chain)
             self._kv_lru.pop(id(node), None)
         node.chain, node.pinned = chain, pinned and chain is not None
         if chain is None:
             return
         if node.pinned:
-            self.blocks.pin(chain)
+            self._blocks.pin(chain)
         else:
             self._kv_lru[id(node)] = node
 
-    def evict(self, reserve_blocks: int = 0) -> None:
+    def _evict(self, reserve_blocks: int = 0) -> None:
         """Let go of least recently used unpinned chains until ``reserve_blocks`` more fit
         the budget and, in a pool sized once, are free (and at most ``max_kv_entries``
         chains are left)."""
-        limit = self.blocks.limit(reserve_blocks)
+        limit = self._blocks.limit(reserve_blocks)
         lru = self._kv_lru
-        while lru and _over(self.blocks.budgeted, limit, len(lru), self.max_kv_entries):
+        while lru and _over(self._blocks.budgeted, limit, len(lru), self.max_kv_entries):
             node = next(iter(lru.values()))
             if id(node) in self._protected:
                 break
-            self.set_chain(node, None)
+            self._set_chain(node, None)
             self._emptied.append(node)
 
     def clear_kv(self) -> None:
-        """Let go of every chain (pinned ones too); logprobs stay. The pool shrinks back
-        (`BlockAllocator.shrink`)."""
-        for root in self.roots.values():
+        """Let go of every chain (pinned ones too); logprobs stay, and the nodes left with
+        no value are detached. The pool shrinks back (`BlockAllocator.shrink`)."""
+        for root in self._roots.values():
             for node in subtree(root):
-                self.set_chain(node, None)
-        self.blocks.shrink()
+                if node.chain is not None:
+                    self._set_chain(node, None)
+                    self._emptied.append(node)
+        self._prune()
+        self._blocks.shrink()
 
     # -- logprobs ----------------------------------------------------------------------------
 
-    def set_logprobs(self, node: KVNode, logprobs: Any) -> None:
+    def _set_logprobs(self, node: KVNode, logprobs: Any) -> None:
         """Cache ``node``'s next-token logprobs (None: drop them), evicting LRU ones over budget."""
         if node.logprobs is not None:
             self._memory.uncharge(node.logprobs)
@@ -400,7 +436,7 @@ class PrefixKVStore:
         self._logprobs_lru[id(node)] = node
         self._evict_logprobs(self.max_logprobs_bytes, self.max_logprobs_entries)
 
-    def make_room_for_logprobs(self, nbytes: int, entries: int) -> None:
+    def _make_room_for_logprobs(self, nbytes: int, entries: int) -> None:
         """Evict least recently used logprobs so that ``entries`` more values in ``nbytes``
         bytes of memory fit the budgets: a batch about to run then reuses the memory its
         predecessors free (a budget smaller than the batch is emptied)."""
@@ -415,7 +451,7 @@ class PrefixKVStore:
         lru = self._logprobs_lru
         while lru and _over(self._memory.nbytes, limit, len(lru), most):
             oldest = next(iter(lru.values()))
-            self.set_logprobs(oldest, None)
+            self._set_logprobs(oldest, None)
             self._emptied.append(oldest)
 
 

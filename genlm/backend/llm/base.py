@@ -129,6 +129,14 @@ class AsyncLM(ABC):
                 f"token_ids_list must be a list of token-id prefixes, got "
                 f"{type(token_ids_list).__name__}"
             )
+        if isinstance(token_ids_list, torch.Tensor | np.ndarray):
+            shape = tuple(token_ids_list.shape)
+            if len(shape) != 2 and shape != (0,):  # an empty 1-D one is an empty batch
+                raise ValueError(
+                    f"token_ids_list must be a list of token-id prefixes (as a tensor or "
+                    f"array: 2-D, one prefix per row), got a {type(token_ids_list).__name__} "
+                    f"of shape {shape}; for one prefix, pass [token_ids]"
+                )
         self._check_open()
         lora = self.resolve_lora(lora_name)
         return [Query(self.validate_token_ids(ids), lora) for ids in token_ids_list]

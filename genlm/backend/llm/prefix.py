@@ -239,10 +239,6 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                 f"cache_kv needs KV reuse, which is off for this {type(self).__name__}'s model"
             )
         hint = node_hint(ids, lora)
-        node, depth = self.store.find(lora, ids, hint)
-        if depth == len(ids) and node.chain is not None:
-            self.store.pin(node)
-            return
         self._run_plan(self.store.plan([(ids, lora)], self._row_nbytes, [hint], pin=True))
 
     def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:

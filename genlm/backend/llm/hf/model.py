@@ -294,7 +294,7 @@ def fixed_pool_capacity(
     Sized once only for CUDA graphs on a CUDA device (their captures hold the layers'
     addresses): block 0 and the larger of the KV budget and ``memory_fraction`` of the
     device's free memory. The budget stays a caching limit (what is kept between
-    batches, `PrefixKVStore.evict`); the rest of the pool is room for a running batch's
+    batches, least recently used first); the rest of the pool is room for a running batch's
     rows, so that a long run does not fail once its particles' own tokens outgrow the
     budget. Otherwise None: the pool grows for a batch and trims between batches, so an
     LM never holds device memory it does not use (a vLLM engine or a second LM built
