@@ -7,6 +7,9 @@ tokenizer shipped next to this script (``data/smollm2-tokenizer.json.gz``, 49,15
 tokens), so nothing is downloaded. Random weights change nothing that is measured here:
 shapes, batching, KV caching and memory traffic are the same as a trained model's.
 
+0. **first** (``gpu_first.json``, `gpu_first`): what to read first on a new card, at the
+   largest cell: a default LM's KV pool, whether decode steps replay from CUDA graphs,
+   the host syncs of a replayed step, replayed rows against eager ones.
 1. **checks** (``gpu_checks.json``): on a SmolLM2-shaped float32 model, batched rows
    (mixed lengths, padded), KV-reused rows (the SIS loop) and uncached rows agree
    within 1e-4, and the device's rows equal CPU rows of the same weights; a bfloat16
@@ -20,18 +23,18 @@ shapes, batching, KV caching and memory traffic are the same as a trained model'
    against the hand-written batched ``DynamicCache`` and ``StaticCache`` loops
    (`bench_lm.hf_floor`, `bench_lm.hf_static_floor`) in the same run: tokens/s, ratios
    and peak device memory against the KV the particles need and the library's budget.
-   Every timing is of the steady state: the graph path is warmed up on the timed run
-   itself, and a window that holds a capture, a check or an eager decode step is timed
-   again; the captures, checks and eager steps before the window and inside it (0) are
-   reported.
+   Every implementation is warmed up and timed alike (`timed_cell`): one untimed run,
+   then the same windows, interleaved, no allocator flush in between; the median and
+   spread of the windows. The graph path's captures, checks and eager steps in the
+   warm-up and inside the windows (0: the steady state) are reported.
 3. **steps** (``gpu_steps.json``): decode steps of the most particles on the longest
    prompt, eager and replayed: host ms per steady step, the device ms of one replay
    (CUDA events), and kernel launches, graph launches, copies and host syncs per step
    (``torch.profiler``).
 4. **smc** (``gpu_smc.json``): SMC on the 1B shape, the most particles on the longest
    prompt, resampled every `RESAMPLE_EVERY` steps (the distinct rows fall and recover),
-   on both paths: the graph path's captures, checks and eager steps in a first run, then
-   the tokens/s of the same run again (the steady state).
+   on both paths, warmed up and timed as the lm cells (the warm-up is the first run: the
+   graph path's captures, checks and eager steps in it are reported).
 5. **trie** (``gpu_trie.json``): the parallel trie's ``weight_sum`` / ``weight_max``,
    single and batched, on the device against the sequential trie on the CPU, at
    SmolLM2's vocabulary and synthetic 128k and 256k ones (`bench_trie.synthetic_vocab`).
@@ -40,12 +43,13 @@ On a CPU (the dry run) the graph path runs with the stand-in recorder (a replay 
 forward again), so that every line of the command runs.
 
     bash benchmark/gpu.sh                                  # all of it, on CUDA
-    bash benchmark/gpu.sh --quick --compare ../main-src --out /tmp/gpu   # < 10 min on H100/H200
+    bash benchmark/gpu.sh --quick --compare ../main-src --out /tmp/gpu \
+        --archive "$OUT/gpu.tar.gz" --deadline-s 540       # one device call (benchmark/README.md)
     bash benchmark/gpu.sh --parts lm --models llama-3.1-8b --out /tmp/gpu
     bash benchmark/gpu.sh --device cpu --tiny --out /tmp/gpu-dry   # CPU dry run (< 1 min)
 
 ``--quick`` is the plan that one device lease affords: both model shapes, N = 1 / 32 / 128,
-prompts of 28 and 1,024 tokens, 32 tokens, one repeat, SMC of 64 steps; the trie at B = 1
+prompts of 28 and 1,024 tokens, 32 tokens, two repeats, SMC of 64 steps; the trie at B = 1
 and 256. ``--compare DIR`` then measures the library of another source tree (DIR holds its
 ``genlm/``: e.g. ``git archive <commit> | tar -x -C DIR``) with this same harness, in a
 second process (``GENLM_GPU_SOURCE=DIR``; its SIS loop on both paths without the floors,
@@ -53,7 +57,11 @@ its SMC and its trie), and writes both side by side with their ratio into
 ``gpu_compare.json``.
 
 Results go to ``benchmark/results/gpu_*.json`` and plots to ``docs/images/bench-gpu-*.png``
-(with ``--out DIR``: ``DIR/gpu_*.json`` and ``DIR/images/``); tables are printed.
+(with ``--out DIR``: ``DIR/gpu_*.json`` and ``DIR/images/``); tables are printed, and the
+output is logged to ``gpu.log`` there. ``--deadline-s S`` stops the run before S seconds
+from its start (`gpu_run.Budget`: later parts and cells are skipped, further repeats
+timed only while the parts to come fit); ``gpu_run.json`` says what each part did.
+``--archive FILE`` packs everything written so far into FILE after each part and cell.
 """
 
 from __future__ import annotations
@@ -61,16 +69,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import gc
 import gzip
 import importlib.util
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +93,10 @@ sys.path[:0] = [str(SOURCE), str(BENCHMARK_DIR)]
 
 import bench_lm  # noqa: E402
 import bench_trie  # noqa: E402
+import gpu_first  # noqa: E402
+import gpu_run  # noqa: E402
 import plots  # noqa: E402
+from gpu_tree import GRAPH_EVENTS, decode_graphs, graph_counts, library_lm, pool_mb  # noqa: E402
 
 TOKENIZER_FILE = BENCHMARK_DIR / "data" / "smollm2-tokenizer.json.gz"
 SPECIAL_TOKENS = {
@@ -96,20 +108,15 @@ SPECIAL_TOKENS = {
 VOCAB_SIZE = 49_152
 TOLERANCE = 1e-4  # float32 logprobs: batched / cached / uncached / CPU rows
 TRIE_TOLERANCE = 1e-4  # relative: float32 sums of many positive weights, in other orders
-PARTS = ("checks", "pytest", "lm", "steps", "smc", "trie")
+PARTS = ("first", "checks", "pytest", "lm", "steps", "smc", "trie")
+STOPS_ITSELF = ("lm", "compare")  # parts that stop at the deadline between their cells
 MIN_KV_BUDGET = 1 << 30  # the library's default KV budget: what a user gets unasked
 # The library's two decode paths, timed side by side: the eager step (the default) and
 # steps replayed from CUDA graphs (``cuda_graphs=True``; on a CPU, the stand-in recorder).
 LIBRARY = "genlm AsyncTransformer, eager steps"
 GRAPHS = "genlm AsyncTransformer, CUDA graphs"
 LIBRARIES = (LIBRARY, GRAPHS)
-# What a graph LM's decode steps ran as besides replays (`DecodeGraphs`' counters): none of
-# them may happen inside a timed window, which is then the steady state.
-GRAPH_EVENTS = ("captures", "checks", "eager_steps")
-MAX_WINDOWS = 3  # timed windows tried per run until one holds no graph event
-# The KV pool's share of the free device memory where the tree sizes CUDA pools so: small,
-# so that the budget sizes it (two LMs and the floors share the device).
-POOL_FRACTION = 0.01
+MAX_WINDOWS = 3  # the steps part's warm-up windows, until one holds no graph event
 RESAMPLE_EVERY = 5  # the SMC workload's resampling period, in steps
 BASELINE_PARTS = ("lm", "smc", "trie")  # what `--compare` measures of the other tree
 DYNAMIC = "floor: DynamicCache loop"
@@ -165,8 +172,12 @@ class Plan:
     sis_tokens: int = 8
     smc_tokens: int = 64  # the SMC workload's steps
     profiled_steps: int = 16  # the steps part: steps timed (and 3 more profiled)
+    first_steps: int = 24  # the first part's decode steps on the graph path
     parts: list[str] = field(default_factory=lambda: list(PARTS))
     floors: bool = True  # the hand-written loops beside the library's (not for a baseline)
+    # about how long each part takes with one repeat, where the plan is meant to run: what
+    # a deadline fits the parts and further repeats by (`gpu_run.Budget`)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 FULL = Plan(
@@ -180,21 +191,24 @@ FULL = Plan(
     batches=[1, 32, 256],
     trie_repeats=5,
     smc_tokens=128,
+    seconds=dict(first=40, checks=30, pytest=25, lm=500, steps=40, smc=40, trie=60, compare=400),
 )
-# Estimated at about 4 minutes on an H200, `--compare` about 2 more (not yet run: from the
-# first run's part times, checks 29 s, pytest 21 s, the trie ~25 s at these batches, the
-# lm loops ~140 s with a library then host-bound; both library paths now, the graph path
-# warmed up on its timed run; steps and SMC ~1 minute).
+# Estimated at about 8 minutes on an H200 with `--compare` (not yet run: from the first
+# run's part times, checks 29 s, pytest 21 s, the trie ~25 s at these batches, the lm loops
+# ~140 s with a library then host-bound and one short warm-up; a round of every cell now
+# ~150 s, each implementation warmed up on a full run; steps and SMC ~45 s). With a
+# deadline, the second repeats are timed where the parts to come still fit.
 QUICK = Plan(
     agreement_model="smollm2-135m",
     speed_models=["llama-3.2-1b", "llama-3.1-8b"],
     particles=[1, 32, 128],
     prompt_tokens=[28, 1024],
     tokens=32,
-    repeats=1,
+    repeats=2,
     vocab_sizes=[VOCAB_SIZE, 128_000, 256_000],
     batches=[1, 256],
     trie_repeats=3,
+    seconds=dict(first=40, checks=30, pytest=25, lm=150, steps=30, smc=20, trie=35, compare=150),
 )
 TINY = Plan(
     agreement_model="tiny",
@@ -210,6 +224,9 @@ TINY = Plan(
     sis_tokens=3,
     smc_tokens=12,
     profiled_steps=3,
+    first_steps=4,
+    # the dry run on 2 shared CPU cores
+    seconds=dict(first=5, checks=20, pytest=10, lm=25, steps=5, smc=8, trie=5, compare=45),
 )
 
 
@@ -285,7 +302,9 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _free(device: str) -> None:
+def _flush(device: str) -> None:
+    """Free what the last cell or part left: Python's garbage, then the caching allocator's
+    unused blocks. Between cells only, never inside one (see `timed_cell`)."""
     import torch
 
     gc.collect()
@@ -427,47 +446,6 @@ def agreement_checks(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
     return rows
 
 
-def library_lm(model: Any, tokenizer: Any, device: str, graphs: bool, **options: Any) -> Any:
-    """An `AsyncTransformer` of the source tree measured, with ``cuda_graphs=graphs``; on a
-    CPU (the dry run) graphs get the stand-in recorder (a replay runs the forward again),
-    so that the dry run goes through the graph path's code too. Where the tree sizes a
-    CUDA pool by the free memory as well, only `POOL_FRACTION` of it: the KV budget sizes
-    the pool, as LMs and floors share the device."""
-    from unittest import mock
-
-    import genlm.backend.llm.hf.model as hf_model
-    from genlm.backend.llm.hf.graphs import EagerRecorder
-
-    options["cuda_graphs"] = graphs
-    if "cuda_kv_memory_fraction" in getattr(hf_model.AsyncTransformer, "OPTION_CHECKS", {}):
-        options["cuda_kv_memory_fraction"] = POOL_FRACTION
-    if device.startswith("cuda") or not graphs:
-        return hf_model.AsyncTransformer(model, tokenizer, **options)
-    # where the tree builds its graphs: the runner's module, or (before it) the LM's
-    try:
-        import genlm.backend.llm.hf.runner as builder
-    except ImportError:
-        builder = hf_model
-    with mock.patch.object(builder, "recorder_for", lambda device: EagerRecorder()):
-        return hf_model.AsyncTransformer(model, tokenizer, **options)
-
-
-def decode_graphs(lm: Any) -> Any:
-    """The LM's `DecodeGraphs` (its runner's; a tree from before the runner held them
-    as ``_graphs``), or None without graphs."""
-    runner = getattr(lm, "runner", None)
-    return getattr(runner, "graphs", None) if runner is not None else getattr(lm, "_graphs", None)
-
-
-def graph_counts(lm: Any) -> dict[str, int | None] | None:
-    """What the LM's decode steps ran as so far (`DecodeGraphs`' counters; None where the
-    tree has no such counter), or None without graphs."""
-    graphs = decode_graphs(lm)
-    if graphs is None:
-        return None
-    return {key: getattr(graphs, key, None) for key in ("replays", *GRAPH_EVENTS)}
-
-
 def _since(after: dict | None, before: dict | None) -> dict | None:
     """The counters' growth from ``before`` to ``after``."""
     if after is None or before is None:
@@ -478,14 +456,6 @@ def _since(after: dict | None, before: dict | None) -> dict | None:
 def _quiet(counts: dict | None) -> bool:
     """Whether a window's counters hold no graph event (unknown counters: assumed none)."""
     return counts is None or not any(counts.get(key) for key in GRAPH_EVENTS)
-
-
-def _pool_mb(lm: Any) -> float | None:
-    """MiB of the LM's KV pool as allocated now (on CUDA: at construction, before any run)."""
-    pool = getattr(lm, "_pool", None)
-    if pool is None or not getattr(pool, "layers", None):
-        return None
-    return sum(layer.numel() * layer.element_size() for layer in pool.layers) / 2**20
 
 
 def graph_check(
@@ -602,8 +572,9 @@ def trie_check(tokenizer: Any, device: str) -> dict:
     )
 
 
-def gpu_tests() -> dict:
-    """``pytest -m gpu`` on the test files that have ``gpu``-marked tests."""
+def gpu_tests(timeout: float | None = None) -> dict:
+    """``pytest -m gpu`` on the test files that have ``gpu``-marked tests, stopped after
+    ``timeout`` seconds (the time left before the deadline) if given."""
     files = [
         str(path.relative_to(ROOT))
         for path in sorted((ROOT / "tests").glob("test_*.py"))
@@ -622,6 +593,7 @@ def gpu_tests() -> dict:
         env=env,
         capture_output=True,
         text=True,
+        timeout=timeout,
     )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0:
@@ -652,27 +624,61 @@ def _measured(
     return wall, cpu, peak
 
 
-def lm_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]], None]) -> None:
+def _kv_budget(name: str, n: int, context_tokens: int) -> int:
+    """The library's KV budget for ``n`` particles of ``context_tokens`` on model ``name``:
+    max(`MIN_KV_BUDGET`, 3 x their KV), room enough that a run never evicts their own KV."""
+    return max(MIN_KV_BUDGET, 3 * n * context_tokens * SHAPES[name].kv_bytes_per_token())
+
+
+def first_part(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]], None]) -> None:
+    """`gpu_first.first_rows` at the plan's largest cell of its first speed model."""
+    name, n, prompt_tokens = plan.speed_models[0], max(plan.particles), max(plan.prompt_tokens)
+    model = build_model(name, device)
+    context = prompt_tokens + plan.first_steps + gpu_first.LOCKSTEP_STEPS + 2
+    options = {"batch_size": n, "max_kv_bytes": _kv_budget(name, n, context)}
+    prompt = prompt_of(tokenizer, prompt_tokens)
+    flush = functools.partial(_flush, device)
+    save(
+        gpu_first.first_rows(model, tokenizer, prompt, n, plan.first_steps, device, options, flush)
+    )
+
+
+def lm_speed(
+    plan: Plan,
+    device: str,
+    tokenizer: Any,
+    save: Callable[[list[dict]], None],
+    budget: gpu_run.Budget,
+) -> str:
     """The SIS loop on both library paths against both floors for every model, prompt and
     N; ``save`` gets the rows after each (model, prompt) so an interrupted run keeps what
-    it measured."""
+    it measured. A cell starts only while the longest one so far fits before the deadline;
+    returns a note of the cells skipped."""
     import torch
 
     rows: list[dict] = []
+    skipped: list[str] = []
+    longest = 0.0
     print(
         f"{'model':14} {'prompt':>6} {'N':>4} {'eager tok/s':>11} {'graph tok/s':>11} "
         f"{'dyn tok/s':>10} {'static tok/s':>12} {'eager/dyn':>9} {'graph/dyn':>9} "
-        f"{'graph events before / inside':>28}",
+        f"{'graph events before / inside':>28} {'windows':>7}",
         flush=True,
     )
     for name in plan.speed_models:
-        model = build_model(name, device)
+        model = None
         per_token = SHAPES[name].kv_bytes_per_token()
         for prompt_tokens in plan.prompt_tokens:
             prompt = prompt_of(tokenizer, prompt_tokens)
             for n in plan.particles:
+                if not budget.fits(longest):
+                    skipped.append(f"{name} P={prompt_tokens} N={n}")
+                    continue
+                began = gpu_run.clock()
+                if model is None:
+                    model = build_model(name, device)
                 needed = n * (prompt_tokens + plan.tokens) * per_token
-                budget = max(MIN_KV_BUDGET, 3 * needed)
+                kv_budget = max(MIN_KV_BUDGET, 3 * needed)
                 common = {
                     "model": name,
                     "dtype": SHAPES[name].dtype,
@@ -682,14 +688,18 @@ def lm_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]
                     "kv_needed_mb": needed / 2**20,
                 }
                 try:
-                    rows += _speed_rows(plan, device, model, tokenizer, prompt, n, budget, common)
+                    rows += _speed_rows(
+                        plan, device, model, tokenizer, prompt, kv_budget, common, budget
+                    )
                 except torch.cuda.OutOfMemoryError as error:
                     rows.append({**common, "implementation": "out of memory", "error": str(error)})
                     print(f"{name} {prompt_tokens} N={n}: out of memory", flush=True)
-                _free(device)
+                _flush(device)
+                longest = max(longest, gpu_run.clock() - began)
             save(rows)
         del model
-        _free(device)
+        _flush(device)
+    return f"cells skipped at the deadline: {', '.join(skipped)}" if skipped else ""
 
 
 def _speed_rows(
@@ -698,13 +708,14 @@ def _speed_rows(
     model: Any,
     tokenizer: Any,
     prompt: list[int],
-    n: int,
-    budget: int,
+    kv_budget: int,
     common: dict,
+    budget: gpu_run.Budget,
 ) -> list[dict]:
-    """One (model, prompt, N): each library path and floor, warmed up and timed in the
-    steady state (see `_timed_window`), repeats interleaved."""
-    options = {"batch_size": n, "max_kv_bytes": budget}
+    """One cell (model, prompt, N): each library path and floor, warmed up and timed alike
+    (`timed_cell`)."""
+    n = common["n_particles"]
+    options = {"batch_size": n, "max_kv_bytes": kv_budget}
     lms = {
         name: library_lm(model, tokenizer, device, name == GRAPHS, **options) for name in LIBRARIES
     }
@@ -719,87 +730,119 @@ def _speed_rows(
             runs[STATIC] = lambda tokens, seed: bench_lm.hf_static_floor(
                 lm, prompt, n, tokens, seed
             )
-        seeds = [repeat + 1 for repeat in range(plan.repeats)]
-        for name, run in runs.items():
-            # kernels, allocator, the prompt's shapes; graphs: every timed run's shapes
-            for seed in seeds if name == GRAPHS else [0]:
-                run(plan.tokens if name == GRAPHS else 2, seed)
-        before = {name: graph_counts(lm) for name, lm in lms.items()}
-        results: dict[str, list[tuple[float, float, Any]]] = {name: [] for name in runs}
-        inside: dict[str, list[dict | None]] = {name: [] for name in lms}
-        for seed in seeds:  # interleaved, so that all of them see the same machine
-            for name, run in runs.items():
-                measured, window = _timed_window(device, lms.get(name), run, plan.tokens, seed)
-                results[name].append(measured)
-                if name in lms:
-                    inside[name].append(window)
-        pools = {name: _pool_mb(lm) for name, lm in lms.items()}
+        cell = timed_cell(device, runs, lms, plan.tokens, plan.repeats, budget)
+        pools = {name: pool_mb(lm) for name, lm in lms.items()}
     finally:
         for lm in lms.values():
             lm.close()
-    best = {name: min(r[0] for r in measured) for name, measured in results.items()}
     rows = []
-    for name, measured in results.items():
-        peaks = [r[2] for r in measured if r[2] is not None]
-        row = {
-            **common,
-            "implementation": name,
-            "seconds": best[name],
-            "cpu_seconds": min(r[1] for r in measured),
-            "tokens_per_s": common["tokens"] / best[name],
-            "peak_mb": max(peaks) if peaks else None,
-        }
+    for name, timed in cell.items():
+        row = {**common, "implementation": name, **timed.stats(common["tokens"])}
         if name in lms:
             row.update(
-                kv_budget_mb=budget / 2**20,
+                kv_budget_mb=kv_budget / 2**20,
                 kv_pool_mb=pools[name],
-                graph_events_before=before[name],
-                graph_events_inside=_total(inside[name]),
-                events_before=_events(before[name]),
-                events_inside=_events(_total(inside[name])),
+                graph_events_before=timed.events_before,
+                graph_events_inside=timed.events_inside,
+                events_before=_events(timed.events_before),
+                events_inside=_events(timed.events_inside),
             )
             if plan.floors:
                 row.update(
-                    ratio_dynamic=best[name] / best[DYNAMIC],
-                    ratio_static=best[name] / best[STATIC],
+                    ratio_dynamic=timed.seconds / cell[DYNAMIC].seconds,
+                    ratio_static=timed.seconds / cell[STATIC].seconds,
                 )
         rows.append(row)
     widths = {LIBRARY: 11, GRAPHS: 11, DYNAMIC: 10, STATIC: 12}
     speeds = [
-        f"{common['tokens'] / best[name]:>{width}.1f}" if name in best else " " * width
+        f"{common['tokens'] / cell[name].seconds:>{width}.1f}" if name in cell else " " * width
         for name, width in widths.items()
     ]
     ratios = (
-        f"{best[LIBRARY] / best[DYNAMIC]:>9.2f} {best[GRAPHS] / best[DYNAMIC]:>9.2f}"
+        " ".join(f"{cell[name].seconds / cell[DYNAMIC].seconds:>9.2f}" for name in LIBRARIES)
         if plan.floors
         else f"{'':>9} {'':>9}"
     )
-    events = f"{_events(before[GRAPHS])} / {_events(_total(inside[GRAPHS]))}"
+    graphs = cell[GRAPHS]
+    events = f"{_events(graphs.events_before)} / {_events(graphs.events_inside)}"
     print(
         f"{common['model']:14} {common['prompt_tokens']:>6} {n:>4} {' '.join(speeds)} "
-        f"{ratios} {events:>28}",
+        f"{ratios} {events:>28} {len(graphs.windows):>7}",
         flush=True,
     )
     return rows
 
 
-def _timed_window(
-    device: str, lm: Any, run: Callable[[int, int], tuple[float, float]], tokens: int, seed: int
-) -> tuple[tuple[float, float, Any], dict | None]:
-    """``_measured(run(tokens, seed))`` and what the graphs of ``lm`` (if any) did inside
-    that window. A window holding a capture, a check or an eager decode step is not the
-    steady state: the run is timed again (it warmed those shapes up), at most
-    `MAX_WINDOWS` times; the last window's events are returned (zero when steady)."""
-    for _ in range(MAX_WINDOWS):
-        counts = graph_counts(lm) if lm is not None else None
-        if lm is not None:
-            lm.clear_cache()
-        _free(device)
-        measured = _measured(device, run, tokens, seed)
-        window = _since(graph_counts(lm), counts) if lm is not None else None
-        if _quiet(window):
+@dataclass
+class Timed:
+    """One implementation's runs in a cell (`timed_cell`): the tokens per particle of each
+    untimed warm-up run and of each timed window, each window's (wall s, CPU s, peak device
+    MiB or None), and its LM's graph events by the end of the warm-up and inside the windows
+    (None without graphs)."""
+
+    warmup_tokens: list[int] = field(default_factory=list)
+    window_tokens: list[int] = field(default_factory=list)
+    windows: list[tuple[float, float, Any]] = field(default_factory=list)
+    events_before: dict | None = None
+    events_inside: dict | None = None
+
+    @property
+    def seconds(self) -> float:
+        """The median window's wall time."""
+        return statistics.median(window[0] for window in self.windows)
+
+    def stats(self, tokens: int) -> dict[str, Any]:
+        """A row's timing columns; ``tokens``: sampled in a window (all particles)."""
+        walls = [window[0] for window in self.windows]
+        peaks = [window[2] for window in self.windows if window[2] is not None]
+        return {
+            "seconds": self.seconds,
+            "seconds_min": min(walls),
+            "seconds_max": max(walls),
+            "spread": (max(walls) - min(walls)) / self.seconds,
+            "cpu_seconds": statistics.median(window[1] for window in self.windows),
+            "tokens_per_s": tokens / self.seconds,
+            "peak_mb": max(peaks) if peaks else None,
+            "warmup_tokens": self.warmup_tokens,
+            "window_tokens": self.window_tokens,
+            "windows": len(self.windows),
+        }
+
+
+def timed_cell(
+    device: str,
+    runs: dict[str, Callable[[int, int], tuple[float, float]]],
+    lms: dict[str, Any],
+    tokens: int,
+    repeats: int,
+    budget: gpu_run.Budget,
+) -> dict[str, Timed]:
+    """Every implementation of a cell (``runs``: ``run(tokens, seed) -> (wall s, CPU s)``;
+    ``lms``: the library's, by the same names) warmed up alike, by one untimed run of
+    ``tokens`` (seed 0: kernels, allocator blocks, the graph path's captures and checks),
+    then timed over the same windows, a run of ``tokens`` each, in interleaved rounds so
+    that all see the same machine: the first round always, each further one (seeds 1, 2,
+    ..., up to ``repeats``) while ``budget`` spares a round's time. Nothing flushes the
+    allocator inside a cell: each run finds the blocks the runs before it left, as in a
+    loop of such runs; `lm_speed` flushes between cells."""
+    cell = {name: Timed() for name in runs}
+    for name, run in runs.items():
+        run(tokens, 0)
+        cell[name].warmup_tokens.append(tokens)
+        cell[name].events_before = graph_counts(lms[name]) if name in lms else None
+    for seed in range(1, repeats + 1):
+        began = gpu_run.clock()
+        for name, run in runs.items():
+            lm = lms.get(name)
+            counts = graph_counts(lm) if lm is not None else None
+            cell[name].windows.append(_measured(device, run, tokens, seed))
+            cell[name].window_tokens.append(tokens)
+            if lm is not None:
+                inside = _since(graph_counts(lm), counts)
+                cell[name].events_inside = _total([cell[name].events_inside, inside])
+        if not budget.spares(gpu_run.clock() - began):
             break
-    return measured, window
+    return cell
 
 
 def _total(windows: list[dict | None]) -> dict | None:
@@ -842,8 +885,7 @@ def step_profile(
     for name in plan.speed_models:
         model = build_model(name, device)
         prompt = prompt_of(tokenizer, prompt_tokens)
-        per_token = SHAPES[name].kv_bytes_per_token()
-        budget = max(MIN_KV_BUDGET, 3 * n * (prompt_tokens + 4 * plan.profiled_steps) * per_token)
+        budget = _kv_budget(name, n, prompt_tokens + 4 * plan.profiled_steps)
         for path in LIBRARIES:
             options = {"batch_size": n, "max_kv_bytes": budget}
             with library_lm(model, tokenizer, device, path == GRAPHS, **options) as lm:
@@ -868,10 +910,10 @@ def step_profile(
                 f"{'-' if replay is None else f'{replay:.3f}':>13} {calls} {events:>23}",
                 flush=True,
             )
-            _free(device)
+            _flush(device)
         save(rows)
         del model
-        _free(device)
+        _flush(device)
 
 
 def _profiled_steps(plan: Plan, device: str, lm: Any, prompt: list[int], n: int) -> dict:
@@ -961,34 +1003,49 @@ def _runtime_calls(device: str, step: Callable[[], None]) -> dict[str, float | N
     }
 
 
-def smc_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict]], None]) -> None:
+def smc_speed(
+    plan: Plan,
+    device: str,
+    tokenizer: Any,
+    save: Callable[[list[dict]], None],
+    budget: gpu_run.Budget,
+) -> None:
     """SMC on the first speed model: N particles on the longest prompt, resampled every
     `RESAMPLE_EVERY` steps (multinomially, by each step's probability of a token in the
-    vocabulary's first quarter), so that the distinct rows fall and recover. Each library
-    path runs it once (its captures, checks and eager steps counted: what an SMC run
-    costs the graph path) and is then timed on the same run (the steady state)."""
+    vocabulary's first quarter), so that the distinct rows fall and recover. Both library
+    paths in one cell (`timed_cell`): the warm-up is a first run (its captures, checks and
+    eager steps counted: what an SMC run costs the graph path), the windows the same run
+    again (the steady state)."""
     name, prompt_tokens, n = plan.speed_models[0], max(plan.prompt_tokens), max(plan.particles)
     model = build_model(name, device)
     prompt = prompt_of(tokenizer, prompt_tokens)
-    per_token = SHAPES[name].kv_bytes_per_token()
-    budget = max(MIN_KV_BUDGET, 3 * n * (prompt_tokens + plan.smc_tokens) * per_token)
-    rows = []
+    options = {
+        "batch_size": n,
+        "max_kv_bytes": _kv_budget(name, n, prompt_tokens + plan.smc_tokens),
+    }
     print(
         f"{'model':14} {'path':36} {'tok/s':>9} {'distinct':>9} {'events first run':>17} "
-        f"{'inside':>7}",
+        f"{'inside':>7} {'windows':>7}",
         flush=True,
     )
-    for path in LIBRARIES:
-        options = {"batch_size": n, "max_kv_bytes": budget}
-        with library_lm(model, tokenizer, device, path == GRAPHS, **options) as lm:
-            start = graph_counts(lm)
-            _, _, distinct = _smc_run(device, lm, prompt, n, plan.smc_tokens)
-            first = _since(graph_counts(lm), start)
+    distinct: dict[str, list[int]] = {}
 
-            def run(tokens: int, seed: int) -> tuple[float, float]:
-                return _smc_run(device, lm, prompt, n, tokens)[:2]
+    def smc(path: str, lm: Any) -> Callable[[int, int], tuple[float, float]]:
+        def run(tokens: int, seed: int) -> tuple[float, float]:
+            wall, cpu, distinct[path] = _smc_run(device, lm, prompt, n, tokens)
+            return wall, cpu
 
-            (wall, cpu, peak), inside = _timed_window(device, lm, run, plan.smc_tokens, 0)
+        return run
+
+    with (
+        library_lm(model, tokenizer, device, False, **options) as eager,
+        library_lm(model, tokenizer, device, True, **options) as graphed,
+    ):
+        lms = {LIBRARY: eager, GRAPHS: graphed}
+        runs = {path: smc(path, lm) for path, lm in lms.items()}
+        cell = timed_cell(device, runs, lms, plan.smc_tokens, plan.repeats, budget)
+    rows = []
+    for path, timed in cell.items():
         row = {
             "model": name,
             "prompt_tokens": prompt_tokens,
@@ -996,23 +1053,20 @@ def smc_speed(plan: Plan, device: str, tokenizer: Any, save: Callable[[list[dict
             "steps": plan.smc_tokens,
             "resample_every": RESAMPLE_EVERY,
             "implementation": path,
-            "seconds": wall,
-            "cpu_seconds": cpu,
-            "tokens_per_s": n * plan.smc_tokens / wall,
-            "distinct_after_resampling": f"{min(distinct)}-{max(distinct)}",
-            "graph_events_first_run": first,
-            "graph_events_inside": inside,
-            "events_first_run": _events(first),
-            "events_inside": _events(inside),
+            **timed.stats(n * plan.smc_tokens),
+            "distinct_after_resampling": f"{min(distinct[path])}-{max(distinct[path])}",
+            "graph_events_first_run": timed.events_before,
+            "graph_events_inside": timed.events_inside,
+            "events_first_run": _events(timed.events_before),
+            "events_inside": _events(timed.events_inside),
         }
         rows.append(row)
         print(
             f"{name:14} {path:36} {row['tokens_per_s']:>9.1f} "
             f"{row['distinct_after_resampling']:>9} {row['events_first_run']:>17} "
-            f"{row['events_inside']:>7}",
+            f"{row['events_inside']:>7} {row['windows']:>7}",
             flush=True,
         )
-        _free(device)
     save(rows)
 
 
@@ -1150,7 +1204,7 @@ def trie_speed(plan: Plan, device: str, tokenizer: Any) -> list[dict]:
                 f"{timing['min_ms']:>10.3f} ms {speedup:>8}",
                 flush=True,
             )
-        _free(device)
+        _flush(device)
     return rows
 
 
@@ -1199,6 +1253,19 @@ def publish(out: Path, name: str, images: Path | None, plotting: bool = True) ->
         print(f"wrote {path}", flush=True)
 
 
+def first_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
+    return {
+        "benchmark": "gpu_first",
+        "setup": {
+            **setup,
+            "what": f"{plan.speed_models[0]} (random weights), {max(plan.particles)} rows on a "
+            f"{max(plan.prompt_tokens)}-token prompt, {plan.first_steps} decode steps",
+        },
+        "rows": rows,
+        "table": ["what", "value", "detail"],
+    }
+
+
 def lm_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
     models = sorted({row["model"] for row in rows})
     return {
@@ -1208,12 +1275,13 @@ def lm_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             "models": ", ".join(f"{m} ({SHAPES[m].dtype}, random weights)" for m in models),
             "tokens_per_particle": plan.tokens,
             "repeats": plan.repeats,
-            "statistic": "best of repeats (library and floors interleaved); peak: max",
-            "warm-up": "floors and eager steps: 2 tokens; CUDA graphs: every timed run once, "
-            "and a window is timed again while it holds a capture, a check or an eager "
-            "decode step",
-            "events": "captures/checks/eager decode steps of the graph path, before the "
-            "timed windows (warm-up) and inside them (the steady state: 0/0/0)",
+            "windows": "timed per cell: up to repeats, while the deadline allows",
+            "statistic": "median of the windows (library and floors interleaved), spread: "
+            "(max - min) / median; peak: max",
+            "warm-up": "every implementation: one untimed run of the same tokens; no allocator "
+            "flush inside a cell",
+            "events": "captures/checks/eager decode steps of the graph path, by the end of "
+            "the warm-up and inside the timed windows (the steady state: 0/0/0)",
             "kv_budget": "max(1 GiB, 3 x the KV of the final contexts)",
             "peak_mb": "device memory above the start of the run; the library's KV pool, "
             "allocated at construction on CUDA, is kv_pool_mb",
@@ -1225,6 +1293,8 @@ def lm_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             "implementation",
             "n_particles",
             "tokens_per_s",
+            "spread",
+            "windows",
             "ratio_dynamic",
             "ratio_static",
             "events_before",
@@ -1292,7 +1362,8 @@ def smc_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             "token in the vocabulary's first quarter; a batched step per token, one draw per "
             "particle on the device",
             "events": "captures/checks/eager decode steps of the graph path in its first run "
-            "and inside the timed (second, identical) run",
+            "(the warm-up) and inside the timed windows (the same run again)",
+            "statistic": "median of the windows, spread: (max - min) / median",
         },
         "rows": rows,
         "table": [
@@ -1301,6 +1372,8 @@ def smc_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             "n_particles",
             "steps",
             "tokens_per_s",
+            "spread",
+            "windows",
             "distinct_after_resampling",
             "events_first_run",
             "events_inside",
@@ -1343,21 +1416,6 @@ def trie_result(plan: Plan, setup: dict, rows: list[dict]) -> dict:
             for op in ("sum", "max")
         ],
     }
-
-
-def _part(name: str, device: str, run: Callable[[], Any]) -> tuple[bool, Any]:
-    """``(True, run())``, timed; an exception is printed and gives ``(False, None)``, so the
-    other parts still run."""
-    print(f"\n== {name}", flush=True)
-    start = time.perf_counter()
-    try:
-        return True, run()
-    except Exception:  # noqa: BLE001 - report it, then go on with the other parts
-        traceback.print_exc()
-        return False, None
-    finally:
-        _free(device)
-        print(f"== {name}: {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
@@ -1404,21 +1462,32 @@ def baseline_argv(args: argparse.Namespace, plan: Plan, out: Path) -> list[str]:
     return argv
 
 
-def compare(args: argparse.Namespace, plan: Plan, out: Path) -> Path:
+def compare(args: argparse.Namespace, plan: Plan, out: Path, run: gpu_run.Run) -> None:
     """Run this harness on the source tree ``args.compare`` (a second process, so its
-    ``genlm`` is imported), then write ``gpu_compare.json``: its figures beside this tree's."""
+    ``genlm`` is imported) with the time left before the deadline, packing into this run's
+    archive, then write ``gpu_compare.json``: its figures beside this tree's (also of a
+    baseline's run stopped early)."""
     source = args.compare.resolve()
     if not (source / "genlm" / "backend" / "__init__.py").is_file():
         raise FileNotFoundError(f"--compare {source}: no genlm/backend/__init__.py there")
     baseline_out = out / "baseline"
     env = {**os.environ, "GENLM_GPU_SOURCE": str(source)}
     command = [sys.executable, __file__, *baseline_argv(args, plan, baseline_out)]
+    timeout = run.budget.timeout()
+    if timeout is not None:  # the baseline's run keeps its own reserve to pack, before ours
+        command += ["--deadline-s", f"{timeout:.1f}"]
+    if run.archive is not None:
+        command += ["--archive", str(run.archive), "--archive-folder", str(run.packed)]
     print("baseline: " + " ".join(command), flush=True)
-    subprocess.run(command, env=env, check=True)
-    result = compare_result(out, baseline_out)
-    path = write_result(out, "gpu_compare", result)
+    try:
+        status = subprocess.run(command, env=env, timeout=timeout).returncode
+        failure = f"the baseline's run exited with status {status}" if status else None
+    except subprocess.TimeoutExpired:
+        failure = f"the baseline's run was stopped at the deadline, after {timeout:.0f} s"
+    write_result(out, "gpu_compare", compare_result(out, baseline_out))
     print(f"\n### gpu_compare.json\n\n{plots.markdown_table('gpu_compare', out)}\n", flush=True)
-    return path
+    if failure:
+        raise RuntimeError(failure)
 
 
 def compare_result(out: Path, baseline_out: Path) -> dict:
@@ -1450,6 +1519,8 @@ def compare_result(out: Path, baseline_out: Path) -> dict:
                 "baseline": base["tokens_per_s"],
                 "this_tree": row["tokens_per_s"],
                 "ratio": row["tokens_per_s"] / base["tokens_per_s"],
+                "spread_baseline": base.get("spread"),
+                "spread_this_tree": row.get("spread"),
                 "dynamic_floor": dynamic,
                 "this_tree_over_floor": row["tokens_per_s"] / dynamic if dynamic else None,
                 "events_baseline": base.get("events_before"),
@@ -1471,6 +1542,8 @@ def compare_result(out: Path, baseline_out: Path) -> dict:
                 "baseline": base["tokens_per_s"],
                 "this_tree": row["tokens_per_s"],
                 "ratio": row["tokens_per_s"] / base["tokens_per_s"],
+                "spread_baseline": base.get("spread"),
+                "spread_this_tree": row.get("spread"),
                 "events_baseline": base.get("events_first_run"),
                 "events_this_tree": row.get("events_first_run"),
             }
@@ -1503,10 +1576,11 @@ def compare_result(out: Path, baseline_out: Path) -> dict:
             **{k: v for k, v in (setups[0] if setups else {}).items() if k != "genlm_source"},
             "this_tree": str(SOURCE),
             "baseline": recorded_source(baseline_out),
-            "ratio": "speed of this tree / the baseline's (> 1: faster)",
+            "ratio": "speed of this tree / the baseline's (> 1: faster); lm and smc: of the "
+            "medians, each with its spread (max - min) / median",
             "floor": "lm: the DynamicCache loop's tokens/s; trie: the sequential CPU trie",
-            "events": "captures/checks/eager decode steps of the graph path: lm before the "
-            "timed window, smc in its first run",
+            "events": "captures/checks/eager decode steps of the graph path: lm by the end "
+            "of the warm-up, smc in its first run",
         },
         "rows": compared,
         "table": [
@@ -1515,6 +1589,8 @@ def compare_result(out: Path, baseline_out: Path) -> dict:
             "baseline",
             "this_tree",
             "ratio",
+            "spread_baseline",
+            "spread_this_tree",
             "dynamic_floor",
             "this_tree_over_floor",
             "events_baseline",
@@ -1563,10 +1639,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--particles", type=int, nargs="+")
     parser.add_argument("--prompt-tokens", type=int, nargs="+")
     parser.add_argument("--tokens", type=int, help="tokens sampled per particle")
-    parser.add_argument("--repeats", type=int, help="SIS repeats (best kept)")
+    parser.add_argument(
+        "--repeats", type=int, help="timed windows per cell (the median kept), deadline allowing"
+    )
     parser.add_argument("--vocab-sizes", type=int, nargs="+", help=f"{VOCAB_SIZE}: SmolLM2's")
     parser.add_argument("--batches", type=int, nargs="+", help="trie batch sizes")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU work)")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        metavar="S",
+        help="stop before S seconds from the start (a device call's limit less a minute): "
+        "parts and cells that would end later are skipped, and said so in gpu_run.json",
+    )
+    parser.add_argument(
+        "--archive",
+        type=Path,
+        metavar="FILE",
+        help="after each part and cell, pack the results so far, plots and gpu.log into "
+        "FILE (a .tar.gz, replaced whole: e.g. $OUT/gpu.tar.gz on a device call)",
+    )
+    parser.add_argument("--archive-folder", type=Path, help=argparse.SUPPRESS)  # the baseline's
     parser.add_argument(
         "--write-tokenizer", action="store_true", help=f"rebuild {TOKENIZER_FILE.name} and exit"
     )
@@ -1579,73 +1672,102 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_tokenizer:
         print(f"wrote {write_tokenizer()}")
         return 0
+    if args.archive is not None and args.archive.is_dir():
+        parser.error(
+            f"--archive {args.archive}: a directory; name the file to write, "
+            f"e.g. {args.archive / 'gpu.tar.gz'}"
+        )
+    plan = plan_from(args)
+    names = [part for part in PARTS if part in plan.parts]
+    if args.compare is not None:
+        names.append("compare")
+    budget = gpu_run.Budget(args.deadline_s, plan.seconds, names)
 
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: CUDA is not available (the dry run: --device cpu)")
     torch.set_num_threads(args.threads)
-    plan = plan_from(args)
     out = args.out or plots.RESULTS_DIR
-    images = None if args.out is None else args.out / "images"
-    plotting = not args.no_plots
+    with gpu_run.logged(out / gpu_run.LOG):
+        return run_parts(args, plan, out, budget)
+
+
+def run_parts(args: argparse.Namespace, plan: Plan, out: Path, budget: gpu_run.Budget) -> int:
+    """Each part of the plan in turn, then ``--compare``'s, within the deadline, recorded and
+    packed as it goes (`gpu_run.Run`); the exit status: 1 where a part or a check failed."""
     device = args.device
     setup = {**machine(device), "tiny": args.tiny}
+    run = gpu_run.Run(out, args.archive, budget, setup, lambda: _flush(device), args.archive_folder)
     tokenizer = load_tokenizer()
+    images = None if args.out is None else args.out / "images"
     started = time.perf_counter()
-    failed: list[str] = []
-
     checks: list[dict] = []
-    check_parts = {
-        "checks": lambda: (
-            agreement_checks(plan, device, tokenizer) + [trie_check(tokenizer, device)]
+
+    def save(name: str, make_result: Callable[..., dict]) -> Callable[[list[dict]], None]:
+        def write(rows: list[dict]) -> None:
+            write_result(out, name, make_result(plan, setup, rows))
+            run.save()
+
+        return write
+
+    def check(rows_of: Callable[[], list[dict]]) -> Callable[[], None]:
+        def part() -> None:
+            checks.extend(rows_of())
+            result = {
+                "benchmark": "gpu_checks",
+                "setup": {**setup, "agreement_model": f"{plan.agreement_model} (random weights)"},
+                "rows": checks,
+                "table": ["check", "passed", "max_diff", "tolerance", "detail"],
+            }
+            write_result(out, "gpu_checks", result)
+            print(f"\n### gpu_checks.json\n\n{plots.markdown_table('gpu_checks', out)}\n")
+
+        return part
+
+    def measure(name: str, measured: Callable[[], str | None]) -> Callable[[], str | None]:
+        def part() -> str | None:
+            note = measured()
+            publish(out, f"gpu_{name}", images, not args.no_plots)
+            return note
+
+        return part
+
+    parts: dict[str, Callable[[], str | None]] = {
+        "first": measure(
+            "first", lambda: first_part(plan, device, tokenizer, save("gpu_first", first_result))
         ),
-        "pytest": lambda: [gpu_tests()],
+        "checks": check(
+            lambda: agreement_checks(plan, device, tokenizer) + [trie_check(tokenizer, device)]
+        ),
+        "pytest": check(lambda: [gpu_tests(budget.timeout())]),
+        "lm": measure(
+            "lm", lambda: lm_speed(plan, device, tokenizer, save("gpu_lm", lm_result), budget)
+        ),
+        "steps": measure(
+            "steps",
+            lambda: step_profile(plan, device, tokenizer, save("gpu_steps", steps_result)),
+        ),
+        "smc": measure(
+            "smc", lambda: smc_speed(plan, device, tokenizer, save("gpu_smc", smc_result), budget)
+        ),
+        "trie": measure(
+            "trie", lambda: save("gpu_trie", trie_result)(trie_speed(plan, device, tokenizer))
+        ),
+        "compare": lambda: compare(args, plan, out, run),
     }
-    for part in (part for part in check_parts if part in plan.parts):
-        ok, rows = _part(part, device, check_parts[part])
-        checks += rows if ok else [{"check": f"{part}: raised", "passed": False}]
-    if checks:
-        result = {
-            "benchmark": "gpu_checks",
-            "setup": {**setup, "agreement_model": f"{plan.agreement_model} (random weights)"},
-            "rows": checks,
-            "table": ["check", "passed", "max_diff", "tolerance", "detail"],
-        }
-        write_result(out, "gpu_checks", result)
-        print(f"\n### gpu_checks.json\n\n{plots.markdown_table('gpu_checks', out)}\n", flush=True)
-        failed += [row["check"] for row in checks if row["passed"] is False]
-
-    def save(name: str, make_result: Callable[..., dict]) -> Callable[[list[dict]], Path]:
-        return lambda rows: write_result(out, name, make_result(plan, setup, rows))
-
-    measurements = {
-        "lm": lambda: lm_speed(plan, device, tokenizer, save("gpu_lm", lm_result)),
-        "steps": lambda: step_profile(plan, device, tokenizer, save("gpu_steps", steps_result)),
-        "smc": lambda: smc_speed(plan, device, tokenizer, save("gpu_smc", smc_result)),
-        "trie": lambda: save("gpu_trie", trie_result)(trie_speed(plan, device, tokenizer)),
-    }
-    for part in (part for part in measurements if part in plan.parts):
-        ok, _ = _part(
-            part,
-            device,
-            lambda part=part: (
-                measurements[part](),
-                publish(out, f"gpu_{part}", images, plotting),
-            ),
-        )
-        if not ok:
-            failed.append(f"{part}: raised")
-
-    if args.compare is not None:
-        ok, _ = _part("compare", device, lambda: compare(args, plan, out))
-        if not ok:
-            failed.append("compare: raised")
-    print(f"\ndone in {time.perf_counter() - started:.0f} s; results in {out}", flush=True)
+    for name in list(budget.upcoming):
+        run.part(name, parts[name], stops_itself=name in STOPS_ITSELF)
+    failed = [f"{row['part']}: raised" for row in run.rows if row["status"] == "failed"]
+    failed += [row["check"] for row in checks if row["passed"] is False]
+    where = f"; results in {out}" + (f", packed into {args.archive}" if args.archive else "")
+    print(f"\ndone in {time.perf_counter() - started:.0f} s{where}", flush=True)
+    if run.skipped():
+        print("SKIPPED at the deadline: " + ", ".join(run.skipped()), flush=True)
     if failed:
         print("FAILED: " + "; ".join(failed), file=sys.stderr)
-        return 1
-    return 0
+    run.save()  # the log's last lines too
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
