@@ -22,7 +22,7 @@ a node the caller remembers for the request's prefix from an earlier step (`RowP
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -74,7 +74,7 @@ class BatchPlan:
 
 
 class PrefixKVStore:
-    """Prefix trees (one per adapter key) over a pool's blocks, with LRU budgets and pins.
+    """Prefix trees (one per adapter) over a pool's blocks, with LRU budgets and pins.
 
     Args:
         pool: the KV memory (its ``block_size`` and ``block_bytes``); a `NoKVPool` for a
@@ -116,7 +116,7 @@ class PrefixKVStore:
         self._nbytes = memory_nbytes if nbytes is None else nbytes
         budget_blocks = None if max_kv_bytes is None else max_kv_bytes // pool.block_bytes
         self._blocks = BlockAllocator(pool, budget_blocks, fixed_capacity)
-        self._roots: dict[Hashable, KVNode] = {}
+        self._roots: dict[str | None, KVNode] = {}
         self._forget()
 
     # -- state -------------------------------------------------------------------------------
@@ -168,21 +168,22 @@ class PrefixKVStore:
         return self._memory.nbytes
 
     @property
-    def roots(self) -> Mapping[Hashable, KVNode]:
-        """The root of each prefix tree, by adapter key (a read-only view: `root` makes one)."""
+    def roots(self) -> Mapping[str | None, KVNode]:
+        """The root of each prefix tree, by adapter (None: the base model; a read-only view:
+        `root` makes one)."""
         return MappingProxyType(self._roots)
 
-    def root(self, key: Hashable) -> KVNode:
-        """The root of the prefix tree for ``key`` (an adapter name, None for the base model)."""
-        root = self._roots.get(key)
+    def root(self, lora: str | None) -> KVNode:
+        """The root of the prefix tree of adapter ``lora`` (None: the base model)."""
+        root = self._roots.get(lora)
         if root is None:
-            root = self._roots[key] = KVNode()
+            root = self._roots[lora] = KVNode()
         return root
 
-    def drop_root(self, key: Hashable) -> None:
-        """Forget the tree of ``key`` and let go of everything it holds (its nodes emptied,
-        so that none is attached any more: `find`)."""
-        root = self._roots.pop(key, None)
+    def drop_root(self, lora: str | None) -> None:
+        """Forget the tree of adapter ``lora`` and let go of everything it holds (its nodes
+        emptied, so that none is attached any more: `find`)."""
+        root = self._roots.pop(lora, None)
         if root is not None:
             for node in subtree(root):
                 self._set_logprobs(node, None)
@@ -333,14 +334,14 @@ class PrefixKVStore:
     # -- the trees ---------------------------------------------------------------------------
 
     def find(
-        self, key: Hashable, ids: Sequence[int], near: KVNode | None = None
+        self, lora: str | None, ids: Sequence[int], near: KVNode | None = None
     ) -> tuple[KVNode, int]:
-        """`walk` in the tree of ``key`` from ``near``, a node the caller remembers on the
+        """`walk` in the tree of adapter ``lora`` from ``near``, a node the caller remembers on the
         path of ``ids`` in that tree (the node made for them or for a prefix of them on an
         earlier step: a decode step then walks O(new tokens), not O(len(ids))), used while
         it is still in the tree and no deeper than ``ids``; else from the root."""
         if near is None or near.depth > len(ids) or not attached(near):
-            near = self.root(key)
+            near = self.root(lora)
         return walk(near, ids)
 
     def _protect(self, node: KVNode) -> None:

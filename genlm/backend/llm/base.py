@@ -483,10 +483,10 @@ class BatchedAsyncLM(AsyncLM):
         """Blocking `next_token_logprobs` (a batch of one)."""
         return self._rows_sync([self._query(token_ids, lora_name)])[0]
 
-    def _answer_batch(self, keys: list[Query], shared: bool = False) -> list[Any]:
+    def _answer_batch(self, keys: list[Query], owned: bool = True) -> list[Any]:
         """(Worker thread; the batcher's function) each distinct key's answer, in order: its
-        row from `_compute_batch`, the callers' own unless ``shared`` (for a caller that
-        copies them and edits none), or for a key whose adapter was removed while it
+        row from `_compute_batch`, made the callers' own unless not ``owned`` (for a caller
+        that copies them and edits none), or for a key whose adapter was removed while it
         waited, the unknown-adapter `ValueError` (the batcher fails only its callers)."""
         served = {None, *self.lora_paths}
         kept = [key for key in keys if key.lora in served]
@@ -497,7 +497,7 @@ class BatchedAsyncLM(AsyncLM):
                 "distinct requests"
             )
         rows = [results[i] for i in range(len(kept))]
-        if not shared:
+        if owned:
             rows = self._owned(rows)
         if len(kept) == len(keys):
             return rows
@@ -506,11 +506,11 @@ class BatchedAsyncLM(AsyncLM):
             next(computed) if key.lora in served else self._unknown_lora(key.lora) for key in keys
         ]
 
-    def _rows_in_order(self, keys: list[Query], shared: bool) -> list[torch.Tensor]:
+    def _rows_in_order(self, keys: list[Query], owned: bool) -> list[torch.Tensor]:
         """(Worker thread) `_answer_batch` on the distinct ``keys``, their rows in ``keys``
         order; the first failed key's error raised."""
         distinct = list(dict.fromkeys(keys))
-        answers = self._answer_batch(distinct, shared)
+        answers = self._answer_batch(distinct, owned)
         for answer in answers:
             if isinstance(answer, BaseException):
                 raise answer
@@ -521,7 +521,7 @@ class BatchedAsyncLM(AsyncLM):
 
     def _rows_sync(self, keys: list[Query]) -> list[torch.Tensor]:
         """The rows of ``keys`` (repeats allowed) in one batch, blocking, the callers' own."""
-        return self.batcher.run_sync(self._rows_in_order, keys, False)
+        return self.batcher.run_sync(self._rows_in_order, keys, True)
 
     def _stacked_sync(self, queries: list[Query]) -> torch.Tensor:
         """One batch, its rows stacked on the worker thread (`_stacked`)."""
@@ -531,7 +531,7 @@ class BatchedAsyncLM(AsyncLM):
         """(Worker thread) the rows of ``queries`` as computed, stacked: the stack is their
         one copy, made where the batches' memory is allocated and freed (on a CPU it then
         reuses memory the evicted batches freed; benchmark/bench_host.py)."""
-        return torch.stack(self._rows_in_order(queries, True))
+        return torch.stack(self._rows_in_order(queries, False))
 
     def reset_async_queries(self) -> None:
         """Drop queued requests (after an aborted run); their callers get CancelledError."""
