@@ -64,6 +64,7 @@ import copy
 import gc
 import gzip
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -439,7 +440,7 @@ def library_lm(model: Any, tokenizer: Any, device: str, graphs: bool, **options:
     from genlm.backend.llm.hf.graphs import EagerRecorder
 
     options["cuda_graphs"] = graphs
-    if "cuda_kv_memory_fraction" in getattr(hf_model.AsyncTransformer, "OPTION_CHECKS", {}):
+    if "cuda_kv_memory_fraction" in inspect.signature(hf_model.AsyncTransformer).parameters:
         options["cuda_kv_memory_fraction"] = POOL_FRACTION
     if device.startswith("cuda") or not graphs:
         return hf_model.AsyncTransformer(model, tokenizer, **options)
