@@ -5,6 +5,7 @@ under another name): `library_lm` builds one on either decode path; `graph_count
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 # What a graph LM's decode steps ran as besides replays (`DecodeGraphs`' counters): none of
@@ -27,7 +28,7 @@ def library_lm(model: Any, tokenizer: Any, device: str, graphs: bool, **options:
     from genlm.backend.llm.hf.graphs import EagerRecorder
 
     options["cuda_graphs"] = graphs
-    if "cuda_kv_memory_fraction" in getattr(hf_model.AsyncTransformer, "OPTION_CHECKS", {}):
+    if "cuda_kv_memory_fraction" in inspect.signature(hf_model.AsyncTransformer).parameters:
         options["cuda_kv_memory_fraction"] = POOL_FRACTION
     if device.startswith("cuda") or not graphs:
         return hf_model.AsyncTransformer(model, tokenizer, **options)

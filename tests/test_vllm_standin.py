@@ -1191,6 +1191,16 @@ async def test_a_step_without_output_fails_its_callers_and_the_next_is_served(st
     lm.close()
 
 
+async def test_an_assigned_stall_timeout_bounds_the_next_steps(stalling):
+    lm = AsyncVirtualLM(stalling, LogitsProcessorCapture(), timeout=0.01, stall_timeout=600)
+    lm.stall_timeout = 0.3
+    assert lm.stall_timeout == 0.3
+    stalling.stall_on = {(1, 2)}
+    with pytest.raises(StepStalledError, match=r"in 0\.3 s"):
+        await asyncio.wait_for(lm.next_token_logprobs([1, 2]), timeout=10)
+    lm.close()
+
+
 async def test_a_step_fails_at_once_when_the_engine_reports_itself_dead(stalling):
     lm = AsyncVirtualLM(stalling, LogitsProcessorCapture(), timeout=0.01, stall_timeout=60)
     stalling.stall_on = {(1, 2)}

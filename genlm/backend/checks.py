@@ -4,15 +4,15 @@ Each check raises before any work, in the caller's thread, with a message naming
 argument, the value given and what is allowed: ``TypeError`` for a value of the wrong
 type (ints, budgets), ``ValueError`` for one out of range.
 
-An `OptionCheck` is a check of one named option (``check(name, value)``); a class lists
-its options' checks in a table that `check_options` runs (`AsyncLM.OPTION_CHECKS`).
+An `OptionCheck` is a check of one named option (``check(name, value)``); an LM declares
+each of its options with one (`genlm.backend.llm.options.Option`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 # Seeds go to torch.Generator.manual_seed (and vLLM's sampler): signed 64-bit integers.
@@ -90,7 +90,7 @@ def check_batching(batch_size: Any, timeout: Any) -> None:
     check_seconds("timeout", timeout)
 
 
-# -- option checks (``check(name, value)``) for the tables `check_options` runs -------------
+# -- option checks (``check(name, value)``), as `Option` declarations take them ----------
 
 
 def int_option(minimum: int = 0) -> OptionCheck:
@@ -124,11 +124,3 @@ def dict_option(name: str, value: Any) -> None:
             f"{name} must be a dict of keyword arguments or None, got "
             f"{type(value).__name__}: {value!r}"
         )
-
-
-def check_options(checks: Mapping[str, OptionCheck], options: Mapping[str, Any]) -> None:
-    """Run each given option's check from ``checks`` (options without one pass)."""
-    for name, value in options.items():
-        check = checks.get(name)
-        if check is not None:
-            check(name, value)

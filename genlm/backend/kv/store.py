@@ -109,13 +109,12 @@ class PrefixKVStore:
         self.kv_reuse = not isinstance(pool, NoKVPool)
         self.block_size = pool.block_size
         self.block_bytes = pool.block_bytes
-        self.max_kv_bytes = max_kv_bytes
         self.max_logprobs_bytes = max_logprobs_bytes
         self.max_kv_entries = max_kv_entries
         self.max_logprobs_entries = max_logprobs_entries
         self._nbytes = memory_nbytes if nbytes is None else nbytes
-        budget_blocks = None if max_kv_bytes is None else max_kv_bytes // pool.block_bytes
-        self._blocks = BlockAllocator(pool, budget_blocks, fixed_capacity)
+        self._blocks = BlockAllocator(pool, None, fixed_capacity)
+        self.max_kv_bytes = max_kv_bytes
         self._roots: dict[str | None, KVNode] = {}
         self._forget()
 
@@ -146,6 +145,19 @@ class PrefixKVStore:
         self._memory = SharedMemory(self._nbytes)
         self._emptied: list[KVNode] = []
         self._protected: set[int] = set()  # ids of nodes `_protect` keeps from eviction
+
+    @property
+    def max_kv_bytes(self) -> int | None:
+        """Budget for blocks held by unpinned chains (None: unbounded). Assignable (checked
+        as the constructor checks it): every eviction from then on, the next batch's first,
+        keeps KV within it (the other budgets are plain attributes, read the same way)."""
+        return self._max_kv_bytes
+
+    @max_kv_bytes.setter
+    def max_kv_bytes(self, value: int | None) -> None:
+        check_budget("max_kv_bytes", value)
+        self._max_kv_bytes = value
+        self._blocks.budget_blocks = None if value is None else value // self.block_bytes
 
     @property
     def capacity(self) -> int:

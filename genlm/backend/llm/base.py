@@ -14,7 +14,6 @@ an adapter or the reverse.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import os
 from abc import ABC, abstractmethod
@@ -26,7 +25,8 @@ import torch
 
 from genlm.backend._lazy import lazy_exports
 from genlm.backend.batching import AutoBatcher, BatchResults
-from genlm.backend.checks import OptionCheck, check_options, check_seconds, int_option
+from genlm.backend.checks import check_seconds, int_option
+from genlm.backend.llm.options import Option, declared_options
 from genlm.backend.llm.request import PrefixIndex, Query, TokenIds, checked_id, tuple_of_ids
 from genlm.backend.sampling import check_sampling_args, sample_token
 from genlm.backend.tokenization import decode_vocab
@@ -43,13 +43,12 @@ class AsyncLM(ABC):
             ``None``: the base model).
 
     Class attributes:
-        OPTION_CHECKS: a check per constructor option (`genlm.backend.checks`), run by
-            `check_constructor_options` before any work, from the constructor and from
-            ``from_name`` (before a model loads).
         max_temperature: the highest sampling temperature the backend accepts.
+
+    A backend's constructor options are its `Option` attributes
+    (`genlm.backend.llm.options`), each declared once with its default, check and doc.
     """
 
-    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {}
     max_temperature: ClassVar[float] = math.inf
 
     def __init__(self, tokenizer: Any):
@@ -337,22 +336,17 @@ class AsyncLM(ABC):
 
     @classmethod
     def check_constructor_options(cls, options: Mapping[str, Any]) -> None:
-        """Check constructor options before any work (``from_name``: before a model loads;
-        the constructor: first): every option is a keyword of the constructor
-        (``TypeError`` naming it and the ones there are), and each passes its check in
-        `OPTION_CHECKS` (an error naming the option, the value and what is allowed)."""
-        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        parameters = {
-            p.name
-            for p in inspect.signature(cls.__init__).parameters.values()
-            if p.kind in named and p.default is not p.empty
-        }
-        for name in options:
-            if name not in parameters:
+        """Check constructor options before any work (``from_name``: before a model loads):
+        each is one of the class's `Option` attributes (``TypeError`` naming it and the
+        ones there are) and passes its check (an error naming the option, the value and
+        what is allowed), as the constructor and an assignment check it."""
+        declared = declared_options(cls)
+        for name, value in options.items():
+            if name not in declared:
                 raise TypeError(
-                    f"{cls.__name__} takes no option {name!r}; it takes: {sorted(parameters)}"
+                    f"{cls.__name__} takes no option {name!r}; it takes: {sorted(declared)}"
                 )
-        check_options(cls.OPTION_CHECKS, options)
+            declared[name].check(name, value)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -418,10 +412,15 @@ class BatchedAsyncLM(AsyncLM):
     """
 
     batcher: AutoBatcher[Query, torch.Tensor]
-    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
-        "batch_size": int_option(minimum=1),
-        "timeout": check_seconds,
-    }
+
+    batch_size = Option(20, int_option(minimum=1), at="batcher.batch_size")
+    """Most distinct requests per batch (an int >= 1). Assignable: the batches formed
+    after it hold at most the new number."""
+
+    timeout: Option[float | None] = Option(0.02, check_seconds, at="batcher.timeout")
+    """Longest wait (seconds) for a batch to fill while the event loop stays busy (None:
+    until it is full or the loop idles). Assignable: it applies from the next batch that
+    starts gathering."""
 
     @abstractmethod
     def _compute_batch(self, keys: list[Query]) -> BatchResults[torch.Tensor]:
@@ -444,29 +443,6 @@ class BatchedAsyncLM(AsyncLM):
         (`owned_rows`, one fused op), so that a row edited in place changes nothing the LM
         keeps nor another caller's row, and a row a caller keeps holds only its own floats."""
         return owned_rows(rows)
-
-    @property
-    def batch_size(self) -> int:
-        """Most distinct requests per batch. Assignable, checked as the constructor's
-        ``batch_size``: the batches formed after it hold at most the new number."""
-        return self.batcher.batch_size
-
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        check_options(self.OPTION_CHECKS, {"batch_size": value})
-        self.batcher.batch_size = value
-
-    @property
-    def timeout(self) -> float | None:
-        """Longest wait (seconds) for a batch to fill while the event loop stays busy (None:
-        until it is full or the loop idles). Assignable, checked as the constructor's
-        ``timeout``: it applies from the next batch that starts gathering."""
-        return self.batcher.timeout
-
-    @timeout.setter
-    def timeout(self, value: float | None) -> None:
-        check_options(self.OPTION_CHECKS, {"timeout": value})
-        self.batcher.timeout = value
 
     async def next_token_logprobs(
         self, token_ids: Sequence[int], *, lora_name: str | None = None

@@ -9,14 +9,15 @@ every call raises `RuntimeError`.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from genlm.backend.cache import OutputCache
-from genlm.backend.checks import OptionCheck, dict_option, int_option
+from genlm.backend.checks import dict_option, int_option
 from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.options import Option
 from genlm.backend.llm.request import Query
 
 
@@ -37,23 +38,23 @@ class EngineLM(BatchedAsyncLM):
     """A `BatchedAsyncLM` over an engine object, with an output cache and `cleanup`.
 
     Subclasses implement `_compute_batch` (one engine call per batch) and
-    `_stop_engine`. Their constructors check all their options (this class's too)
-    against `OPTION_CHECKS` first, before any work of theirs; this one checks none again.
+    `_stop_engine`. Their constructors take all their options (this class's too) with
+    `takes_options`, which checks them first, before any work; this one checks none again.
 
     Args:
         tokenizer: the engine's Hugging Face tokenizer.
-        cache_size: entries of the logprobs `OutputCache` (0: no cache).
-        cache_opts: keyword arguments for `OutputCache` (e.g. ``move_to_cpu``).
-        batch_size: most requests per batch of the `AutoBatcher`.
-        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
+        cache_size: as the option below.
+        cache_opts: as the option below.
+        batch_size: as `BatchedAsyncLM`'s option.
+        timeout: as `BatchedAsyncLM`'s option.
         name: the batcher's worker thread name.
     """
 
-    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
-        **BatchedAsyncLM.OPTION_CHECKS,
-        "cache_size": int_option(minimum=0),
-        "cache_opts": check_cache_opts,
-    }
+    cache_size = Option(0, int_option(minimum=0), assignable=False)
+    """Entries of the logprobs `OutputCache` (0: no cache). Fixed at construction."""
+
+    cache_opts: Option[dict[str, Any] | None] = Option(None, check_cache_opts, assignable=False)
+    """Keyword arguments for `OutputCache` (e.g. ``move_to_cpu``). Fixed at construction."""
 
     def __init__(
         self,

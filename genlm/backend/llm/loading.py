@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import logging
 from typing import Any
 
@@ -73,8 +72,8 @@ def load_model_by_name(
         ValueError: for an unknown backend (the message lists the valid ones), or a
             local path that does not exist or holds no model (see `check_model_name`).
         TypeError: ``name`` is not a str (or path), ``llm_opts`` not a dict or holding an
-            option the backend does not take (checked before any engine starts: e.g.
-            ``hf_opts`` for vllm).
+            option the backend does not take (e.g. ``hf_opts`` for vllm: ``from_name``
+            checks its options before any engine starts, `check_constructor_options`).
         ImportError: when the named backend's optional package is missing (names the pip
             extra); never for the default backend.
     """
@@ -90,25 +89,4 @@ def load_model_by_name(
     backend = default_backend() if backend is None else backend
     module_name, class_name = BACKENDS[backend]
     cls = getattr(importlib.import_module(module_name), class_name)
-    check_options(cls, llm_opts or {})
     return cls.from_name(name, **(llm_opts or {}))
-
-
-def check_options(cls: Any, llm_opts: dict[str, Any]) -> None:
-    """Raise `TypeError` for an option neither ``cls.from_name`` nor the constructor (to
-    which ``from_name`` passes its ``**kwargs``) takes, naming the ones they do take.
-
-    The constructor's required arguments (the model objects) are not options.
-    """
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    from_name = list(inspect.signature(cls.from_name).parameters.values())[1:]  # after the name
-    init = list(inspect.signature(cls.__init__).parameters.values())[1:]  # after self
-    accepted = {p.name for p in from_name if p.kind in named} | {
-        p.name for p in init if p.kind in named and p.default is not p.empty
-    }
-    unknown = sorted(set(llm_opts) - accepted)
-    if unknown:
-        raise TypeError(
-            f"{cls.__name__} does not take the option(s) {unknown} in llm_opts; "
-            f"it takes: {sorted(accepted)}"
-        )

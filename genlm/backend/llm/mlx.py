@@ -50,11 +50,12 @@ import numpy as np
 import torch
 
 from genlm.backend._install import install_hint
-from genlm.backend.checks import check_budget, check_options, first_line, int_option
+from genlm.backend.checks import check_budget, first_line, int_option
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore, RowPlan
 from genlm.backend.llm.loading import check_vocab_fits
+from genlm.backend.llm.options import Option, takes_options
 from genlm.backend.llm.prefix import PrefixCachedLM, plan_order, row_groups
 
 if TYPE_CHECKING:
@@ -320,56 +321,55 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
     Args:
         mlx_lm_model: a model from ``mlx_lm.load``.
         tokenizer: its tokenizer (mlx-lm's ``TokenizerWrapper`` or the Hugging Face one).
-        batch_size: most requests per batch.
-        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
-        prefill_step_size: most tokens per row fed to the model in one prefill pass.
-        cache_size: most prefixes whose KV (and, apart, logprobs) are kept, least recently
-            used evicted first (0: nothing is kept between batches), over every adapter's
-            prefix tree together; prompts pinned with `cache_kv` are outside it.
-        max_kv_bytes: optional cap on the bytes of the KV blocks those prefixes hold.
-        max_logprobs_bytes: optional cap on the bytes of the cached log-probabilities.
+
+    The other arguments are the options below (``batch_size`` and ``timeout`` as on
+    `BatchedAsyncLM`), each an attribute of the LM too.
     """
 
     runner: MlxRunner
 
-    OPTION_CHECKS = {
-        **PrefixCachedLM.OPTION_CHECKS,
-        "prefill_step_size": int_option(minimum=1),
-        "cache_size": int_option(minimum=0),
-        "max_kv_bytes": check_budget,
-        "max_logprobs_bytes": check_budget,
-    }
+    batch_size = PrefixCachedLM.batch_size.with_default(5)
+    timeout = PrefixCachedLM.timeout.with_default(0.001)
 
+    prefill_step_size = Option(2048, int_option(minimum=1), at="runner.prefill_step_size")
+    """Most tokens per row fed to the model in one prefill pass. Assignable, with effect on
+    the next batches."""
+
+    cache_size = Option(
+        400, int_option(minimum=0), at=("store.max_kv_entries", "store.max_logprobs_entries")
+    )
+    """Most prefixes whose KV (and, apart, logprobs) are kept, least recently used evicted
+    first (0: nothing is kept between batches), over every adapter's prefix tree together;
+    prompts pinned with `cache_kv` are outside it. Assignable: the next batch evicts down
+    to it (logprobs: the next that computes a row)."""
+
+    max_kv_bytes: Option[int | None] = Option(None, check_budget, at="store.max_kv_bytes")
+    """Optional cap (bytes) on the KV blocks those prefixes hold. Assignable: the next
+    batch evicts down to it."""
+
+    max_logprobs_bytes: Option[int | None] = Option(
+        None, check_budget, at="store.max_logprobs_bytes"
+    )
+    """Optional cap (bytes) on the cached log-probabilities. Assignable: the next batch
+    that computes a row evicts down to it."""
+
+    @takes_options
     def __init__(
         self,
         mlx_lm_model: Any,
         tokenizer: Any,
-        batch_size: int = 5,
-        timeout: float | None = 0.001,
-        prefill_step_size: int = 2048,
-        cache_size: int = 400,
+        batch_size: int = batch_size.default,
+        timeout: float | None = timeout.default,
+        prefill_step_size: int = prefill_step_size.default,
+        cache_size: int = cache_size.default,
         *,
-        max_kv_bytes: int | None = None,
-        max_logprobs_bytes: int | None = None,
+        max_kv_bytes: int | None = max_kv_bytes.default,
+        max_logprobs_bytes: int | None = max_logprobs_bytes.default,
     ):
         mx = _import_mlx()
-        check_options(
-            self.OPTION_CHECKS,
-            {
-                "batch_size": batch_size,
-                "timeout": timeout,
-                "prefill_step_size": prefill_step_size,
-                "cache_size": cache_size,
-                "max_kv_bytes": max_kv_bytes,
-                "max_logprobs_bytes": max_logprobs_bytes,
-            },
-        )
         super().__init__(_hf_tokenizer(tokenizer))
         self.mlx_tokenizer = tokenizer
         self.model = mlx_lm_model
-        self.cache_size = cache_size
-        self.max_kv_bytes = max_kv_bytes
-        self.max_logprobs_bytes = max_logprobs_bytes
         mx.eval(mlx_lm_model.parameters())
         layout, reason = self._probe_kv_layout()
         pool = None if layout is None else MlxBlockPool(layout)
@@ -390,29 +390,18 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         limit = getattr(args, "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
-    @property
-    def prefill_step_size(self) -> int:
-        """Most tokens per row fed to the model in one prefill pass; assignable (checked as
-        the constructor's ``prefill_step_size``), with effect on the next batches."""
-        return self.runner.prefill_step_size
-
-    @prefill_step_size.setter
-    def prefill_step_size(self, value: int) -> None:
-        check_options(self.OPTION_CHECKS, {"prefill_step_size": value})
-        self.runner.prefill_step_size = value
-
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> AsyncMlxLM:
         """Load ``model_name`` (a local directory or hub id) with ``mlx_lm.load``.
 
         The weights keep the dtype they are stored in; ``kwargs`` go to the constructor.
         """
+        cls.check_constructor_options(kwargs)
         _import_mlx()
         import mlx_lm
 
         from genlm.backend.models import check_model_name, explained_load_errors
 
-        cls.check_constructor_options(kwargs)
         path = check_model_name(model_name)
         with explained_load_errors(model_name):
             model, tokenizer = mlx_lm.load(path)[:2]

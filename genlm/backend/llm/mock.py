@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.options import takes_options
 from genlm.backend.llm.request import Query
 
 
@@ -27,8 +28,15 @@ class MockAsyncLM(BatchedAsyncLM):
 
     NUM_TABLES = 8
 
-    def __init__(self, tokenizer: Any, batch_size: int = 64, timeout: float | None = 0.02):
-        # the batcher checks batch_size and timeout: before the vocabulary is decoded
+    batch_size = BatchedAsyncLM.batch_size.with_default(64)
+
+    @takes_options
+    def __init__(
+        self,
+        tokenizer: Any,
+        batch_size: int = batch_size.default,
+        timeout: float | None = BatchedAsyncLM.timeout.default,
+    ):
         self.batcher = self._make_batcher(batch_size, timeout, "genlm-mock")
         super().__init__(tokenizer)
         rng = np.random.default_rng(0)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from genlm.backend._install import install_hint
-from genlm.backend.checks import check_options
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.options import takes_options
 from genlm.backend.llm.protocols import SGLEngine
 from genlm.backend.llm.request import Query
 
@@ -77,29 +77,20 @@ class AsyncSGLTransformer(EngineLM):
     Args:
         sgl_model: an ``sglang.Engine`` (anything with its ``generate``, ``flush_cache``,
             ``shutdown`` and ``tokenizer_manager.tokenizer``).
-        cache_size: entries of the logprobs `OutputCache` (0: no cache).
-        cache_opts: keyword arguments for `OutputCache`.
-        batch_size: most requests per batch of the `AutoBatcher`.
-        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
+
+    The other arguments are the options of `EngineLM` (``cache_size``, ``cache_opts``)
+    and `BatchedAsyncLM` (``batch_size``, ``timeout``), each an attribute of the LM too.
     """
 
+    @takes_options
     def __init__(
         self,
         sgl_model: SGLEngine,
-        cache_size: int = 0,
-        cache_opts: dict[str, Any] | None = None,
-        batch_size: int = 20,
-        timeout: float | None = 0.02,
+        cache_size: int = EngineLM.cache_size.default,
+        cache_opts: dict[str, Any] | None = EngineLM.cache_opts.default,
+        batch_size: int = EngineLM.batch_size.default,
+        timeout: float | None = EngineLM.timeout.default,
     ):
-        check_options(
-            self.OPTION_CHECKS,
-            {
-                "cache_size": cache_size,
-                "cache_opts": cache_opts,
-                "batch_size": batch_size,
-                "timeout": timeout,
-            },
-        )
         self.sgl_model = sgl_model
         give_engine_its_own_loop(sgl_model)
         super().__init__(

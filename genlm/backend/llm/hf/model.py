@@ -32,13 +32,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from genlm.backend.checks import (
-    check_budget,
-    check_options,
-    choice_option,
-    fraction_option,
-    int_option,
-)
+from genlm.backend.checks import check_budget, choice_option, fraction_option, int_option
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
@@ -51,6 +45,7 @@ from genlm.backend.llm.hf.options import (
 )
 from genlm.backend.llm.hf.runner import TransformerRunner
 from genlm.backend.llm.loading import check_vocab_fits
+from genlm.backend.llm.options import Option, takes_options
 from genlm.backend.llm.prefix import PrefixCachedLM
 
 LORA_BATCHING = ("mixed", "grouped")
@@ -70,66 +65,63 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     Args:
         hf_model: an ``AutoModelForCausalLM`` (put in eval mode).
         hf_tokenizer: its tokenizer.
-        batch_size: most requests per batch.
-        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
-        max_kv_bytes: budget for cached KV states (least recently used evicted first;
-            prompts pinned with `cache_kv` are outside it): what is kept between batches;
-            a running batch's rows may hold more.
-        max_logprobs_bytes: budget for cached next-token log-probabilities.
-        max_batch_tokens: most new tokens run in one forward (larger groups are split,
-            a longer prefix is prefilled in chunks).
-        lora_batching: ``"mixed"`` (rows of several LoRA adapters in one forward) or
-            ``"grouped"`` (one forward per adapter).
-        cuda_graphs: on a CUDA device, replay decode steps from CUDA graphs (captured per
-            shape bucket; `genlm.backend.llm.hf.graphs`); no effect elsewhere. Off by
-            default until a GPU run shows them right and faster (docs/kv-store.md).
-        cuda_kv_memory_fraction: with ``cuda_graphs=True`` on a CUDA device, the KV pool is
-            allocated here and never resized (the graphs hold its addresses): the larger of
-            ``max_kv_bytes`` and this share of the device's free memory (after the model is
-            loaded), in ``(0, 1)``. Pinned prompts and a running batch's rows must fit in
-            it; a batch that cannot fails before any work. No effect otherwise: the pool
-            follows what is held, on CUDA as on the CPU.
+
+    The other arguments are the options below (``batch_size`` and ``timeout`` as on
+    `BatchedAsyncLM`), each an attribute of the LM too.
     """
 
     runner: TransformerRunner
 
-    OPTION_CHECKS = {
-        **PrefixCachedLM.OPTION_CHECKS,
-        "max_kv_bytes": check_budget,
-        "max_logprobs_bytes": check_budget,
-        "max_batch_tokens": int_option(minimum=1),
-        "lora_batching": choice_option(*LORA_BATCHING),
-        "cuda_graphs": choice_option(True, False),
-        "cuda_kv_memory_fraction": fraction_option,
-    }
+    max_kv_bytes: Option[int | None] = Option(
+        DEFAULT_MAX_KV_BYTES, check_budget, at="store.max_kv_bytes"
+    )
+    """Budget (bytes, None: unbounded) for cached KV states, least recently used evicted
+    first (prompts pinned with `cache_kv` are outside it): what is kept between batches;
+    a running batch's rows may hold more. Assignable: the next batch evicts down to it."""
 
+    max_logprobs_bytes: Option[int | None] = Option(
+        DEFAULT_MAX_LOGPROBS_BYTES, check_budget, at="store.max_logprobs_bytes"
+    )
+    """Budget (bytes, None: unbounded) for cached next-token log-probabilities.
+    Assignable: the next batch that computes a row evicts down to it."""
+
+    max_batch_tokens = Option(4096, int_option(minimum=1), at="runner.max_batch_tokens")
+    """Most new tokens run in one forward (larger groups are split, a longer prefix is
+    prefilled in chunks). Assignable, with effect on the next batches."""
+
+    lora_batching = Option("mixed", choice_option(*LORA_BATCHING), at="runner.lora_batching")
+    """``"mixed"`` (rows of several LoRA adapters in one forward) or ``"grouped"`` (one
+    forward per adapter). Assignable, with effect on the next batches."""
+
+    cuda_graphs = Option(False, choice_option(True, False), assignable=False)
+    """On a CUDA device, replay decode steps from CUDA graphs (captured per shape bucket;
+    `genlm.backend.llm.hf.graphs`); no effect elsewhere. Off by default until a GPU run
+    shows them right and faster (docs/kv-store.md). Fixed at construction."""
+
+    cuda_kv_memory_fraction = Option(CUDA_KV_MEMORY_FRACTION, fraction_option, assignable=False)
+    """With ``cuda_graphs=True`` on a CUDA device, the KV pool is allocated at construction
+    and never resized (the graphs hold its addresses): the larger of ``max_kv_bytes`` and
+    this share of the device's free memory (after the model is loaded), in ``(0, 1)``.
+    Pinned prompts and a running batch's rows must fit in it; a batch that cannot fails
+    before any work (an assigned ``max_kv_bytes`` does not resize it). No effect
+    otherwise: the pool follows what is held, on CUDA as on the CPU. Fixed at
+    construction."""
+
+    @takes_options
     def __init__(
         self,
         hf_model: Any,
         hf_tokenizer: Any,
-        batch_size: int = 20,
-        timeout: float | None = 0.02,
+        batch_size: int = PrefixCachedLM.batch_size.default,
+        timeout: float | None = PrefixCachedLM.timeout.default,
         *,
-        max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES,
-        max_logprobs_bytes: int | None = DEFAULT_MAX_LOGPROBS_BYTES,
-        max_batch_tokens: int = 4096,
-        lora_batching: str = "mixed",
-        cuda_graphs: bool = False,
-        cuda_kv_memory_fraction: float = CUDA_KV_MEMORY_FRACTION,
+        max_kv_bytes: int | None = max_kv_bytes.default,
+        max_logprobs_bytes: int | None = max_logprobs_bytes.default,
+        max_batch_tokens: int = max_batch_tokens.default,
+        lora_batching: str = lora_batching.default,
+        cuda_graphs: bool = cuda_graphs.default,
+        cuda_kv_memory_fraction: float = cuda_kv_memory_fraction.default,
     ):
-        check_options(
-            self.OPTION_CHECKS,
-            {
-                "batch_size": batch_size,
-                "timeout": timeout,
-                "max_kv_bytes": max_kv_bytes,
-                "max_logprobs_bytes": max_logprobs_bytes,
-                "max_batch_tokens": max_batch_tokens,
-                "lora_batching": lora_batching,
-                "cuda_graphs": cuda_graphs,
-                "cuda_kv_memory_fraction": cuda_kv_memory_fraction,
-            },
-        )
         super().__init__(hf_tokenizer)
         self.model = hf_model.eval()
         # Read once: every prefix of every step is checked against it (a config lookup goes
@@ -139,8 +131,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         )
         quiet_bitsandbytes(self.model)
         check_vocab_fits(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])
-        self.max_kv_bytes = max_kv_bytes
-        self.max_logprobs_bytes = max_logprobs_bytes
         layout, reason = self._probe_kv_layout()
         pool = None if layout is None else TorchBlockPool(layout)
         runner = TransformerRunner(
@@ -224,28 +214,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     def device(self) -> torch.device:
         """The device of the model's output layer, where the returned rows are."""
         return self.runner.forward.output_device
-
-    @property
-    def max_batch_tokens(self) -> int:
-        """Most new tokens run in one forward; assignable (checked as the constructor's
-        ``max_batch_tokens``), with effect on the next batches."""
-        return self.runner.max_batch_tokens
-
-    @max_batch_tokens.setter
-    def max_batch_tokens(self, value: int) -> None:
-        check_options(self.OPTION_CHECKS, {"max_batch_tokens": value})
-        self.runner.max_batch_tokens = value
-
-    @property
-    def lora_batching(self) -> str:
-        """``"mixed"`` or ``"grouped"``; assignable (checked as the constructor's
-        ``lora_batching``), with effect on the next batches."""
-        return self.runner.lora_batching
-
-    @lora_batching.setter
-    def lora_batching(self, value: str) -> None:
-        check_options(self.OPTION_CHECKS, {"lora_batching": value})
-        self.runner.lora_batching = value
 
     def next_token_logprobs_uncached(
         self, token_ids: Sequence[int], *, lora_name: str | None = None

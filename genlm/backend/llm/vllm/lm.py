@@ -14,17 +14,16 @@ import itertools
 import logging
 import math
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from genlm.backend.batching import AutoBatcher
-from genlm.backend.checks import OptionCheck, check_options
 from genlm.backend.llm.base import owned_rows
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.options import Option, takes_options
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
 from genlm.backend.llm.request import Query
 from genlm.backend.llm.vllm import api
@@ -43,8 +42,6 @@ logger = logging.getLogger(__name__)
 
 # The highest sampling temperature vLLM's ``SamplingParams`` accepts.
 MAX_TEMPERATURE = 2.0
-# Most requests per batch unless ``batch_size`` says otherwise.
-DEFAULT_BATCH_SIZE = 20
 
 
 def hash_to_int(value: str) -> int:
@@ -104,49 +101,36 @@ class AsyncVirtualLM(EngineLM):
         logprobs_capture: how full-vocabulary logprobs come back: a
             `LogitsProcessorCapture` (the engine must list `CAPTURE_PROCESSOR` in its
             ``logits_processors``) or an `EngineLogprobsCapture` (``max_logprobs=-1``).
-        cache_size: entries of the logprobs `OutputCache` (0: no cache).
-        cache_opts: keyword arguments for `OutputCache` (e.g. ``move_to_cpu``).
-        batch_size: most requests per batch of the `AutoBatcher` (shared by logprobs and
-            sampling requests).
-        timeout: longest wait (seconds) for a batch to fill while the event loop is busy.
-        stall_timeout: longest time (seconds) a step may go without any output from the
-            engine; then it fails its callers with `StepStalledError` instead of waiting
-            forever.
+
+    The other arguments are the options of `EngineLM` (``cache_size``, ``cache_opts``),
+    `BatchedAsyncLM` (``batch_size``, ``timeout``: the batches are shared by logprobs and
+    sampling requests) and ``stall_timeout`` below, each an attribute of the LM too.
 
     Raises ``ValueError`` for an engine built inside a running event loop by the caller
     (`genlm.backend.llm.vllm.loop.engine_handle`); `from_name` has no such limit.
     """
 
-    OPTION_CHECKS: ClassVar[Mapping[str, OptionCheck]] = {
-        **EngineLM.OPTION_CHECKS,
-        "stall_timeout": check_stall_timeout,
-    }
     # Wider than the base class's (queries alone): samples share the queries' steps.
     batcher: AutoBatcher[_StepKey, _StepAnswer]  # type: ignore[assignment]
 
+    stall_timeout: Option[float] = Option(STALL_TIMEOUT, check_stall_timeout)
+    """Longest time (seconds) a step may go without any output from the engine; then it
+    fails its callers with `StepStalledError` instead of waiting forever. Assignable: the
+    next steps wait at most the new time."""
+
+    @takes_options
     def __init__(
         self,
         llm_engine: VLLMEngine,
         logprobs_capture: LogprobsCapture,
-        cache_size: int = 0,
-        cache_opts: dict[str, Any] | None = None,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        timeout: float | None = 0.02,
-        stall_timeout: float = STALL_TIMEOUT,
+        cache_size: int = EngineLM.cache_size.default,
+        cache_opts: dict[str, Any] | None = EngineLM.cache_opts.default,
+        batch_size: int = EngineLM.batch_size.default,
+        timeout: float | None = EngineLM.timeout.default,
+        stall_timeout: float = stall_timeout.default,
     ):
-        check_options(
-            self.OPTION_CHECKS,
-            {
-                "cache_size": cache_size,
-                "cache_opts": cache_opts,
-                "batch_size": batch_size,
-                "timeout": timeout,
-                "stall_timeout": stall_timeout,
-            },
-        )
         self.llm_engine: Any = llm_engine  # None once closed
         self.logprobs_capture = logprobs_capture
-        self.stall_timeout = float(stall_timeout)
         self._max_model_len = engine_max_model_len(llm_engine)
         self._handle = engine_handle(llm_engine)
         super().__init__(
@@ -209,7 +193,9 @@ class AsyncVirtualLM(EngineLM):
         check_logits_processors(vllm_config)
         width = model_vocab_size(vllm_config)
         if isinstance(logprobs_capture, LogitsProcessorCapture) and width is not None:
-            logprobs_capture.check_room(kwargs.get("batch_size", DEFAULT_BATCH_SIZE), width)
+            logprobs_capture.check_room(
+                kwargs.get("batch_size", EngineLM.batch_size.default), width
+            )
         engine = start_engine(
             lambda: vllm.AsyncLLMEngine.from_vllm_config(
                 vllm_config,
