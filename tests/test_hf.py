@@ -165,6 +165,8 @@ def test_from_name_options(default_model_dir, hf_model, smollm2_tokenizer, monke
         return hf_model
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", record)
+    # the CPU's device_map; CUDA's is tests/test_hf_device_map.py's
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     lm = AsyncTransformer.from_name(
         default_model_dir, hf_opts={"torch_dtype": "float32"}, batch_size=3, max_kv_bytes=10
     )

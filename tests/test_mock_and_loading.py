@@ -4,6 +4,7 @@ import asyncio
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,6 +216,21 @@ def test_default_backend_is_vllm_only_with_cuda_and_vllm(
     assert len(lines) == logged
     if logged:
         assert "vllm is not installed" in lines[0] and "[vllm]" in lines[0]
+
+
+def test_on_python_below_3_11_the_hf_line_says_vllm_needs_3_11(monkeypatch, caplog):
+    """The vllm extra's marker in pyproject.toml installs nothing below 3.11: the line says
+    why instead of naming the extra."""
+    from genlm.backend.llm import loading
+
+    pyproject = Path(__file__).parents[1].joinpath("pyproject.toml").read_text()
+    assert re.search(r"""^vllm = \["vllm[^;"]*; python_version >= '3\.11'"\]$""", pyproject, re.M)
+    _machine(monkeypatch, cuda=True, vllm=False)
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))
+    with caplog.at_level("WARNING", logger=loading.__name__):
+        assert loading.default_backend() == "hf"
+    (line,) = [r.getMessage() for r in caplog.records if r.name == loading.__name__]
+    assert "vLLM needs Python >= 3.11 (this is 3.10)" in line and "[vllm]" not in line
 
 
 def test_cuda_without_vllm_loads_hf_and_never_raises_import_error(monkeypatch, default_model_dir):

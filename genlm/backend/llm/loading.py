@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import sys
 from typing import Any
 
 from genlm.backend.llm.base import AsyncLM
@@ -20,6 +21,10 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "sgl": ("genlm.backend.llm.sgl", "AsyncSGLTransformer"),
     "mock": ("genlm.backend.llm.mock", "MockAsyncLM"),
 }
+
+
+# The oldest Python that vLLM's releases support (the vllm extra's marker in pyproject.toml).
+VLLM_MIN_PYTHON = (3, 11)
 
 
 def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
@@ -37,14 +42,24 @@ def check_vocab_fits(tokenizer_vocab: int, model_vocab: int) -> None:
 def default_backend() -> str:
     """``"vllm"`` when CUDA is available and vllm is installed, else ``"hf"``.
 
-    A CUDA machine without vllm gets hf and one logged warning naming the ``vllm`` extra:
-    a backend the caller did not name is never an `ImportError`.
+    A CUDA machine without vllm gets hf and one logged warning: on Python below 3.11,
+    which vLLM's releases do not support (the ``vllm`` extra installs nothing there),
+    saying so; else naming the ``vllm`` extra. A backend the caller did not name is never
+    an `ImportError`.
     """
     import torch
 
     if not torch.cuda.is_available():
         return "hf"
     if importlib.util.find_spec("vllm") is None:
+        if sys.version_info < VLLM_MIN_PYTHON:
+            logger.warning(
+                "CUDA is available but vLLM needs Python >= %d.%d (this is %d.%d): loading "
+                "with the hf backend",
+                *VLLM_MIN_PYTHON,
+                *sys.version_info[:2],
+            )
+            return "hf"
         from genlm.backend._install import install_hint
 
         logger.warning(

@@ -40,6 +40,7 @@ from genlm.backend.llm.hf.attention import CASCADE_ATTENTION
 from genlm.backend.llm.hf.options import (
     bitsandbytes_config,
     cache_keyword,
+    default_device_map,
     normalize_dtype,
     quiet_bitsandbytes,
 )
@@ -172,9 +173,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             model_id: what to load.
             bitsandbytes_opts: keyword arguments of ``transformers.BitsAndBytesConfig``
                 (e.g. ``{"load_in_8bit": True}``); needs the ``bnb`` extra.
-            hf_opts: keyword arguments for ``from_pretrained``; defaults ``device_map="auto"``
-                and ``dtype="auto"`` (``torch_dtype`` is accepted too, as a dtype or a name
-                such as ``"float32"`` or ``"bfloat16"``).
+            hf_opts: keyword arguments for ``from_pretrained``; defaults ``dtype="auto"``
+                (``torch_dtype`` is accepted too, as a dtype or a name such as ``"float32"``
+                or ``"bfloat16"``) and a ``device_map`` that keeps the model on one device
+                (`default_device_map`: on CUDA the current GPU, and a ValueError where the
+                model does not fit there; ``{"device_map": "auto"}`` spreads it).
             **kwargs: passed to `AsyncTransformer` (``batch_size``, ``max_kv_bytes``, ...).
         """
         from transformers import AutoModelForCausalLM
@@ -194,11 +197,13 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         cls.check_constructor_options(kwargs)
         opts = dict(hf_opts or {})
         normalize_dtype(opts)
-        opts = {"device_map": "auto", "dtype": "auto", **opts}
+        opts = {"dtype": "auto", **opts}
         if bitsandbytes_opts is not None:
             opts["quantization_config"] = bitsandbytes_config(bitsandbytes_opts)
         path, gguf = gguf_from_pretrained_args(model_id)
         tokenizer = load_tokenizer(model_id)
+        if "device_map" not in opts:
+            opts["device_map"] = default_device_map(model_id, path, {**gguf, **opts})
         with explained_load_errors(model_id):
             model = AutoModelForCausalLM.from_pretrained(path, **gguf, **opts)
         return cls(model, tokenizer, **kwargs)

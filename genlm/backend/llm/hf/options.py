@@ -95,3 +95,78 @@ def bitsandbytes_config(bitsandbytes_opts: dict[str, Any]) -> Any:
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(**bitsandbytes_opts)
+
+
+# The most of a CUDA device's free memory that a model's weights may take for the model to
+# go on that device alone: the rest holds the activations, the logits and the KV pool.
+ONE_DEVICE_WEIGHT_SHARE = 0.9
+
+# Keyword arguments of ``from_pretrained`` that say where the config is or how to read it.
+_CONFIG_OPTIONS = ("trust_remote_code", "revision", "subfolder", "cache_dir", "token")
+
+
+def default_device_map(
+    model_id: str, path: str, from_pretrained_kwargs: dict[str, Any]
+) -> str | dict[str, int]:
+    """The ``device_map`` for ``from_pretrained(path, **from_pretrained_kwargs)`` (which
+    loads ``model_id``) where the caller named none.
+
+    Without CUDA, ``"auto"`` (transformers puts the model on the CPU). With CUDA, the whole
+    model on the current device (``{"": index}``): transformers' ``"auto"`` spreads the
+    layers over every GPU it sees, and a model on several devices gets no KV reuse. The
+    weights' bytes are estimated from the config on the meta device (`weight_bytes`:
+    nothing is loaded); a model whose weights take more than ``ONE_DEVICE_WEIGHT_SHARE``
+    of the device's free memory raises ValueError naming the ways to split it.
+    """
+    if not torch.cuda.is_available():
+        return "auto"
+    device = torch.cuda.current_device()
+    free, _ = torch.cuda.mem_get_info(device)
+    from genlm.backend.models import explained_load_errors
+
+    with explained_load_errors(model_id):
+        needed = weight_bytes(path, from_pretrained_kwargs)
+    if needed <= ONE_DEVICE_WEIGHT_SHARE * free:
+        return {"": device}
+    raise ValueError(
+        f"{model_id}'s weights take about {needed / 2**30:.2f} GiB, more than "
+        f"{ONE_DEVICE_WEIGHT_SHARE:.0%} of the {free / 2**30:.2f} GiB free on cuda:{device}: "
+        "the model does not fit on one GPU. Split it over several GPUs with the vLLM backend's "
+        "tensor parallelism (load_model_by_name(name, backend='vllm', llm_opts={'engine_opts': "
+        "{'tensor_parallel_size': N}})), or spread its layers with transformers "
+        "(hf_opts={'device_map': 'auto'}: the layers then run one GPU after another, without "
+        "KV reuse)"
+    )
+
+
+def weight_bytes(path: str, from_pretrained_kwargs: dict[str, Any]) -> int:
+    """About the bytes that ``from_pretrained(path, **from_pretrained_kwargs)``'s weights
+    take: the model built from its config on the meta device, at the dtype it will load in
+    (``dtype``, else the config's, else float32) or, quantized (bitsandbytes options or a
+    quantized checkpoint), at 4 or 8 bits a weight."""
+    from accelerate.utils import CustomDtype, compute_module_sizes
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_kwargs = {
+        key: value
+        for key, value in from_pretrained_kwargs.items()
+        if key in _CONFIG_OPTIONS or key == "gguf_file"
+    }
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=config_kwargs.get("trust_remote_code", False)
+        )
+    quantization = from_pretrained_kwargs.get("quantization_config") or getattr(
+        config, "quantization_config", None
+    )
+    dtype: Any
+    if quantization is not None:
+        settings = quantization if isinstance(quantization, dict) else quantization.to_dict()
+        four_bit = settings.get("load_in_4bit") or settings.get("bits") == 4
+        dtype = CustomDtype.INT4 if four_bit else torch.int8
+    else:
+        dtype = from_pretrained_kwargs.get("dtype", "auto")
+        if dtype == "auto":
+            dtype = getattr(config, "dtype", None) or torch.float32
+    return int(compute_module_sizes(model, dtype=dtype)[""])
