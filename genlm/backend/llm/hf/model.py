@@ -19,9 +19,10 @@ shared base matmuls (``lora_batching="grouped"`` runs one forward per adapter in
 measured slower, see benchmark/bench_lm.py ``--loras``).
 
 Models whose cache is not a plain stack of same-shaped full-attention layers
-(sliding windows, recurrent states, layers on several devices, ...) or whose
-attention is neither ``sdpa`` nor ``eager`` still work, without KV reuse: each
-request then runs its whole prefix.
+(sliding windows shorter than the context, recurrent states, layers on several
+devices, ...), whose attention is neither ``sdpa`` nor ``eager``, or whose family the
+step cannot serve (`genlm.backend.llm.hf.families`: ALiBi from a 2-D mask, longrope)
+still work, without KV reuse: each request then runs its whole prefix.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from genlm.backend.checks import check_budget, choice_option, fraction_option, int_option
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.attention import CASCADE_ATTENTION
+from genlm.backend.llm.hf.families import kv_reuse_refusal
 from genlm.backend.llm.hf.options import (
     bitsandbytes_config,
     cache_keyword,
@@ -246,10 +248,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         layers = [
             (getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers
         ]
-        if any(type(layer) is not DynamicLayer for layer in cache.layers) or any(
-            keys is None or values is None for keys, values in layers
-        ):
-            return None, "its cache has layers other than full attention"
+        refusal = kv_reuse_refusal(self.model, cache.layers)
+        if refusal is not None:
+            return None, refusal
         return uniform_layout(layers)
 
 

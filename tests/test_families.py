@@ -1,0 +1,331 @@
+"""Every model family users load, as a tiny random model (benchmark/families.py): in four
+scenarios its rows are within `TOL` of the model's own uncached forward, through the path
+its LM takes (KV reuse and cascade attention, or each request's whole prefix), which
+`PATHS` states per family and docs/families.md lists.
+
+The scenarios: one prompt; 16 particles with resampling (crossing position 64, where the
+longrope family switches factors); a shared 100-token prompt, then cascade steps of
+particles decoding from it; a batch of mixed cached lengths and multi-token extensions.
+Sliding windows (16 tokens) are shorter than the prompts. A family's model is built once
+for its scenarios (they run in family order).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from families import CONTEXT, FAMILIES, LONGROPE_ORIGINAL_CONTEXT, Family, family, family_model
+
+from genlm.backend.llm.hf import AsyncTransformer
+
+TOL = 1e-4  # float32 rows: batched / KV-reused / cascade vs one plain forward
+DOCS_TABLE = Path(__file__).resolve().parents[1] / "docs" / "families.md"
+
+
+@dataclass(frozen=True)
+class LMPath:
+    """How an LM serves a family: KV reuse (else each request runs its whole prefix, and
+    the construction warns with ``refusal``), and cascade attention over shared prompts."""
+
+    kv_reuse: bool
+    cascade: bool
+    refusal: str = ""
+
+
+REUSE_AND_CASCADE = LMPath(True, True)
+REUSE_ONLY = LMPath(True, False)  # attention modules that do not look up our cascade
+SLIDING = LMPath(False, False, "its cache has layers other than full attention")
+ALIBI = LMPath(False, False, "builds its ALiBi bias from a 2-D attention mask")
+
+PATHS: dict[str, LMPath] = {
+    "llama": REUSE_AND_CASCADE,
+    "llama-dynamic-ntk": REUSE_AND_CASCADE,
+    "mistral": SLIDING,
+    "mistral-window-covers-context": REUSE_AND_CASCADE,
+    "gemma": REUSE_AND_CASCADE,
+    "gemma2": SLIDING,
+    "gemma3": SLIDING,
+    "gemma3-window-covers-context": REUSE_AND_CASCADE,
+    "phi3": SLIDING,
+    "phi3-longrope": LMPath(False, False, "its longrope RoPE switches factors past position 64"),
+    "qwen2": REUSE_AND_CASCADE,
+    "qwen3": REUSE_AND_CASCADE,
+    "smollm3": REUSE_AND_CASCADE,
+    "stablelm": REUSE_AND_CASCADE,
+    "nemotron": REUSE_AND_CASCADE,
+    "gpt2": REUSE_ONLY,
+    "gpt-neox": REUSE_ONLY,
+    "falcon-rotary": REUSE_ONLY,
+    "falcon-alibi": ALIBI,
+    "bloom": ALIBI,
+    "mpt": REUSE_ONLY,
+    "starcoder2": SLIDING,
+    "cohere": REUSE_AND_CASCADE,
+    "cohere2": SLIDING,
+    "granite": REUSE_AND_CASCADE,
+    "olmo": REUSE_AND_CASCADE,
+    "mixtral": REUSE_AND_CASCADE,
+    "qwen2-moe": REUSE_AND_CASCADE,
+    "gpt-oss": SLIDING,
+    "deepseek-v3": LMPath(False, False, "its layers' KV shapes differ"),
+}
+
+# Rows the step gets wrong today, by family and scenario: strict, so a fix shows.
+WRONG: dict[tuple[str, str], str] = {
+    (name, "cascade"): f"{name}'s decoder layers call attention without the forward's keyword "
+    "arguments, so cascade attention never sees the shared prompt"
+    for name in ("stablelm", "nemotron")
+}
+
+
+# -- the scenarios: each returns its rows' largest difference from the uncached forward -----
+
+
+class Rows:
+    """An LM's rows against the model's own uncached forward, on random tokens."""
+
+    def __init__(self, model, lm, seed):
+        self.model, self.lm = model, lm
+        self.generator = torch.Generator().manual_seed(seed)
+        self.worst = 0.0
+
+    def tokens(self, n):
+        return torch.randint(0, self.lm.vocab_size, (n,), generator=self.generator).tolist()
+
+    def check(self, contexts):
+        """One batch of the LM's rows for ``contexts``, against the reference."""
+        rows = self.lm.batch_next_token_logprobs_sync(contexts)
+        for row, reference in zip(rows, self.uncached(contexts), strict=True):
+            self.worst = max(self.worst, (row - reference).abs().max().item())
+
+    def uncached(self, contexts):
+        """Each context's logprobs from one plain forward of whole prefixes, no cache
+        (contexts of one length batched together)."""
+        by_length = {}
+        for i, context in enumerate(contexts):
+            by_length.setdefault(len(context), []).append(i)
+        out = [None] * len(contexts)
+        with torch.inference_mode():
+            for indices in by_length.values():
+                ids = torch.tensor([contexts[i] for i in indices])
+                logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+                rows = torch.log_softmax(logits[:, : self.lm.vocab_size].float(), -1)
+                for i, row in zip(indices, rows, strict=True):
+                    out[i] = row
+        return out
+
+
+def one_prompt(rows):
+    """A 100-token prompt, nothing cached."""
+    rows.check([rows.tokens(100)])
+
+
+def resampling(rows):
+    """16 particles from a 62-token prompt for 3 steps (prefixes of 63 to 65 tokens),
+    resampled (some copied, some dropped) between steps."""
+    prompt = rows.tokens(62)
+    particles = [prompt + rows.tokens(1) for _ in range(16)]
+    for _ in range(3):
+        rows.check(particles)
+        picks = torch.randint(0, 16, (16,), generator=rows.generator).tolist()
+        particles = [particles[i] + rows.tokens(1) for i in picks]
+
+
+def cascade(rows):
+    """A 100-token prompt, then 8 particles decoding from it for 3 steps."""
+    prompt = rows.tokens(100)
+    rows.check([prompt])
+    particles = [prompt + rows.tokens(1) for _ in range(8)]
+    for _ in range(3):
+        rows.check(particles)
+        particles = [p + rows.tokens(1) for p in particles]
+
+
+def mixed(rows):
+    """Prefixes of 20, 40 and 90 tokens cached, then one batch extending them by 1, 3 and
+    30 tokens (40 + 30 crosses position 64) beside a fresh 50-token prompt."""
+    prompt = rows.tokens(90)
+    rows.check([prompt[:20], prompt[:40], prompt])
+    rows.check(
+        [
+            prompt[:20] + rows.tokens(1),
+            prompt + rows.tokens(1),
+            prompt[:40] + rows.tokens(1),
+            prompt[:20] + rows.tokens(3),
+            prompt + rows.tokens(3),
+            prompt[:40] + rows.tokens(30),
+            rows.tokens(50),
+        ]
+    )
+
+
+SCENARIOS: dict[str, Callable[[Rows], None]] = {
+    "one-prompt": one_prompt,
+    "resampling": resampling,
+    "cascade": cascade,
+    "mixed": mixed,
+}
+
+
+def open_lm(model, tokenizer):
+    """An LM over ``model`` and the KV-reuse warnings its construction gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm = AsyncTransformer(model, tokenizer, batch_size=32)
+    return lm, [str(w.message) for w in caught if "KV reuse is off" in str(w.message)]
+
+
+def check_path(lm, refusals, expected: LMPath):
+    assert (lm.kv_reuse, lm.runner.cascade) == (expected.kv_reuse, expected.cascade)
+    if expected.kv_reuse:
+        assert refusals == []
+    else:
+        (refusal,) = refusals
+        assert expected.refusal in refusal
+
+
+# -- the contract over the families ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_of(smollm2_tokenizer):
+    """``model_of(family)``: its tiny model, kept while its scenarios run."""
+    held: dict[str, object] = {}
+
+    def get(tiny: Family):
+        if tiny.name not in held:
+            held.clear()
+            held[tiny.name] = family_model(tiny, len(smollm2_tokenizer))
+        return held[tiny.name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def table(summary_lines):
+    """The largest difference per family and scenario, printed at the end of the run."""
+    found: dict[str, dict[str, str]] = {}
+    yield found
+    summary_lines.append("families: path, then max |row - uncached forward| per scenario")
+    for name, cells in found.items():
+        path = PATHS[name]
+        route = "whole prefix" if not path.kv_reuse else "cascade" if path.cascade else "reuse"
+        summary_lines.append(
+            f"  {name:30} {route:12} " + "  ".join(f"{s}={v}" for s, v in cells.items())
+        )
+
+
+def cases():
+    return list(_cases())
+
+
+def _cases():
+    for tiny in FAMILIES:
+        for scenario in SCENARIOS:
+            marks = []
+            if not tiny.available():
+                marks.append(pytest.mark.skip(reason=f"transformers has no {tiny.config}"))
+            why = WRONG.get((tiny.name, scenario))
+            if why is not None:
+                marks.append(pytest.mark.xfail(reason=why, strict=True))
+            yield pytest.param(tiny, scenario, marks=marks, id=f"{tiny.name}-{scenario}")
+
+
+@pytest.mark.parametrize(("tiny", "scenario"), cases())
+def test_rows_match_the_uncached_forward(smollm2_tokenizer, model_of, table, tiny, scenario):
+    model = model_of(tiny)
+    lm, refusals = open_lm(model, smollm2_tokenizer)
+    with lm:
+        check_path(lm, refusals, PATHS[tiny.name])
+        rows = Rows(model, lm, seed=list(SCENARIOS).index(scenario))
+        cells = table.setdefault(tiny.name, {})
+        try:
+            SCENARIOS[scenario](rows)
+        except Exception as error:
+            cells[scenario] = type(error).__name__
+            raise
+        cells[scenario] = f"{rows.worst:.1e}"
+        assert rows.worst <= TOL
+
+
+def test_every_family_has_its_path_stated():
+    assert sorted(PATHS) == sorted(tiny.name for tiny in FAMILIES)
+
+
+# -- RoPE whose factors depend on the forward's longest position -----------------------------
+
+
+def test_longrope_switching_within_the_context_turns_kv_reuse_off(smollm2_tokenizer):
+    """The family's switch (position 64) lies within its context (256): the warning says so."""
+    lm, refusals = open_lm(
+        family_model(family("phi3-longrope"), len(smollm2_tokenizer)), smollm2_tokenizer
+    )
+    with lm:
+        assert not lm.kv_reuse
+    assert refusals == [
+        "KV reuse is off for this model (its longrope RoPE switches factors past position "
+        f"{LONGROPE_ORIGINAL_CONTEXT}, within its context of {CONTEXT}): every request runs "
+        "its whole prefix"
+    ]
+
+
+def test_longrope_switching_only_past_the_context_keeps_kv_reuse(smollm2_tokenizer):
+    """Phi-3-mini-4k's case: its original context is its context, so a forward within it
+    never switches factors: rows across the whole context stay right with reuse."""
+    longrope = family("phi3-longrope")
+    options = dict(longrope.options)
+    options["rope_parameters"] = {
+        **options["rope_parameters"],
+        "factor": 1.0,
+        "original_max_position_embeddings": CONTEXT,
+    }
+    options["original_max_position_embeddings"] = CONTEXT
+    tiny = Family("phi3-longrope-4k", longrope.config, options)
+    model = family_model(tiny, len(smollm2_tokenizer))
+    lm, refusals = open_lm(model, smollm2_tokenizer)
+    with lm:
+        assert lm.kv_reuse and refusals == []
+        rows = Rows(model, lm, seed=1)
+        prompt = rows.tokens(CONTEXT)
+        rows.check([prompt[:60], prompt[:200]])
+        rows.check([prompt[:66], prompt[:230] + [prompt[230]], prompt])
+        assert rows.worst <= TOL
+
+
+def test_dynamic_ntk_keeps_kv_reuse_up_to_its_context(smollm2_tokenizer):
+    """Dynamic NTK rescales only once a forward runs past the context: up to the last
+    position rows are right with reuse, and a longer prefix is refused."""
+    model = family_model(family("llama-dynamic-ntk"), len(smollm2_tokenizer))
+    lm, refusals = open_lm(model, smollm2_tokenizer)
+    with lm:
+        assert lm.kv_reuse and refusals == []
+        rows = Rows(model, lm, seed=2)
+        prompt = rows.tokens(CONTEXT + 1)
+        rows.check([prompt[:100], prompt[:200]])
+        rows.check([prompt[:104], prompt[: CONTEXT - 1], prompt[:CONTEXT]])
+        assert rows.worst <= TOL
+        with pytest.raises(ValueError, match=f"{CONTEXT}"):
+            lm.next_token_logprobs_sync(prompt)
+
+
+# -- the docs' table of families -------------------------------------------------------------
+
+
+def test_the_docs_table_states_every_familys_path():
+    """docs/families.md lists each family this file runs, with its path as `PATHS` has it."""
+    documented = {}
+    for line in DOCS_TABLE.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and re.fullmatch(r"`[\w.-]+`", cells[0]):
+            documented[cells[0].strip("`")] = (cells[1], cells[2])
+    expected = {
+        name: ("yes" if path.kv_reuse else "no", "yes" if path.cascade else "no")
+        for name, path in PATHS.items()
+    }
+    assert documented == expected
