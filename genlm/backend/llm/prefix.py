@@ -181,7 +181,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         return self._rows_sync(queries) if queries else []
 
     def clear_cache(self) -> None:
-        """Forget all cached logprobs and KV (pinned prompts included)."""
+        """Forget all cached logprobs and KV (pinned prompts included): after editing the
+        model's weights, whose cached rows and KV are the old weights'."""
         self._check_open()
         self.batcher.run_sync(self.store.clear)
 

@@ -1,6 +1,6 @@
 """Hugging Face transformers backend: `AsyncTransformer` (the LM, `model`), its forward over
 a batch's rows (`TransformerRunner`, `runner`) through the model's own (`ModelForward`,
-`forward`), a step's inputs over the paged KV (`paged`), the transformers cache over the
+`forward`), the model as the LMs over it share it (`shared`), a step's inputs over the paged KV (`paged`), the transformers cache over the
 pool (`cache`), cascade attention (`attention`), the CUDA graphs of its decode steps
 (`graphs`), its LM head (`head`) and its loading options (`options`)."""
 

@@ -84,28 +84,20 @@ def sdpa_or_cascade_attention(
 def use_cascade(model: PreTrainedModel, num_layers: int) -> bool:
     """Make `sdpa_or_cascade_attention` the attention of ``model``, a model that runs
     ``sdpa``: registered with transformers under a name of its own, `CASCADE_ATTENTION`
-    (with ``sdpa``'s masks), and set as the model's implementation (`set_attn_implementation`),
-    which its attention modules look up at each forward. transformers' own entries stay as they are, and so
-    does every other model; this one runs ``sdpa`` as before, but for the forwards that
-    pass ``genlm_cache=``. Whether each of its attention modules (one per KV layer) now
-    finds it (a model that cannot switch keeps its ``sdpa`` and no cascade runs)."""
+    (with ``sdpa``'s masks), and set as the model's implementation (`set_attention`).
+    transformers' own entries stay as they are, and so does every other model; this one
+    runs ``sdpa`` as before, but for the forwards that pass ``genlm_cache=``. Whether each
+    of its attention modules (one per KV layer) now finds it (a model that cannot switch
+    keeps its ``sdpa`` and no cascade runs)."""
     if model.config._attn_implementation not in ("sdpa", CASCADE_ATTENTION):
         return False
-    from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
+    from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(CASCADE_ATTENTION, sdpa_or_cascade_attention)
     AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
-    # the outermost transformers model: ``model``, or the one a wrapper of it holds
-    outermost = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
-    if outermost is None:
-        return False
-    outermost.set_attn_implementation(CASCADE_ATTENTION)
-    modules = [
-        module
-        for module in model.modules()
-        if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups")
-    ]
+    set_attention(model, CASCADE_ATTENTION)
+    modules = attention_modules(model)
     registries = [
         getattr(sys.modules[type(module).__module__], "ALL_ATTENTION_FUNCTIONS", None)
         for module in modules
@@ -116,3 +108,23 @@ def use_cascade(model: PreTrainedModel, num_layers: int) -> bool:
         and registry.get_interface(CASCADE_ATTENTION, None) is sdpa_or_cascade_attention
         for module, registry in zip(modules, registries, strict=True)
     )
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model``'s attention modules: those with a KV layer (``layer_idx``) and KV heads."""
+    return [
+        module
+        for module in model.modules()
+        if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups")
+    ]
+
+
+def set_attention(model: torch.nn.Module, implementation: str) -> None:
+    """Set ``model``'s attention implementation (that of the outermost transformers model:
+    ``model``, or the one a wrapper of it holds), which its attention modules look up at
+    each forward."""
+    from transformers import PreTrainedModel
+
+    outermost = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if outermost is not None:
+        outermost.set_attn_implementation(implementation)

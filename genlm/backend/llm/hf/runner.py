@@ -34,7 +34,6 @@ import torch
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.attention import use_cascade
 from genlm.backend.llm.hf.cache import paged_cache
 from genlm.backend.llm.hf.forward import ModelForward
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
@@ -46,10 +45,8 @@ class TransformerRunner:
     """The forward of a transformers causal LM over a batch's rows.
 
     Args:
-        model: the model (in eval mode).
+        model: the model.
         vocab_size: the tokenizer's vocabulary: the columns of each row's logprobs.
-        pool: the KV pool (None: the model's KV cannot be reused; each row runs its
-            whole prefix).
         max_batch_tokens: most new tokens run in one forward.
         lora_batching: ``"mixed"`` or ``"grouped"`` (`AsyncTransformer`).
         cuda_graphs: replay decode steps of up to ``batch_size`` rows from CUDA graphs,
@@ -60,18 +57,17 @@ class TransformerRunner:
         self,
         model: Any,
         vocab_size: int,
-        pool: TorchBlockPool | None,
         *,
         max_batch_tokens: int,
         lora_batching: str,
         cuda_graphs: bool,
         batch_size: int,
     ):
-        self.forward = ModelForward(model, vocab_size, pool)
-        self.pool = pool
+        self.forward = ModelForward(model, vocab_size)
+        self.pool = self.forward.pool  # None: the model's KV cannot be reused
         self.max_batch_tokens = max_batch_tokens
         self.lora_batching = lora_batching
-        self.cascade = pool is not None and use_cascade(model, pool.layout.num_layers)
+        self.cascade = self.forward.cascade
         self.graphs = self._decode_graphs(batch_size) if cuda_graphs else None
 
     def read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
@@ -81,20 +77,26 @@ class TransformerRunner:
         return self.pool.read(chain, tokens)
 
     def load_adapter(self, lora_path: str, lora_name: str) -> None:
-        """`ModelForward.load_adapter`; the graphs, captured over the model's old modules,
+        """Load an adapter into the model's shared peft model, and only then let it replace
+        this LM's adapter of that name; the graphs, captured over the model's old modules,
         are dropped."""
-        self.forward.load_adapter(lora_path, lora_name)
+        forward = self.forward
+        peft_name = forward.shared.load_adapter(forward.model, lora_path)
+        replaced = forward.adapters.get(lora_name)
+        forward.adapters[lora_name] = peft_name
+        if replaced is not None:
+            forward.shared.unload_adapter(replaced)
         if self.graphs is not None:
             self.graphs.clear()
 
     def unload_adapter(self, lora_name: str) -> None:
-        self.forward.unload_adapter(lora_name)
+        self.forward.shared.unload_adapter(self.forward.adapters.pop(lora_name))
 
     def free(self) -> None:
-        """Let go of the head's logits buffer and the captured graphs."""
-        self.forward.free()
+        """Let go of the captured graphs and of the model (`ModelForward.close`)."""
         if self.graphs is not None:
             self.graphs.clear()
+        self.forward.close()
 
     def _decode_graphs(self, batch_size: int) -> DecodeGraphs | None:
         """CUDA graphs of decode steps of up to ``batch_size`` rows, where they can be
@@ -125,7 +127,7 @@ class TransformerRunner:
             groups = row_groups(rows, lambda row: len(row.ids))
         else:
             groups = row_groups(rows, lambda row: (row.new_tokens, grouped and row.lora))
-        with torch.inference_mode():
+        with self.forward.serving(), torch.inference_mode():
             out = torch.empty(
                 (len(rows), self.forward.vocab_size),
                 dtype=torch.float32,
@@ -152,7 +154,8 @@ class TransformerRunner:
         context."""
         new_tokens = plans[0].new_tokens
         forward = self.forward
-        if self.graphs is not None and forward.peft is None and self.graphs.run(plans, pool, out):
+        graphs = self.graphs
+        if graphs is not None and forward.shared.peft is None and graphs.run(plans, pool, out):
             return
         cascade = self.cascade and new_tokens <= self.max_batch_tokens
         skip = cascade_blocks(plans, pool.block_size) if cascade else 0
