@@ -1,15 +1,13 @@
-"""`ModelForward`: a transformers causal LM's forward over a step's inputs, into rows of
-log-probabilities.
+"""`ModelForward`: a transformers causal LM's forward over a step's inputs
+(`genlm.backend.llm.hf.step`), into rows of log-probabilities.
 
-It holds the model (shared with the other LMs over it: `genlm.backend.llm.hf.shared`), the
-names of this LM's adapters in the shared peft model (rows of several adapters in one
-forward, ``adapter_names=``), and the LM head applied into a reused buffer
-(`genlm.backend.llm.hf.head`): a forward over a paged step (`logprobs_into`, with the
-pool's `Cache`), the cascade step (`cascade_step`), the decode step CUDA graphs capture
-(`decode_step`), whole prefixes without KV reuse and the uncached reference. At
-construction it probes whether the model's KV can be reused (`kv_layout`) and sets its
-attention. The runner (`genlm.backend.llm.hf.runner`) and the graphs
-(`genlm.backend.llm.hf.graphs`) call it; it calls neither.
+One step entry (`ModelForward.step`) for an eager step, a long prefill in chunks and a CUDA
+graph's capture; the forward of whole prefixes where KV cannot be reused, and the uncached
+reference. It holds the model (shared with the other LMs over it:
+`genlm.backend.llm.hf.shared`, set as a batch needs it by `serving`), the names of this
+LM's adapters in the shared peft model (rows of several adapters in one forward), and the
+LM head applied into a reused buffer (`genlm.backend.llm.hf.head`). At construction it
+probes whether the model's KV can be reused (`kv_layout`) and sets its attention.
 """
 
 from __future__ import annotations
@@ -19,22 +17,22 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from genlm.backend.kv.pool import KVLayout, uniform_layout
 from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.attention import (
+from genlm.backend.llm.hf.head import plain_head
+from genlm.backend.llm.hf.options import cache_keyword
+from genlm.backend.llm.hf.shared import SharedModel
+from genlm.backend.llm.hf.step import (
     CASCADE_ATTENTION,
+    StepInputs,
     attention_modules,
+    model_inputs,
     set_attention,
     use_cascade,
 )
-from genlm.backend.llm.hf.cache import step_cache
-from genlm.backend.llm.hf.head import plain_head
-from genlm.backend.llm.hf.options import cache_keyword
-from genlm.backend.llm.hf.paged import StepInputs, attention_mask
-from genlm.backend.llm.hf.shared import SharedModel
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -49,7 +47,7 @@ class ModelForward:
 
     Its ``pool`` is the KV pool the steps read and write (None: the model's KV cannot be
     reused, for the reason ``kv_reason``); ``cascade``, whether the model runs cascade
-    attention (`genlm.backend.llm.hf.attention.use_cascade`).
+    attention (`genlm.backend.llm.hf.step.use_cascade`).
     """
 
     def __init__(self, model: Any, vocab_size: int):
@@ -86,6 +84,9 @@ class ModelForward:
         if current != found and found != CASCADE_ATTENTION:
             self.shared.given_attention = found
         self.attention = None if self.pool is None else current
+        self._mask_dtype: torch.dtype | None = None  # sdpa's masks (and ours) are boolean
+        if self.pool is not None and current not in ("sdpa", CASCADE_ATTENTION):
+            self._mask_dtype = self.pool.layout.dtype  # eager attention adds its mask
 
     def close(self) -> None:
         """Let go of the head's logits buffer and of the model: this LM's adapters removed,
@@ -143,97 +144,71 @@ class ModelForward:
                 return wanted, config._attn_implementation
         return None
 
-    def _forward(
-        self, loras: Sequence[str | None], cache: Cache | None = None, **kwargs: Any
-    ) -> Any:
-        """The model's forward for rows served by ``loras`` (one adapter name or None per row),
-        reading and writing KV through ``cache``."""
-        if cache is not None:
-            kwargs[self._cache_keyword] = cache
-        peft = self.shared.peft
-        if peft is None:
-            return self.model(**kwargs)
-        names = [BASE_ADAPTER if lora is None else self.adapters[lora] for lora in loras]
-        return peft(**kwargs, adapter_names=names)
-
-    def cascade_step(
+    def step(
         self,
         step: StepInputs,
-        loras: Sequence[str | None],
         out: torch.Tensor,
+        loras: Sequence[str | None] | None = None,
+        *,
+        max_tokens: int | None = None,
         reuse_logits: bool = True,
     ) -> None:
-        """Cascade attention: the shared prefix is read once per layer; each row reads only
-        its own tokens (the model's attention, `sdpa_or_cascade_attention`, picks it by the
-        ``genlm_cache`` keyword, which the model passes on to it)."""
+        """The step's forward over the paged KV: each row's new tokens' KV written into its
+        chain, the logprobs of its last into ``out``. Rows served by ``loras`` (one adapter
+        name or None per row; None: all the base model's); new tokens beyond
+        ``max_tokens`` (a lone long prefill) run in chunks; the logits in the head's
+        reused buffer unless not ``reuse_logits`` (a graph's capture)."""
         assert self.pool is not None  # steps go with KV reuse
-        cache = step_cache(self.pool, step)
-        self.logprobs_into(
-            loras,
-            out,
-            cache,
-            reuse_logits,
-            input_ids=step.input_ids,
-            attention_mask=attention_mask(step.first, step.past, step.input_ids.shape[1]),
-            position_ids=step.position_ids,
-            genlm_cache=cache,
-            use_cache=True,
-        )
-
-    def decode_step(self, step: StepInputs, out: torch.Tensor) -> None:
-        """A decode step as `DecodeGraphs` captures it: the plain model (no adapter), its
-        logits in memory of the step's own (the head's reused buffer would outlive it)."""
-        self.cascade_step(step, [None] * step.input_ids.shape[0], out, False)
+        new = step.input_ids.shape[1]
+        chunk = max_tokens or new
+        for begin in range(0, new, chunk):
+            cache, inputs = model_inputs(
+                self.pool, step, begin, min(new, begin + chunk), self._mask_dtype
+            )
+            inputs[self._cache_keyword] = cache
+            with cache:
+                self._logprobs_into(loras, out, inputs, reuse_logits=reuse_logits)
 
     def whole_prefixes(self, plans: list[RowPlan], out: torch.Tensor) -> None:
         """Fallback for models without reusable KV: one plain forward of whole prefixes of
         one length, their logprobs into ``out``."""
         input_ids = torch.tensor([plan.ids for plan in plans], device=self.input_device)
-        self.logprobs_into([plan.lora for plan in plans], out, input_ids=input_ids, use_cache=False)
-
-    def logprobs_into(
-        self,
-        loras: Sequence[str | None],
-        out: torch.Tensor,
-        cache: Cache | None = None,
-        reuse_logits: bool = True,
-        **inputs: Any,
-    ) -> None:
-        """The forward's logprobs at each row's last position, into ``out``: the base model
-        and our `OutputHead` (logits in reused memory, unless not ``reuse_logits``) where
-        `plain_head` found the model's logits to be its head's and no adapter is loaded,
-        else the model's own forward."""
-        if self.head is None or self.shared.peft is not None:
-            logits = self._forward(loras, cache, logits_to_keep=1, **inputs).logits
-            self._logprobs(logits[:, -1], out)
-            return
-        if cache is not None:
-            inputs[self._cache_keyword] = cache
-        hidden = self.model.base_model(**inputs).last_hidden_state
-        self.head.logprobs(hidden[:, -1], out, reuse_logits)
-
-    def model_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` as the model's attention wants it: boolean for sdpa, additive for eager."""
-        if self.attention in ("sdpa", CASCADE_ATTENTION):
-            return mask
-        assert self.pool is not None  # masks go with KV reuse
-        dtype = self.pool.layout.dtype
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        return additive.masked_fill_(~mask, torch.finfo(dtype).min)
-
-    def _logprobs(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Normalized float32 log-probabilities over the tokenizer's vocabulary (padding
-        dropped), into ``out`` if given."""
-        return torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1, out=out)
+        inputs = {"input_ids": input_ids, "use_cache": False}
+        self._logprobs_into([plan.lora for plan in plans], out, inputs)
 
     def uncached(self, ids: tuple[int, ...], lora: str | None) -> torch.Tensor:
         """The reference answer: one plain forward of the whole prefix, no cache."""
         with self.serving(), torch.inference_mode():
+            out = torch.empty((1, self.vocab_size), device=self.output_device)
             input_ids = torch.tensor([ids], device=self.input_device)
-            logits = self._forward(
-                [lora], input_ids=input_ids, use_cache=False, logits_to_keep=1
-            ).logits
-            return self._logprobs(logits[:, -1])[0]
+            self._logprobs_into([lora], out, {"input_ids": input_ids, "use_cache": False}, False)
+            return out[0]
+
+    def _logprobs_into(
+        self,
+        loras: Sequence[str | None] | None,
+        out: torch.Tensor,
+        inputs: dict[str, Any],
+        head: bool = True,
+        reuse_logits: bool = True,
+    ) -> None:
+        """The forward's float32 logprobs at each row's last position over the tokenizer's
+        vocabulary (padding dropped), into ``out``: the base model and our `OutputHead`
+        (logits in reused memory, unless not ``reuse_logits``) where `plain_head` found the
+        model's logits to be its head's, ``head`` allows and no adapter is loaded; else the
+        model's own forward, through peft (naming each row's adapter) when one is."""
+        peft = self.shared.peft
+        if head and self.head is not None and peft is None:
+            hidden = self.model.base_model(**inputs).last_hidden_state
+            self.head.logprobs(hidden[:, -1], out, reuse_logits)
+            return
+        if peft is None:
+            logits = self.model(**inputs, logits_to_keep=1).logits
+        else:
+            loras = loras or [None] * inputs["input_ids"].shape[0]
+            names = [BASE_ADAPTER if name is None else self.adapters[name] for name in loras]
+            logits = peft(**inputs, logits_to_keep=1, adapter_names=names).logits
+        torch.log_softmax(logits[:, -1, : self.vocab_size].float(), dim=-1, out=out)
 
 
 def kv_layout(model: Any, keyword: str) -> tuple[KVLayout | None, str]:
@@ -248,11 +223,7 @@ def kv_layout(model: Any, keyword: str) -> tuple[KVLayout | None, str]:
         cache = getattr(model(input_ids=input_ids, use_cache=True, logits_to_keep=1), keyword)
     if not isinstance(cache, DynamicCache) or not cache.layers:
         return None, f"its cache is a {type(cache).__name__}"
-    layers = [
-        (getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers
-    ]
-    if any(type(layer) is not DynamicLayer for layer in cache.layers) or any(
-        keys is None or values is None for keys, values in layers
-    ):
+    layers: list[Any] = cache.layers
+    if any(type(layer) is not DynamicLayer or layer.keys is None for layer in layers):
         return None, "its cache has layers other than full attention"
-    return uniform_layout(layers)
+    return uniform_layout([(layer.keys, layer.values) for layer in layers])

@@ -58,7 +58,7 @@ class SharedModel:
         """``user`` stops serving ``model``: its ``adapters`` (peft names) are removed, and
         the last user restores the model's attention implementation (if an LM's is still
         set) and train mode."""
-        from genlm.backend.llm.hf.attention import CASCADE_ATTENTION, set_attention
+        from genlm.backend.llm.hf.step import CASCADE_ATTENTION, set_attention
 
         with self.lock:
             for peft_name in adapters:
@@ -121,25 +121,22 @@ class SharedModel:
         """Remove an adapter; with the last one, peft's layers go and the model is plain
         again (in place), its parameters' ``requires_grad`` as before."""
         with self.lock:
-            self._unload(peft_name)
-
-    def _unload(self, peft_name: str) -> None:
-        if set(self.peft.peft_config) != {peft_name}:
-            with warnings.catch_warnings():
-                # Which adapter peft calls "active" is moot: every forward names its adapters.
-                warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
-                self.peft.delete_adapter(peft_name)
-            return
-        self.peft.unload()
-        self.peft = None
-        self._restore_requires_grad()
+            if set(self.peft.peft_config) != {peft_name}:
+                with warnings.catch_warnings():
+                    # Which adapter peft calls "active" is moot: each forward names its own.
+                    warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
+                    self.peft.delete_adapter(peft_name)
+                return
+            self.peft.unload()
+            self.peft = None
+            self._restore_requires_grad()
 
     def _unload_partial(self, model: torch.nn.Module, peft_name: str) -> None:
         """Undo a failed load of ``peft_name``: unload what peft added of it, or, if the
         model had no adapter before, put every layer peft wrapped back to its base layer."""
         if self.peft is not None:  # it serves other adapters: remove only this one
             if peft_name in self.peft.peft_config:
-                self._unload(peft_name)
+                self.unload_adapter(peft_name)
             return
         from peft.tuners.tuners_utils import BaseTunerLayer
 
