@@ -187,10 +187,10 @@ class DecodeGraphs:
 
     ``forward(step, out)`` runs the model over a step's inputs (`ModelForward.step`), its
     log-probabilities into ``out``, allocating only scratch memory (nothing it allocates
-    may outlive it); ``block_size`` is the KV pool's. Steps of
-    more than ``max_rows`` rows (the batcher's batch size, at most `MAX_ROWS`) run eagerly:
-    every graph writes its rows into one output buffer of that many rows, so that a larger
-    bucket never replaces it (which would drop the graphs over the old one)."""
+    may outlive it); ``block_size`` is the KV pool's. Steps of more than ``max_rows`` rows
+    (the batcher's batch size, at most `MAX_ROWS`) run eagerly: every graph writes its rows
+    into one output buffer of that many rows, so that a larger bucket never replaces it
+    (which would drop the graphs over the old one)."""
 
     def __init__(
         self,
@@ -235,7 +235,7 @@ class DecodeGraphs:
             self.eager_steps += 1
             return False
         if bucket not in self.graphs:
-            bucket, skip = self._covering(exact, skip, size) or (self._spare(bucket, exact), skip)
+            bucket, skip = self._covering(exact, skip) or (self._spare(bucket, exact), skip)
         host = host_step(plans, size, skip, bucket, pin=self.device.type == "cuda")
         rows = len(plans)
         try:
@@ -266,9 +266,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self._out = None
 
-    def _covering(
-        self, exact: StepShape, skip: int, block_size: int
-    ) -> tuple[StepShape, int] | None:
+    def _covering(self, exact: StepShape, skip: int) -> tuple[StepShape, int] | None:
         """A captured bucket that holds the step of shape ``exact`` (which reads ``skip``
         shared blocks), the one with the fewest rows, and how many of the shared blocks it
         reads as shared; None if none does. A graph holds a step with at most twice its
@@ -279,6 +277,7 @@ class DecodeGraphs:
         that grows (particles descending from one ancestor) none, until the rows' own keys
         outgrow the graph's width."""
         best: tuple[StepShape, int] | None = None
+        block_size = self.block_size
         for shape in self.graphs:
             if not exact.rows <= shape.rows <= 2 * exact.rows:
                 continue
