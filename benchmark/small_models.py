@@ -66,6 +66,56 @@ def tiny_llama(
     return model
 
 
+# Tiny configs of other families: 2 layers of width 32, 4 query / 2 KV heads of dim 8.
+_SHAPE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 512,
+}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # decoder layers that call attention without the forward's keyword arguments
+    "stablelm": ("StableLm", {}),
+    "nemotron": ("Nemotron", {}),
+    # sliding and global layers (a hybrid cache), a window shorter than the prompts
+    "gemma3": (
+        "Gemma3",
+        {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "gpt2": ("GPT2", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 512}),  # absolute
+    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # MoE
+}
+
+
+def tiny_causal_lm(family: str, vocab_size: int, *, std: float = 0.3, seed: int = 0) -> Any:
+    """A random causal LM of ``family`` (a key of `FAMILIES`) in float32, in eval mode, with
+    sdpa attention: every weight matrix drawn from N(0, ``std``), so that rows differ
+    clearly between contexts."""
+    import torch
+    import transformers
+
+    prefix, config = FAMILIES[family]
+    if family == "gemma3":
+        config_class, model_class = transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
+    elif family == "gpt2":
+        config_class, model_class = transformers.GPT2Config, transformers.GPT2LMHeadModel
+    else:
+        config_class = getattr(transformers, f"{prefix}Config")
+        model_class = getattr(transformers, f"{prefix}ForCausalLM")
+    shape = {} if family == "gpt2" else _SHAPE
+    settings = {"vocab_size": vocab_size, "bos_token_id": 0, "eos_token_id": 0, **shape, **config}
+    torch.manual_seed(seed)
+    model = model_class(config_class(**settings, attn_implementation="sdpa")).float().eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, std)
+    return model
+
+
 def save_small_llama(tokenizer: Any, path: str | Path) -> str:
     """Save a small random Llama with ``tokenizer``'s vocabulary in ``path``; returns ``path``.
 

@@ -76,14 +76,6 @@ PATHS: dict[str, LMPath] = {
     "deepseek-v3": LMPath(False, False, "its layers' KV shapes differ"),
 }
 
-# Rows the step gets wrong today, by family and scenario: strict, so a fix shows.
-WRONG: dict[tuple[str, str], str] = {
-    (name, "cascade"): f"{name}'s decoder layers call attention without the forward's keyword "
-    "arguments, so cascade attention never sees the shared prompt"
-    for name in ("stablelm", "nemotron")
-}
-
-
 # -- the scenarios: each returns its rows' largest difference from the uncached forward -----
 
 
@@ -231,9 +223,6 @@ def _cases():
             marks = []
             if not tiny.available():
                 marks.append(pytest.mark.skip(reason=f"transformers has no {tiny.config}"))
-            why = WRONG.get((tiny.name, scenario))
-            if why is not None:
-                marks.append(pytest.mark.xfail(reason=why, strict=True))
             yield pytest.param(tiny, scenario, marks=marks, id=f"{tiny.name}-{scenario}")
 
 

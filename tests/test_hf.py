@@ -202,7 +202,7 @@ def long_prompt(smollm2_tokenizer):
 async def test_particles_share_the_prompt_blocks_and_cascade_attention_is_exact(
     lm, long_prompt, monkeypatch, random_walks
 ):
-    import genlm.backend.llm.hf.attention as attention
+    import genlm.backend.llm.hf.step as attention
 
     calls = []
     cascade = attention.cascade_attention
@@ -253,6 +253,7 @@ def test_cascade_attention_is_softmax_attention_over_shared_plus_own_keys():
     from types import SimpleNamespace
 
     from genlm.backend.llm.hf import cascade_attention
+    from genlm.backend.llm.hf.step import STEP_CACHE
 
     torch.manual_seed(0)
     rows, kv_heads, groups, new, dim, shared, own = 3, 2, 3, 2, 8, 5, 4
@@ -262,15 +263,16 @@ def test_cascade_attention_is_softmax_attention_over_shared_plus_own_keys():
     mask = torch.ones(rows, 1, new, own, dtype=torch.bool)
     mask[0, :, :, :2] = False  # row 0 is left-padded by two
     mask[:, :, 0, -1] = False  # causal: the first new token does not see the second
-    # padding shared slots (zero keys and values, as slot 0 reads) hidden by the layer's mask
+    # padding shared slots (zero keys and values, as slot 0 reads) hidden by the cache's mask
     pad = torch.zeros(kv_heads, 3, dim)
-    layer = SimpleNamespace(
-        shared_kv=lambda: (torch.cat([shared_k, pad], 1), torch.cat([shared_v, pad], 1)),
-        shared_mask=torch.arange(shared + 3) < shared,
-    )
-    cache = SimpleNamespace(layers=[None, layer])
+    layers = {1: (torch.cat([shared_k, pad], 1), torch.cat([shared_v, pad], 1))}
+    cache = SimpleNamespace(shared_kv=layers.get, shared_mask=torch.arange(shared + 3) < shared)
     module = SimpleNamespace(layer_idx=1)
-    got, _ = cascade_attention(module, query, key, value, mask, scaling=0.3, genlm_cache=cache)
+    token = STEP_CACHE.set(cache)  # the step's cache, as `ModelForward.step` makes it current
+    try:
+        got, _ = cascade_attention(module, query, key, value, mask, scaling=0.3)
+    finally:
+        STEP_CACHE.reset(token)
 
     # independent: expand the shared keys to every row, repeat KV heads, one softmax
     full_k = torch.cat([shared_k.expand(rows, -1, -1, -1), key], 2).repeat_interleave(groups, 1)

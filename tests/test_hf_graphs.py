@@ -30,7 +30,7 @@ from genlm.backend.llm.hf.graphs import (
     round_down,
     round_up,
 )
-from genlm.backend.llm.hf.paged import StepShape
+from genlm.backend.llm.hf.step import StepShape
 
 TOL = 1e-4  # float32 rows vs one plain forward
 MODEL = {"hidden_size": 32, "std": 0.3}

@@ -231,7 +231,7 @@ def assert_untouched(lm, references, prompt):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     assert (lm.next_token_logprobs_uncached(prompt) - references[None](prompt)).abs().max() <= TOL
-    if lm.runner.forward.peft is None:
+    if lm.runner.forward.shared.peft is None:
         assert not any(isinstance(m, BaseTunerLayer) for m in lm.model.modules())
 
 
@@ -258,7 +258,7 @@ def test_a_failure_inside_peft_after_injecting_layers_is_undone(
             patch.setattr(peft.PeftModel, "load_adapter", fail)
             with pytest.raises(RuntimeError, match="disk gone"):
                 lm.add_new_lora(adapter_dirs["a"], "a")
-        assert lm.lora_paths == {} and lm.runner.forward.peft is None
+        assert lm.lora_paths == {} and lm.runner.forward.shared.peft is None
         assert_untouched(lm, references, prompt)
         lm.add_new_lora(adapter_dirs["a"], "a")  # and a later add works
         row = lm.next_token_logprobs_sync(prompt, lora_name="a")

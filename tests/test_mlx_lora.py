@@ -233,3 +233,27 @@ def test_a_failed_add_keeps_the_adapter_of_that_name_and_says_why(
         check(lm.next_token_logprobs_sync(PROMPTS[0], lora_name="a"), adapters["a"][1], PROMPTS[0])
         check(lm.next_token_logprobs_sync(PROMPTS[1]), base_model[0], PROMPTS[1])
     assert sorted(lm.lora_paths) == ["a", "b"]
+
+
+async def test_two_lms_over_one_model_keep_their_rows_and_close_leaves_it_as_given(
+    base_model, adapters
+):
+    """Adapters load into a copy of the modules (`_share_weights_copy`): one LM's adapter
+    never reaches another LM's base rows over the same model, nor the model itself."""
+    import mlx.core as mx
+
+    model, tokenizer = base_model
+    before = np.array(model(mx.array([PROMPTS[1]]))[0, -1])
+    first = AsyncMlxLM(model, tokenizer, batch_size=4)
+    second = AsyncMlxLM(model, tokenizer, batch_size=4)
+    loading = asyncio.to_thread(first.add_new_lora, adapters["a"][0], "a")
+    _, *rows = await asyncio.gather(loading, *(second.next_token_logprobs(p) for p in PROMPTS))
+    for ids, row in zip(PROMPTS, rows, strict=True):
+        check(row, model, ids)
+    for ids in PROMPTS:
+        check(first.next_token_logprobs_sync(ids, lora_name="a"), adapters["a"][1], ids)
+        check(second.next_token_logprobs_sync(ids), model, ids)
+        check(first.next_token_logprobs_sync(ids), model, ids)
+    first.close()
+    second.close()
+    assert np.array_equal(np.array(model(mx.array([PROMPTS[1]]))[0, -1]), before)

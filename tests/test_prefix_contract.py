@@ -254,9 +254,9 @@ class HFHarness(ModelHarness):
         return lm
 
     def no_kv_reuse(self):
-        from genlm.backend.llm.hf import AsyncTransformer
+        from genlm.backend.llm.hf import forward
 
-        self.monkeypatch.setattr(AsyncTransformer, "_probe_kv_layout", lambda s: (None, "test"))
+        self.monkeypatch.setattr(forward, "kv_layout", lambda *args: (None, "test"))
 
     def expected(self, lm, ids, lora):
         key = (ids, lora)
@@ -420,8 +420,7 @@ def backend(request, monkeypatch, smollm2_tokenizer):
         harness = HFHarness(monkeypatch, model, smollm2_tokenizer, lora)
         yield harness
         for lm in harness.with_adapters:  # the shared model gets its plain layers back
-            if lm.runner.forward.peft is not None:
-                lm.runner.forward.peft.unload()
+            lm.close()
     else:
         yield MlxHarness(monkeypatch, request.getfixturevalue("mlx_loaded"))
 

@@ -8,4 +8,5 @@
 - `genlm.backend.kv.pool`: the `BlockPool` interface the store drives and its vocabulary
   (`Chain`, `BlockCopy`), the shared `KVLayout`, `BLOCK_SIZE` and the no-reuse fallback.
 - `genlm.backend.kv.torch_pool` / `genlm.backend.kv.mlx_pool`: the two pools.
+- `genlm.backend.kv.rows`: how a backend's runner orders a plan's rows.
 """

@@ -53,10 +53,11 @@ from genlm.backend._install import install_hint
 from genlm.backend.checks import check_budget, first_line, int_option
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
+from genlm.backend.kv.rows import plan_order, row_groups
 from genlm.backend.kv.store import PrefixKVStore, RowPlan
 from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.options import Option, takes_options
-from genlm.backend.llm.prefix import PrefixCachedLM, plan_order, row_groups
+from genlm.backend.llm.prefix import PrefixCachedLM
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache

@@ -9,14 +9,14 @@ It also keeps the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
 `clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with
 one meaning for every backend. A backend is its runner: it reads the (frozen) row plans,
 writes their new tokens' KV into their chains and returns their logprobs; it never calls
-the store or this class (`row_groups` and `plan_order` shape its forwards). Each row's
+the store or this class (`genlm.backend.kv.rows` orders its forwards). Each row's
 node is remembered in its prefix's entry of the index of validated prefixes
 (`remember_node`), where the next step's plan starts its walk (`node_hint`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
@@ -181,7 +181,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         return self._rows_sync(queries) if queries else []
 
     def clear_cache(self) -> None:
-        """Forget all cached logprobs and KV (pinned prompts included)."""
+        """Forget all cached logprobs and KV (pinned prompts included): after editing the
+        model's weights, whose cached rows and KV are the old weights'."""
         self._check_open()
         self.batcher.run_sync(self.store.clear)
 
@@ -269,24 +270,3 @@ def remember_node(ids: Sequence[int], lora: str | None, node: KVNode) -> None:
         entry.node = node
     else:  # a copy: the dict may be the parent's
         entry.adapter_nodes = {**entry.adapter_nodes, lora: node}
-
-
-def row_groups(rows: Sequence[RowPlan], key: Callable[[RowPlan], Hashable]) -> list[list[int]]:
-    """The positions of ``rows`` grouped by ``key``, groups in order of first appearance."""
-    groups: dict[Hashable, list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault(key(row), []).append(index)
-    return list(groups.values())
-
-
-def plan_order(groups: list[list[int]]) -> list[int] | None:
-    """Where each row of a plan lies in a batch computed group after group (`row_groups`,
-    each group's rows together, in the order of ``groups``): the rows to take, in the
-    plan's order (None: one group, the usual step, already in order)."""
-    if len(groups) == 1:
-        return None
-    order = [index for indices in groups for index in indices]
-    inverse = [0] * len(order)
-    for position, index in enumerate(order):
-        inverse[index] = position
-    return inverse

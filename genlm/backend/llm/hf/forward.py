@@ -1,32 +1,39 @@
-"""`ModelForward`: a transformers causal LM's forward over a step's inputs, into rows of
-log-probabilities.
+"""`ModelForward`: a transformers causal LM's forward over a step's inputs
+(`genlm.backend.llm.hf.step`), into rows of log-probabilities.
 
-It holds the model, its peft wrapper once an adapter is loaded (rows of several adapters
-in one forward, ``adapter_names=``), and the LM head applied into a reused buffer
-(`genlm.backend.llm.hf.head`): a forward over a paged step (`logprobs_into`, with the
-pool's `Cache`), the cascade step (`cascade_step`), the decode step CUDA graphs capture
-(`decode_step`), whole prefixes without KV reuse and the uncached reference. The runner
-(`genlm.backend.llm.hf.runner`) and the graphs (`genlm.backend.llm.hf.graphs`) call it;
-it calls neither.
+One step entry (`ModelForward.step`) for an eager step, a long prefill in chunks and a CUDA
+graph's capture; the forward of whole prefixes where KV cannot be reused, and the uncached
+reference. It holds the model (shared with the other LMs over it:
+`genlm.backend.llm.hf.shared`, set as a batch needs it by `serving`), the names of this
+LM's adapters in the shared peft model (rows of several adapters in one forward), and the
+LM head applied into a reused buffer (`genlm.backend.llm.hf.head`). At construction it
+probes whether the model's KV can be reused (`kv_layout`) and sets its attention.
 """
 
 from __future__ import annotations
 
-import itertools
-import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import DynamicCache
 
+from genlm.backend.kv.pool import KVLayout, uniform_layout
 from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.attention import CASCADE_ATTENTION
-from genlm.backend.llm.hf.cache import step_cache
+from genlm.backend.llm.hf.families import kv_reuse_refusal
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import cache_keyword
-from genlm.backend.llm.hf.paged import StepInputs, attention_mask
+from genlm.backend.llm.hf.shared import SharedModel
+from genlm.backend.llm.hf.step import (
+    CASCADE_ATTENTION,
+    StepInputs,
+    attention_modules,
+    model_inputs,
+    set_attention,
+    use_cascade,
+)
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -36,178 +43,191 @@ class ModelForward:
     """A model's forward into rows of float32 logprobs over ``vocab_size`` tokens.
 
     Args:
-        model: the model (in eval mode).
+        model: the model (put in eval mode while an LM serves it).
         vocab_size: the tokenizer's vocabulary: the columns of each row.
-        pool: the KV pool the steps read and write (None: no KV reuse).
+
+    Its ``pool`` is the KV pool the steps read and write (None: the model's KV cannot be
+    reused, for the reason ``kv_reason``); ``cascade``, whether the model runs cascade
+    attention (`genlm.backend.llm.hf.step.use_cascade`).
     """
 
-    def __init__(self, model: Any, vocab_size: int, pool: TorchBlockPool | None):
+    def __init__(self, model: Any, vocab_size: int):
         self.model = model
         self.vocab_size = vocab_size
-        self.pool = pool
-        self.peft: Any = None  # the peft model wrapping self.model, once an adapter is loaded
-        self._peft_names: dict[str, str] = {}  # adapter name -> its name inside peft
-        self._adapter_ids = itertools.count()
-        self.input_device = model.get_input_embeddings().weight.device
+        self.shared = SharedModel.of(model)
+        self.adapters: dict[str, str] = {}  # this LM's adapter names -> their names in peft
+        self._embedding = model.get_input_embeddings()
+        self.input_device = self._embedding.weight.device
+        self._dtype = self._embedding.weight.dtype
         self.output_device = model.get_output_embeddings().weight.device
         self._cache_keyword = cache_keyword(model)
-        self.head = plain_head(model, vocab_size, self.input_device)
+        with self.shared.lock:
+            self.shared.join(model, self)
+            try:
+                layout, self.kv_reason = kv_layout(model, self._cache_keyword)
+                self.pool = None if layout is None else TorchBlockPool(layout)
+                self.head = plain_head(model, vocab_size, self.input_device)
+                self._set_attention()
+            except BaseException:
+                self.shared.leave(model, self, [])
+                raise
 
-    def free(self) -> None:
-        """Let go of the head's logits buffer."""
+    def _set_attention(self) -> None:
+        """With KV reuse, the attention implementation this LM's steps run (``attention``):
+        cascade attention where the model can take it, else the model's own; the one the
+        model had before noted, for the last LM's `close` to restore."""
+        model = self.model
+        found = model.config._attn_implementation
+        self.cascade = self.pool is not None and use_cascade(model, self.pool.layout.num_layers)
+        configs = {id(m.config): m.config for m in attention_modules(model) if hasattr(m, "config")}
+        self._configs: list[Any] = list(configs.values()) or [model.config]
+        current = self._configs[0]._attn_implementation
+        if current != found and found != CASCADE_ATTENTION:
+            self.shared.given_attention = found
+        self.attention = None if self.pool is None else current
+        self._mask_dtype: torch.dtype | None = None  # sdpa's masks (and ours) are boolean
+        if self.pool is not None and current not in ("sdpa", CASCADE_ATTENTION):
+            self._mask_dtype = self.pool.layout.dtype  # eager attention adds its mask
+
+    def close(self) -> None:
+        """Let go of the head's logits buffer and of the model: this LM's adapters removed,
+        and, if no other LM serves it, the model as it was given (`SharedModel.leave`)."""
         if self.head is not None:
             self.head.free()
+        self.shared.leave(self.model, self, list(self.adapters.values()))
+        self.adapters.clear()
 
-    def load_adapter(self, lora_path: str, lora_name: str) -> None:
-        """Check the adapter, load it under a fresh peft name, and only then let it replace
-        an adapter registered under ``lora_name``: any failure leaves the model and the
-        registry as they were (no LoRA layers left injected)."""
-        try:
-            import peft
-        except ImportError as error:
-            from genlm.backend._install import install_hint
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """Hold the model for a batch's forwards (the lock of the LMs over it), set as they
+        need it: in eval mode and with this LM's attention implementation (a user's own
+        restored after), in the dtype and on the device the LM was built for (else
+        RuntimeError), and with no LoRA layers but the LMs' (`SharedModel.check_lora_layers`)."""
+        model = self.model
+        with self.shared.lock:
+            weight = self._embedding.weight
+            if weight.dtype != self._dtype or weight.device != self.input_device:
+                raise RuntimeError(
+                    f"this AsyncTransformer was built for the model in {self._dtype} on "
+                    f"{self.input_device}, which is now in {weight.dtype} on {weight.device}: "
+                    "move it back, or create a new AsyncTransformer (its KV is the old one)"
+                )
+            self.shared.check_lora_layers(model)
+            training = model.training
+            switched = self._switched_attention()
+            if training:
+                model.eval()
+            try:
+                if switched is not None:
+                    wanted, found = switched
+                    set_attention(model, wanted)
+                    if self._switched_attention() is not None:
+                        raise RuntimeError(
+                            f"the model's attention implementation was switched to {found!r} "
+                            f"under this AsyncTransformer, whose steps need {wanted!r}, and "
+                            "cannot be set back"
+                        )
+                yield
+            finally:
+                if switched is not None:
+                    set_attention(model, switched[1])
+                if training:
+                    model.train()
 
-            raise ImportError(f"LoRA adapters need peft: {install_hint('lora')}") from error
-        from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
+    def _switched_attention(self) -> tuple[str, str] | None:
+        """This LM's attention implementation and the one a user set on the model in its
+        place, or None (also without KV reuse, where any gives right rows)."""
+        wanted = self.attention
+        if wanted is None:
+            return None
+        for config in self._configs:
+            if config._attn_implementation != wanted:
+                return wanted, config._attn_implementation
+        return None
 
-        path, weights = read_peft_adapter(lora_path)
-        check_peft_shapes(weights, self.model, path)
-        # peft sees its own names: a user's name may hold "." (not a module name), be
-        # "__base__", or be part of peft's "lora_" prefix, which peft misreads.
-        peft_name = f"genlm{next(self._adapter_ids)}"
-        try:
-            if self.peft is None:
-                self.peft = peft.PeftModel.from_pretrained(
-                    self.model, str(path), adapter_name=peft_name
-                ).eval()
-            else:
-                self.peft.load_adapter(str(path), adapter_name=peft_name)
-                self.peft.eval()
-        except Exception:
-            self._unload_partial_peft_adapter(peft_name)
-            raise
-        replaced = self._peft_names.get(lora_name)
-        self._peft_names[lora_name] = peft_name
-        if replaced is not None:
-            self._unload_peft_adapter(replaced)
-
-    def _unload_partial_peft_adapter(self, peft_name: str) -> None:
-        """Undo a failed load of ``peft_name``: unload what peft added of it, or, if the
-        model had no adapter before, put every layer peft wrapped back to its base layer."""
-        if self.peft is not None:  # it serves other adapters: remove only this one
-            if peft_name in self.peft.peft_config:
-                self._unload_peft_adapter(peft_name)
-            return
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        for name, module in list(self.model.named_modules()):
-            if isinstance(module, BaseTunerLayer):
-                parent, _, child = name.rpartition(".")
-                setattr(self.model.get_submodule(parent), child, module.get_base_layer())
-        if hasattr(self.model, "peft_config"):  # peft marks the models it wraps
-            del self.model.peft_config
-
-    def unload_adapter(self, lora_name: str) -> None:
-        self._unload_peft_adapter(self._peft_names.pop(lora_name))
-
-    def _unload_peft_adapter(self, peft_name: str) -> None:
-        if not set(self._peft_names.values()) - {peft_name}:
-            # peft cannot serve with no adapter left: restore the plain model (in place).
-            self.peft.unload()
-            self.peft = None
-        else:
-            with warnings.catch_warnings():
-                # Which adapter peft calls "active" is moot: every forward names its adapters.
-                warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted")
-                self.peft.delete_adapter(peft_name)
-
-    def _forward(
-        self, loras: Sequence[str | None], cache: Cache | None = None, **kwargs: Any
-    ) -> Any:
-        """The model's forward for rows served by ``loras`` (one adapter name or None per row),
-        reading and writing KV through ``cache``."""
-        if cache is not None:
-            kwargs[self._cache_keyword] = cache
-        if self.peft is None:
-            return self.model(**kwargs)
-        names = [BASE_ADAPTER if lora is None else self._peft_names[lora] for lora in loras]
-        return self.peft(**kwargs, adapter_names=names)
-
-    def cascade_step(
+    def step(
         self,
         step: StepInputs,
-        loras: Sequence[str | None],
         out: torch.Tensor,
+        loras: Sequence[str | None] | None = None,
+        *,
+        max_tokens: int | None = None,
         reuse_logits: bool = True,
     ) -> None:
-        """Cascade attention: the shared prefix is read once per layer; each row reads only
-        its own tokens (the model's attention, `sdpa_or_cascade_attention`, picks it by the
-        ``genlm_cache`` keyword, which the model passes on to it)."""
+        """The step's forward over the paged KV: each row's new tokens' KV written into its
+        chain, the logprobs of its last into ``out``. Rows served by ``loras`` (one adapter
+        name or None per row; None: all the base model's); new tokens beyond
+        ``max_tokens`` (a lone long prefill) run in chunks; the logits in the head's
+        reused buffer unless not ``reuse_logits`` (a graph's capture)."""
         assert self.pool is not None  # steps go with KV reuse
-        cache = step_cache(self.pool, step)
-        self.logprobs_into(
-            loras,
-            out,
-            cache,
-            reuse_logits,
-            input_ids=step.input_ids,
-            attention_mask=attention_mask(step.first, step.past, step.input_ids.shape[1]),
-            position_ids=step.position_ids,
-            genlm_cache=cache,
-            use_cache=True,
-        )
-
-    def decode_step(self, step: StepInputs, out: torch.Tensor) -> None:
-        """A decode step as `DecodeGraphs` captures it: the plain model (no adapter), its
-        logits in memory of the step's own (the head's reused buffer would outlive it)."""
-        self.cascade_step(step, [None] * step.input_ids.shape[0], out, False)
+        new = step.input_ids.shape[1]
+        chunk = max_tokens or new
+        for begin in range(0, new, chunk):
+            cache, inputs = model_inputs(
+                self.pool, step, begin, min(new, begin + chunk), self._mask_dtype
+            )
+            inputs[self._cache_keyword] = cache
+            with cache:
+                self._logprobs_into(loras, out, inputs, reuse_logits=reuse_logits)
 
     def whole_prefixes(self, plans: list[RowPlan], out: torch.Tensor) -> None:
         """Fallback for models without reusable KV: one plain forward of whole prefixes of
         one length, their logprobs into ``out``."""
         input_ids = torch.tensor([plan.ids for plan in plans], device=self.input_device)
-        self.logprobs_into([plan.lora for plan in plans], out, input_ids=input_ids, use_cache=False)
-
-    def logprobs_into(
-        self,
-        loras: Sequence[str | None],
-        out: torch.Tensor,
-        cache: Cache | None = None,
-        reuse_logits: bool = True,
-        **inputs: Any,
-    ) -> None:
-        """The forward's logprobs at each row's last position, into ``out``: the base model
-        and our `OutputHead` (logits in reused memory, unless not ``reuse_logits``) where
-        `plain_head` found the model's logits to be its head's and no adapter is loaded,
-        else the model's own forward."""
-        if self.head is None or self.peft is not None:
-            logits = self._forward(loras, cache, logits_to_keep=1, **inputs).logits
-            self._logprobs(logits[:, -1], out)
-            return
-        if cache is not None:
-            inputs[self._cache_keyword] = cache
-        hidden = self.model.base_model(**inputs).last_hidden_state
-        self.head.logprobs(hidden[:, -1], out, reuse_logits)
-
-    def model_mask(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask`` as the model's attention wants it: boolean for sdpa, additive for eager."""
-        if self.model.config._attn_implementation in ("sdpa", CASCADE_ATTENTION):
-            return mask
-        assert self.pool is not None  # masks go with KV reuse
-        dtype = self.pool.layout.dtype
-        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-        return additive.masked_fill_(~mask, torch.finfo(dtype).min)
-
-    def _logprobs(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Normalized float32 log-probabilities over the tokenizer's vocabulary (padding
-        dropped), into ``out`` if given."""
-        return torch.log_softmax(logits[:, : self.vocab_size].float(), dim=-1, out=out)
+        inputs = {"input_ids": input_ids, "use_cache": False}
+        self._logprobs_into([plan.lora for plan in plans], out, inputs)
 
     def uncached(self, ids: tuple[int, ...], lora: str | None) -> torch.Tensor:
         """The reference answer: one plain forward of the whole prefix, no cache."""
-        with torch.inference_mode():
+        with self.serving(), torch.inference_mode():
+            out = torch.empty((1, self.vocab_size), device=self.output_device)
             input_ids = torch.tensor([ids], device=self.input_device)
-            logits = self._forward(
-                [lora], input_ids=input_ids, use_cache=False, logits_to_keep=1
-            ).logits
-            return self._logprobs(logits[:, -1])[0]
+            self._logprobs_into([lora], out, {"input_ids": input_ids, "use_cache": False}, False)
+            return out[0]
+
+    def _logprobs_into(
+        self,
+        loras: Sequence[str | None] | None,
+        out: torch.Tensor,
+        inputs: dict[str, Any],
+        head: bool = True,
+        reuse_logits: bool = True,
+    ) -> None:
+        """The forward's float32 logprobs at each row's last position over the tokenizer's
+        vocabulary (padding dropped), into ``out``: the base model and our `OutputHead`
+        (logits in reused memory, unless not ``reuse_logits``) where `plain_head` found the
+        model's logits to be its head's, ``head`` allows and no adapter is loaded; else the
+        model's own forward, through peft (naming each row's adapter) when one is."""
+        peft = self.shared.peft
+        if head and self.head is not None and peft is None:
+            hidden = self.model.base_model(**inputs).last_hidden_state
+            self.head.logprobs(hidden[:, -1], out, reuse_logits)
+            return
+        if peft is None:
+            logits = self.model(**inputs, logits_to_keep=1).logits
+        else:
+            loras = loras or [None] * inputs["input_ids"].shape[0]
+            names = [BASE_ADAPTER if name is None else self.adapters[name] for name in loras]
+            logits = peft(**inputs, logits_to_keep=1, adapter_names=names).logits
+        torch.log_softmax(logits[:, -1, : self.vocab_size].float(), dim=-1, out=out)
+
+
+def kv_layout(model: Any, keyword: str) -> tuple[KVLayout | None, str]:
+    """Run one token to learn the KV shape, and whether this design can reuse it (else
+    None, and why not)."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager", CASCADE_ATTENTION):
+        return None, f"attention implementation {implementation!r}"
+    with torch.inference_mode():
+        device = model.get_input_embeddings().weight.device
+        input_ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+        cache = getattr(model(input_ids=input_ids, use_cache=True, logits_to_keep=1), keyword)
+    if not isinstance(cache, DynamicCache) or not cache.layers:
+        return None, f"its cache is a {type(cache).__name__}"
+    layers: list[Any] = cache.layers
+    if any(getattr(layer, "keys", None) is None for layer in layers):
+        return None, "its cache has layers other than full attention"
+    refusal = kv_reuse_refusal(model, layers)
+    if refusal is not None:
+        return None, refusal
+    return uniform_layout([(layer.keys, layer.values) for layer in layers])

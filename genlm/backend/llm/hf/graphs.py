@@ -1,29 +1,12 @@
-"""CUDA graphs of `AsyncTransformer`'s decode steps.
-
-A decode step (one new token per row; every row reads a shared prefix first, with cascade
-attention) launches the same kernels for every step of the same shapes: its rows, the keys
-each row reads through its own slots, the shared slots. `DecodeGraphs` rounds a step's
-shape up to a bucket (`bucket_shape`: padding rows write and read only a scratch slot,
-padding keys and shared slots are masked), captures one CUDA graph per bucket over static
-device buffers, and runs a step as one copy of its inputs into the bucket's buffer (from
-pinned memory, non-blocking), one replay, and one copy of its rows out: the forward's
-Python and its hundreds of kernel launches per step are gone. A step whose bucket has no
-graph runs on a captured one that holds it with up to twice its rows, if there is one
-(`DecodeGraphs._covering`), so that rows falling and recovering or a shared prefix that
-grows (SMC's resampling) do not capture a graph per bucket they meet.
-
-A bucket's first step runs the forward eagerly on the static buffers (its answer, and the
-warm-up a capture needs), then is captured and replayed; its first two replays are checked
-against the eager forward. If one differs, or a capture or a replay raises (a forward that
-syncs with the host, or whose kernels depend on the data), a warning is logged and the step
-and every later one run eagerly, the recorder never used again: a wrong row is never
-served, and a failed capture leaves the device as it found it (`CudaRecorder.capture`). A
-bucket captured again (dropped from the LRU) is not checked again: its kernels are the
-checked ones. The graphs hold the KV pool's addresses: with graphs on, the pool is sized once and
-never moves (`genlm.backend.llm.hf.model.fixed_pool_capacity`).
-
-Only the capture is CUDA's: `EagerRecorder` "replays" by running the forward again, so the
-buckets, the padding and the static buffers are tested on a CPU.
+"""CUDA graphs of `AsyncTransformer`'s decode steps: `DecodeGraphs` wraps the model's step
+(`ModelForward.step`) on a step padded to its shape bucket (`bucket_shape`), one graph per
+bucket over static buffers, so that a step is one copy of its inputs in, one replay and one
+copy of its rows out. A wrong row is never served: a bucket's capture and first replays are
+checked against the eager forward, and a difference, or a capture or replay that raises,
+turns graphs off for the LM (a failed capture leaves the device as it found it). The graphs
+hold the KV pool's addresses: with graphs on, the pool is sized once. `EagerRecorder`
+replays by running the forward again, so all but the capture is tested on a CPU. The
+design, buckets and covering graphs: docs/kv-store.md ("One batch").
 """
 
 from __future__ import annotations
@@ -38,8 +21,7 @@ import torch
 
 from genlm.backend.checks import first_line
 from genlm.backend.kv.store import RowPlan
-from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.paged import StepInputs, StepShape, cascade_blocks, exact_shape, host_step
+from genlm.backend.llm.hf.step import StepInputs, StepShape, exact_shape, host_step
 
 logger = logging.getLogger(__name__)
 
@@ -127,32 +109,19 @@ class CudaRecorder:
         """Capture ``forward`` with ``torch.cuda.graph``; if that raises, undo what a
         failed capture leaves behind, then raise.
 
-        What torch 2.13 leaves (torch/cuda/graphs.py, ``graph.__exit__`` calls
-        ``CUDAGraph.capture_end``, then its stream context's ``__exit__``; ATen's
-        ``CUDAGraph::capture_end`` in aten/src/ATen/cuda/CUDAGraph.cpp): when an op
-        invalidated the capture (one that syncs, say), ``cudaStreamEndCapture`` fails and
-        ``AT_CUDA_CHECK`` raises (clearing CUDA's last error) before
-        ``CUDACachingAllocator::endAllocateToPool``. Two things are then left over:
-
-        - the caching allocator still counts a capture into ``self.pool`` as underway
-          (``captures_underway``): it stops reclaiming memory used on several streams,
-          and every later ``torch.cuda.empty_cache()``, which ``graph.__enter__`` calls
-          before any capture, fails the ``captures_underway.empty()`` assertion of
-          ``synchronize_and_free_events`` (c10/cuda/CUDACachingAllocator.cpp). So the
-          pool's allocation is ended here (`_end_pool_allocation`);
-        - ``graph.__exit__`` never reaches its stream context's exit, so the capture
-          stream would stay this thread's current stream, unordered with the default
-          stream other threads use: the capture runs inside a stream context of our own,
-          whose exit restores the thread's streams however the capture ends.
-
-        The stream itself is no longer capturing (``cudaStreamEndCapture`` ends an
-        invalidated capture too), and the graph object is dropped (its ``reset`` removes
-        it from ATen's map of capturing graphs). Nothing captured ever ran, and the eager
-        warm-up's kernels are ordered before later work (`run_eagerly`), so no
-        synchronization is needed. The pinned-memory allocator's own
-        ``end_allocate_to_pool`` has no Python binding: its leftover entry costs a check
-        per pinned allocation and refuses only a capture into this same pool, which
-        `DecodeGraphs` never asks for after a failure.
+        When an op invalidates a capture (one that syncs, say), torch 2.13's
+        ``graph.__exit__`` raises from ``CUDAGraph::capture_end`` (``cudaStreamEndCapture``
+        failed) before ``CUDACachingAllocator::endAllocateToPool`` and before its stream
+        context's exit. Left over: (1) the allocator counts a capture into ``self.pool`` as
+        underway, stops reclaiming memory used on several streams and fails every later
+        ``empty_cache()`` (``graph.__enter__`` calls it) on ``captures_underway.empty()``:
+        `_end_pool_allocation` ends it; (2) the capture stream stays this thread's current
+        stream, unordered with other threads' default stream: the capture runs inside a
+        stream context of our own, whose exit restores it. The stream no longer captures,
+        the dropped graph leaves ATen's map, nothing captured ever ran and the warm-up is
+        ordered before later work (`run_eagerly`): no sync is needed. The pinned-memory
+        allocator's leftover entry (no Python binding ends it) refuses only a capture into
+        this same pool, which `DecodeGraphs` never asks for after a failure.
         """
         graph = torch.cuda.CUDAGraph()
         try:
@@ -216,11 +185,12 @@ class GraphMismatch(RuntimeError):
 class DecodeGraphs:
     """Decode steps replayed from one CUDA graph per shape bucket (see the module's doc).
 
-    ``forward(step, out)`` runs the model over a step's inputs, its log-probabilities into
-    ``out``, allocating only scratch memory (nothing it allocates may outlive it). Steps of
-    more than ``max_rows`` rows (the batcher's batch size, at most `MAX_ROWS`) run eagerly:
-    every graph writes its rows into one output buffer of that many rows, so that a larger
-    bucket never replaces it (which would drop the graphs over the old one)."""
+    ``forward(step, out)`` runs the model over a step's inputs (`ModelForward.step`), its
+    log-probabilities into ``out``, allocating only scratch memory (nothing it allocates
+    may outlive it); ``block_size`` is the KV pool's. Steps of more than ``max_rows`` rows
+    (the batcher's batch size, at most `MAX_ROWS`) run eagerly: every graph writes its rows
+    into one output buffer of that many rows, so that a larger bucket never replaces it
+    (which would drop the graphs over the old one)."""
 
     def __init__(
         self,
@@ -228,12 +198,14 @@ class DecodeGraphs:
         recorder: Recorder,
         device: torch.device,
         vocab_size: int,
+        block_size: int,
         max_rows: int = MAX_ROWS,
     ):
         self.forward = forward
         self.recorder = recorder
         self.device = device
         self.vocab_size = vocab_size
+        self.block_size = block_size
         self.max_rows = round_up(min(max_rows, MAX_ROWS), 1)
         self.graphs: OrderedDict[StepShape, _Graph] = OrderedDict()
         self.checked: set[StepShape] = set()  # buckets whose replays matched the eager forward
@@ -246,23 +218,24 @@ class DecodeGraphs:
         self.eager_steps = 0
         self._out: torch.Tensor | None = None  # allocated at the first capture
 
-    def run(self, plans: Sequence[RowPlan], pool: TorchBlockPool, out: torch.Tensor) -> bool:
-        """The plans' decode step from a captured graph, rows into ``out``. False (nothing
-        computed) when the step fits no bucket or graphs are off: run it eagerly."""
+    def run(self, plans: Sequence[RowPlan], skip: int, out: torch.Tensor) -> bool:
+        """The plans' decode step, reading ``skip`` shared blocks (`cascade_blocks`), from
+        a captured graph, rows into ``out``: its inputs built for the graph's bucket
+        (`host_step`). False (nothing computed) when the step fits no bucket or graphs are
+        off: run it eagerly."""
         if plans[0].new_tokens != 1:
             return False
         if self.failure is not None:
             self.eager_steps += 1
             return False
-        size = pool.block_size
-        skip = cascade_blocks(plans, size)
+        size = self.block_size
         exact = exact_shape(plans, size, skip)
         bucket = bucket_shape(exact)
         if bucket is None or bucket.rows > self.max_rows:
             self.eager_steps += 1
             return False
         if bucket not in self.graphs:
-            bucket, skip = self._covering(exact, skip, size) or (self._spare(bucket, exact), skip)
+            bucket, skip = self._covering(exact, skip) or (self._spare(bucket, exact), skip)
         host = host_step(plans, size, skip, bucket, pin=self.device.type == "cuda")
         rows = len(plans)
         try:
@@ -293,9 +266,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self._out = None
 
-    def _covering(
-        self, exact: StepShape, skip: int, block_size: int
-    ) -> tuple[StepShape, int] | None:
+    def _covering(self, exact: StepShape, skip: int) -> tuple[StepShape, int] | None:
         """A captured bucket that holds the step of shape ``exact`` (which reads ``skip``
         shared blocks), the one with the fewest rows, and how many of the shared blocks it
         reads as shared; None if none does. A graph holds a step with at most twice its
@@ -306,6 +277,7 @@ class DecodeGraphs:
         that grows (particles descending from one ancestor) none, until the rows' own keys
         outgrow the graph's width."""
         best: tuple[StepShape, int] | None = None
+        block_size = self.block_size
         for shape in self.graphs:
             if not exact.rows <= shape.rows <= 2 * exact.rows:
                 continue
@@ -334,7 +306,7 @@ class DecodeGraphs:
         before, the step runs eagerly first and the replay must match it."""
         inputs = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         inputs.copy_(host, non_blocking=True)
-        step = StepInputs.split(inputs, bucket, padded=True, shared_padded=True)
+        step = StepInputs.split(inputs, bucket, True, shared_padded=True)
         if self._out is None:  # allocated outside the graphs' pool
             self._out = torch.empty(
                 (self.max_rows, self.vocab_size), dtype=torch.float32, device=self.device

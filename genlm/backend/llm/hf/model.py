@@ -5,8 +5,8 @@ tokens. The request plan, the cache calls and the batcher come from
 `genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
 `TorchBlockPool`: one tensor per layer, in 16-token blocks, shared by the particles that
 share a prompt and copied on write where they fork), the forward over a batch's rows from
-`genlm.backend.llm.hf.runner.TransformerRunner`. This module checks the options, loads
-the model, probes whether its KV can be reused and sizes the pool: the
+`genlm.backend.llm.hf.runner.TransformerRunner` (whose model forward probes whether the
+KV can be reused). This module checks the options, loads the model and sizes the pool: the
 pool follows what is held (it grows for a batch, trims between batches), except under
 CUDA graphs, whose captures hold its addresses: then it is sized once, at construction
 (`fixed_pool_capacity`); KV stays within ``max_kv_bytes`` between batches
@@ -31,17 +31,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from genlm.backend.checks import check_budget, choice_option, fraction_option, int_option
-from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool, uniform_layout
+from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool
 from genlm.backend.kv.store import PrefixKVStore
-from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.attention import CASCADE_ATTENTION
-from genlm.backend.llm.hf.families import kv_reuse_refusal
 from genlm.backend.llm.hf.options import (
     bitsandbytes_config,
-    cache_keyword,
     default_device_map,
     normalize_dtype,
     quiet_bitsandbytes,
@@ -126,7 +121,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         cuda_kv_memory_fraction: float = cuda_kv_memory_fraction.default,
     ):
         super().__init__(hf_tokenizer)
-        self.model = hf_model.eval()
+        self.model = hf_model  # in eval mode while an LM serves it (`SharedModel`)
         # Read once: every prefix of every step is checked against it (a config lookup goes
         # through transformers' __getattribute__).
         self._max_positions: int | None = getattr(
@@ -134,26 +129,24 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         )
         quiet_bitsandbytes(self.model)
         check_vocab_fits(self.vocab_size, self.model.get_output_embeddings().weight.shape[0])
-        layout, reason = self._probe_kv_layout()
-        pool = None if layout is None else TorchBlockPool(layout)
         runner = TransformerRunner(
             self.model,
             self.vocab_size,
-            pool,
             max_batch_tokens=max_batch_tokens,
             lora_batching=lora_batching,
             cuda_graphs=cuda_graphs,
             batch_size=batch_size,
         )
+        pool = runner.pool
         store = PrefixKVStore(
-            pool or NoKVPool(reason),
+            pool or NoKVPool(runner.forward.kv_reason),
             max_kv_bytes,
             max_logprobs_bytes,
             fixed_capacity=None
-            if layout is None
+            if pool is None
             else fixed_pool_capacity(
                 runner.forward.input_device,
-                layout,
+                pool.layout,
                 max_kv_bytes,
                 cuda_kv_memory_fraction,
                 cuda_graphs=cuda_graphs,
@@ -228,30 +221,6 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
         """Reference answer: one plain forward of the whole prefix, no cache of any kind."""
         ids, lora = self._query(token_ids, lora_name)
         return self.batcher.run_sync(self.runner.forward.uncached, ids, lora)
-
-    # -- LoRA ----------------------------------------------------------------------------------
-
-    # -- batch evaluation (runs on the batcher's worker thread) --------------------------------
-
-    def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
-        """Run one token to learn the KV shape, and whether this design can reuse it."""
-        implementation = getattr(self.model.config, "_attn_implementation", None)
-        if implementation not in ("sdpa", "eager", CASCADE_ATTENTION):
-            return None, f"attention implementation {implementation!r}"
-        with torch.inference_mode():
-            device = self.model.get_input_embeddings().weight.device
-            input_ids = torch.zeros((1, 1), dtype=torch.long, device=device)
-            output = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-            cache = getattr(output, cache_keyword(self.model))
-        if not isinstance(cache, DynamicCache) or not cache.layers:
-            return None, f"its cache is a {type(cache).__name__}"
-        layers = [
-            (getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in cache.layers
-        ]
-        refusal = kv_reuse_refusal(self.model, cache.layers)
-        if refusal is not None:
-            return None, refusal
-        return uniform_layout(layers)
 
 
 def fixed_pool_capacity(

@@ -1,55 +1,38 @@
 """`TransformerRunner`: `AsyncTransformer`'s forward over a batch's rows (a `RowRunner`).
 
-`PrefixCachedLM` hands it a plan's rows (`run`: each a block chain and new tokens, one
-row of the batch); it calls down only, never the store or the LM. Per group of rows with
-the same number ``t`` of new tokens (no query row is padded, so no fully masked
-attention rows and no NaNs from them; the usual step has ``t = 1`` for everyone):
-
-1. the group's inputs (ids, positions, write and read slots) are built on the host as
-   ONE tensor that reaches the device in one copy (`genlm.backend.llm.hf.paged`), and
-   ONE forward runs over the ``rows x t`` new tokens with explicit position ids and a 4-D
-   mask (none when nothing is padded), through the model's forward
-   (`genlm.backend.llm.hf.forward.ModelForward`); a small `Cache` writes each layer's
-   new KV into the rows' blocks and reads each row's KV through its chain. When the rows
-   share a prefix of at least ``CASCADE_MIN_SHARED`` tokens, cascade attention reads the
-   shared blocks once per layer for all rows and only each row's own tokens through its
-   chain; longer groups run in chunks of ``max_batch_tokens``;
-2. the LM head runs at the last position only, over the tokenizer's columns, into a
-   fresh float32 ``[rows, vocab]`` batch of log-probabilities.
-
-A step's op count (kernel launches on a GPU) is the same for 8 rows as for 128, at any
-context length (tests/test_hf_step.py, benchmark/bench_host.py). With ``cuda_graphs``
-a decode step on CUDA is a replay of its shape bucket's CUDA graph instead
-(`genlm.backend.llm.hf.graphs`); off by default: the eager step is the path a GPU has
-run, and graphs become the default once a GPU run shows them right and faster.
+`PrefixCachedLM` hands it a plan's rows; it calls down only. It groups them by their
+number ``t`` of new tokens (`genlm.backend.kv.rows`; no query row is padded, so no fully
+masked attention rows and no NaNs), decides each group's cascade (`cascade_blocks`),
+builds its inputs (`genlm.backend.llm.hf.step`) and runs the model's step
+(`ModelForward.step`), or replays it from a CUDA graph (`genlm.backend.llm.hf.graphs`),
+with the model held as the batch needs it (`ModelForward.serving`). A step's ops do not
+grow with its rows or their context (tests/test_hf_step.py, benchmark/bench_host.py); the
+design is told in docs/kv-store.md ("One batch").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from genlm.backend.kv.pool import Chain
+from genlm.backend.kv.rows import plan_order, row_groups
 from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.attention import use_cascade
-from genlm.backend.llm.hf.cache import paged_cache
 from genlm.backend.llm.hf.forward import ModelForward
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
-from genlm.backend.llm.hf.paged import attention_mask, cascade_blocks, step_inputs
-from genlm.backend.llm.prefix import plan_order, row_groups
+from genlm.backend.llm.hf.step import cascade_blocks, step_inputs
 
 
 class TransformerRunner:
     """The forward of a transformers causal LM over a batch's rows.
 
     Args:
-        model: the model (in eval mode).
+        model: the model.
         vocab_size: the tokenizer's vocabulary: the columns of each row's logprobs.
-        pool: the KV pool (None: the model's KV cannot be reused; each row runs its
-            whole prefix).
         max_batch_tokens: most new tokens run in one forward.
         lora_batching: ``"mixed"`` or ``"grouped"`` (`AsyncTransformer`).
         cuda_graphs: replay decode steps of up to ``batch_size`` rows from CUDA graphs,
@@ -60,18 +43,17 @@ class TransformerRunner:
         self,
         model: Any,
         vocab_size: int,
-        pool: TorchBlockPool | None,
         *,
         max_batch_tokens: int,
         lora_batching: str,
         cuda_graphs: bool,
         batch_size: int,
     ):
-        self.forward = ModelForward(model, vocab_size, pool)
-        self.pool = pool
+        self.forward = ModelForward(model, vocab_size)
+        self.pool = self.forward.pool  # None: the model's KV cannot be reused
         self.max_batch_tokens = max_batch_tokens
         self.lora_batching = lora_batching
-        self.cascade = pool is not None and use_cascade(model, pool.layout.num_layers)
+        self.cascade = self.forward.cascade
         self.graphs = self._decode_graphs(batch_size) if cuda_graphs else None
 
     def read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
@@ -81,20 +63,26 @@ class TransformerRunner:
         return self.pool.read(chain, tokens)
 
     def load_adapter(self, lora_path: str, lora_name: str) -> None:
-        """`ModelForward.load_adapter`; the graphs, captured over the model's old modules,
+        """Load an adapter into the model's shared peft model, and only then let it replace
+        this LM's adapter of that name; the graphs, captured over the model's old modules,
         are dropped."""
-        self.forward.load_adapter(lora_path, lora_name)
+        forward = self.forward
+        peft_name = forward.shared.load_adapter(forward.model, lora_path)
+        replaced = forward.adapters.get(lora_name)
+        forward.adapters[lora_name] = peft_name
+        if replaced is not None:
+            forward.shared.unload_adapter(replaced)
         if self.graphs is not None:
             self.graphs.clear()
 
     def unload_adapter(self, lora_name: str) -> None:
-        self.forward.unload_adapter(lora_name)
+        self.forward.shared.unload_adapter(self.forward.adapters.pop(lora_name))
 
     def free(self) -> None:
-        """Let go of the head's logits buffer and the captured graphs."""
-        self.forward.free()
+        """Let go of the captured graphs and of the model (`ModelForward.close`)."""
         if self.graphs is not None:
             self.graphs.clear()
+        self.forward.close()
 
     def _decode_graphs(self, batch_size: int) -> DecodeGraphs | None:
         """CUDA graphs of decode steps of up to ``batch_size`` rows, where they can be
@@ -105,14 +93,16 @@ class TransformerRunner:
         recorder = recorder_for(forward.input_device)
         if (
             recorder is None
+            or self.pool is None
             or not self.cascade
             or forward.output_device != forward.input_device
             or getattr(forward.model, "hf_quantizer", None) is not None
         ):
             return None
-        return DecodeGraphs(
-            forward.decode_step, recorder, forward.input_device, forward.vocab_size, batch_size
-        )
+        # a captured step's logits in memory of its own (the head's buffer would outlive it)
+        step = partial(forward.step, reuse_logits=False)
+        device, vocab = forward.input_device, forward.vocab_size
+        return DecodeGraphs(step, recorder, device, vocab, self.pool.block_size, batch_size)
 
     def run(self, rows: Sequence[RowPlan]) -> torch.Tensor:
         """The rows' logprobs as one ``[rows, vocab]`` batch of its own, in order (the tree
@@ -125,7 +115,8 @@ class TransformerRunner:
             groups = row_groups(rows, lambda row: len(row.ids))
         else:
             groups = row_groups(rows, lambda row: (row.new_tokens, grouped and row.lora))
-        with torch.inference_mode():
+        order = plan_order(groups)
+        with self.forward.serving(), torch.inference_mode():
             out = torch.empty(
                 (len(rows), self.forward.vocab_size),
                 dtype=torch.float32,
@@ -142,44 +133,18 @@ class TransformerRunner:
                 per_forward = max(1, self.max_batch_tokens // same[0].new_tokens)
                 for i in range(0, len(same), per_forward):
                     self._run_group(pool, same[i : i + per_forward], batch[i : i + per_forward])
-            order = plan_order(groups)
             return out if order is None else out[torch.tensor(order, device=out.device)]
 
     def _run_group(self, pool: TorchBlockPool, plans: list[RowPlan], out: torch.Tensor) -> None:
-        """One forward for plans sharing their number of new tokens: their logprobs into
-        ``out``, and their new tokens' KV written into their chains. Its inputs reach the
-        device as one tensor (`step_inputs`), so its ops do not grow with the plans or their
-        context."""
-        new_tokens = plans[0].new_tokens
+        """One step for plans sharing their number of new tokens (a longer one than
+        ``max_batch_tokens``, a lone prefill, in chunks): their logprobs into ``out``, and
+        their new tokens' KV written into their chains."""
         forward = self.forward
-        if self.graphs is not None and forward.peft is None and self.graphs.run(plans, pool, out):
-            return
-        cascade = self.cascade and new_tokens <= self.max_batch_tokens
+        cascade = self.cascade and plans[0].new_tokens <= self.max_batch_tokens
         skip = cascade_blocks(plans, pool.block_size) if cascade else 0
+        graphs = self.graphs
+        if graphs is not None and forward.shared.peft is None and graphs.run(plans, skip, out):
+            return
         step = step_inputs(plans, pool.block_size, skip, forward.input_device)
         loras = [plan.lora for plan in plans]
-        if skip:
-            forward.cascade_step(step, loras, out)
-            return
-        # A prefix longer than max_batch_tokens (a single plan) is prefilled in chunks.
-        for chunk in range(0, new_tokens, self.max_batch_tokens):
-            end = min(new_tokens, chunk + self.max_batch_tokens)
-            past = step.past + chunk
-            mask = None
-            if step.padded or (past and end - chunk > 1):
-                mask = forward.model_mask(attention_mask(step.first, past, end - chunk))
-            cache = paged_cache(
-                pool,
-                step.write[:, chunk:end].flatten(),
-                step.read[:, : step.past + end],
-                past,
-            )
-            forward.logprobs_into(
-                loras,
-                out,
-                cache,
-                input_ids=step.input_ids[:, chunk:end],
-                attention_mask=mask,
-                position_ids=step.position_ids[:, chunk:end],
-                use_cache=True,
-            )
+        forward.step(step, out, loras, max_tokens=self.max_batch_tokens)
