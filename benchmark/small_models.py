@@ -1,4 +1,4 @@
-"""Small random Llamas built from a config, for runs that need no real model or a model
+"""Small random models built from a config, for runs that need no real model or a model
 shape SmolLM2 lacks.
 
 `tiny_llama` builds one in memory: the tiny model of ``bench_host.py`` (a nearly free
@@ -6,7 +6,8 @@ forward, so a step costs what the library does around it) and of the tests that 
 step's ops and rows (tests/test_hf_step.py, tests/test_checks.py). `save_small_llama`
 writes the Llama that splits over two tensor-parallel workers: used by
 ``tests/test_vllm.py`` (the multi-worker agreement checks) and ``bench_vllm.py`` (the
-multi-worker configuration), so both run the same model.
+multi-worker configuration), so both run the same model. `tiny_gemma3` builds a small
+sliding-window hybrid, Gemma 3's layout (``bench_lm.py --model tiny-gemma3``).
 """
 
 from __future__ import annotations
@@ -58,11 +59,7 @@ def tiny_llama(
     torch.manual_seed(seed)
     model = LlamaForCausalLM(llama_config).float().eval()
     if std is not None:
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "norm" not in name:
-                    lm_head = head_std is not None and name.startswith("lm_head")
-                    parameter.normal_(0.0, head_std if lm_head else std)
+        _draw_weights(model, std, head_std)
     return model
 
 
@@ -114,6 +111,72 @@ def tiny_causal_lm(family: str, vocab_size: int, *, std: float = 0.3, seed: int 
             if parameter.dim() == 2:
                 parameter.normal_(0.0, std)
     return model
+
+
+TINY_GEMMA3_LAYERS = (
+    "sliding_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+)
+
+
+def tiny_gemma3(
+    vocab_size: int,
+    hidden_size: int = 64,
+    heads: int = 4,
+    kv_heads: int = 1,
+    *,
+    layer_types: tuple[str, ...] = TINY_GEMMA3_LAYERS,
+    sliding_window: int = 32,
+    max_positions: int = 2048,
+    attn_implementation: str | None = "sdpa",
+    std: float | None = None,
+    seed: int = 0,
+) -> Any:
+    """A random ``Gemma3ForCausalLM`` (text only) in float32, in eval mode: a sliding-window
+    hybrid as Gemma 3 270M is (there 15 of 18 layers slide over 512 tokens), small enough for
+    a CI run. ``layer_types`` gives each layer's kind (default: sliding layers before and
+    after one full-attention layer), ``sliding_window`` their window; ``heads`` query and
+    ``kv_heads`` KV heads of dim ``hidden_size // heads``; tied embeddings, as Gemma's.
+    Weights from ``torch.manual_seed(seed)``: transformers' initialisation, or with ``std``
+    every weight but the norms drawn from N(0, std).
+    """
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    head_dim = hidden_size // heads
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        layer_types=list(layer_types),
+        sliding_window=sliding_window,
+        max_position_embeddings=max_positions,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config).float().eval()
+    if std is not None:
+        _draw_weights(model, std)
+    return model
+
+
+def _draw_weights(model: Any, std: float, head_std: float | None = None) -> None:
+    """Redraw every weight of ``model`` but the norms from N(0, ``std``), the output head's
+    from N(0, ``head_std``) if given (and not tied to the embeddings)."""
+    import torch
+
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" not in name:
+                lm_head = head_std is not None and name.startswith("lm_head")
+                parameter.normal_(0.0, head_std if lm_head else std)
 
 
 def save_small_llama(tokenizer: Any, path: str | Path) -> str:
