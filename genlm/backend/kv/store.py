@@ -48,7 +48,7 @@ class RowPlan:
     base model); ``slot``: the query's position in the batch."""
 
     slot: int
-    ids: tuple[int, ...]
+    ids: Sequence[int]
     lora: str | None
     node: KVNode
     start: int
@@ -206,7 +206,7 @@ class PrefixKVStore:
 
     def plan(
         self,
-        queries: Sequence[tuple[tuple[int, ...], str | None]],
+        queries: Sequence[tuple[Sequence[int], str | None]],
         row_nbytes: int,
         near: Sequence[KVNode | None] | None = None,
         *,

@@ -35,11 +35,12 @@ class KVNode:
 
 def walk(node: KVNode, ids: Sequence[int]) -> tuple[KVNode, int]:
     """Follow ``ids`` from ``node`` (a root, or a node on the path of ``ids``) as far as
-    the tree goes: ``(deepest node, tokens of ids it covers)``."""
-    for i in range(node.depth, len(ids)):
-        child = node.children.get(ids[i])
+    the tree goes: ``(deepest node, tokens of ids it covers)``. Reads ``ids[node.depth:]``
+    in one slice (a `PrefixHandle` reads only the chunks it spans)."""
+    for token in ids[node.depth :]:
+        child = node.children.get(token)
         if child is None:
-            return node, i
+            return node, node.depth
         node = child
     return node, len(ids)
 

@@ -10,6 +10,7 @@ __all__ = [
     "AsyncMlxLM",
     "AsyncSGLTransformer",
     "load_model_by_name",
+    "PrefixHandle",
 ]
 
 __getattr__, __dir__ = lazy_exports(
@@ -22,5 +23,6 @@ __getattr__, __dir__ = lazy_exports(
         "AsyncMlxLM": ".mlx",
         "AsyncSGLTransformer": ".sgl",
         "load_model_by_name": ".loading",
+        "PrefixHandle": ".handle",
     },
 )

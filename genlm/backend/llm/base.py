@@ -14,10 +14,12 @@ an adapter or the reverse.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -26,6 +28,14 @@ import torch
 from genlm.backend._lazy import lazy_exports
 from genlm.backend.batching import AutoBatcher, BatchResults
 from genlm.backend.checks import check_seconds, int_option
+from genlm.backend.llm.handle import (
+    HandleOwner,
+    PrefixHandle,
+    handles_taken,
+    new_handle,
+    rebound,
+    takes_handles,
+)
 from genlm.backend.llm.options import Option, declared_options
 from genlm.backend.llm.request import PrefixIndex, Query, TokenIds, checked_id, tuple_of_ids
 from genlm.backend.sampling import check_sampling_args, sample_token
@@ -64,6 +74,7 @@ class AsyncLM(ABC):
         # which must not let an id past the model's rows through validation.
         self._vocab_size = len(self.byte_vocab)
         self._prefixes = PrefixIndex(self._vocab_size)
+        self._handle_owner = HandleOwner(self, self._vocab_size)
         self.lora_paths: dict[str, str] = {}
         self.default_lora: str | None = None
         self._closed = False
@@ -90,6 +101,11 @@ class AsyncLM(ABC):
             ids = token_ids
         else:
             ids = tuple_of_ids(token_ids)
+        self._check_length(ids)
+        return self._prefixes.validated(ids)
+
+    def _check_length(self, ids: Sequence[Any]) -> None:
+        """``ValueError`` for an empty prefix or one longer than the model's context."""
         if not ids:
             raise ValueError("token_ids is empty: the model needs at least one token of context")
         limit = self.max_context_length
@@ -98,7 +114,44 @@ class AsyncLM(ABC):
                 f"token_ids has {len(ids)} tokens, more than the model's context length of "
                 f"{limit} tokens: shorten the prefix"
             )
-        return self._prefixes.validated(ids)
+
+    def handle(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> PrefixHandle:
+        """A `PrefixHandle` of ``token_ids`` bound to the adapter ``lora_name`` (None: the
+        default adapter, resolved when a request runs): the ids checked once, with a
+        request's errors, so that requests with its extensions check only their new ids.
+        A handle of this LM is returned as it is, or bound to ``lora_name`` if it was bound
+        to none (its storage shared)."""
+        self._check_open()
+        if lora_name is not None:
+            self.resolve_lora(lora_name)
+        if type(token_ids) is PrefixHandle:
+            bound = self._handle_lora(token_ids, None if token_ids.lora_name is None else lora_name)
+            return rebound(token_ids, bound if lora_name is None else lora_name)
+        if type(token_ids) is list or type(token_ids) is tuple:
+            ids = token_ids
+        else:
+            ids = tuple_of_ids(token_ids)
+        self._check_length(ids)
+        return new_handle(self._handle_owner, self._prefixes.checked(ids), lora_name)
+
+    def _handle_lora(self, handle: PrefixHandle, lora_name: str | None) -> str | None:
+        """The adapter a request with ``handle`` names (None: the default): the handle's
+        own. ``ValueError`` for a handle of another LM, or a ``lora_name`` other than None
+        and the handle's."""
+        owner = handle._owner
+        if owner is not self._handle_owner:
+            raise ValueError(
+                f"{handle!r} was made by another LM ({owner.name}), not by this "
+                f"{type(self).__name__} (object at {id(self):#x}): a handle serves the LM "
+                "that made it; make one for this LM with its handle(list(h.ids))"
+            )
+        if lora_name is not None and lora_name != handle.lora_name:
+            raise ValueError(
+                f"lora_name={lora_name!r} contradicts the adapter of {handle!r}: pass "
+                "lora_name=None (or the handle's own), or make a handle bound to "
+                f"{lora_name!r} with handle(h, lora_name={lora_name!r})"
+            )
+        return handle.lora_name
 
     def check_eos_token_ids(self, eos_token_ids: Any) -> tuple[int, ...]:
         """End-of-sequence ids as a tuple of ints in ``[0, vocab_size)``, read once (a
@@ -114,19 +167,23 @@ class AsyncLM(ABC):
         )
 
     def _query(self, token_ids: Any, lora_name: str | None = None) -> Query:
-        """Validate a request before any model work: its prefix and the adapter serving it."""
+        """Validate a request before any model work: its prefix (a handle of this LM as
+        it is) and the adapter serving it."""
         self._check_open()
+        if type(token_ids) is PrefixHandle:
+            return Query(token_ids, self.resolve_lora(self._handle_lora(token_ids, lora_name)))
         lora = self.resolve_lora(lora_name)
         return Query(self.validate_token_ids(token_ids), lora)
 
     def _query_list(self, token_ids_list: Any, lora_name: str | None = None) -> list[Query]:
         """`_query` for each prefix of a list (all are checked before any model work)."""
-        if isinstance(token_ids_list, str | bytes | Set | Mapping) or not isinstance(
+        if isinstance(token_ids_list, str | bytes | Set | Mapping | PrefixHandle) or not isinstance(
             token_ids_list, Sequence | torch.Tensor | np.ndarray
         ):
+            hint = "; for one handle, pass [h]" if isinstance(token_ids_list, PrefixHandle) else ""
             raise TypeError(
                 f"token_ids_list must be a list of token-id prefixes, got "
-                f"{type(token_ids_list).__name__}"
+                f"{type(token_ids_list).__name__}{hint}"
             )
         if isinstance(token_ids_list, torch.Tensor | np.ndarray):
             shape = tuple(token_ids_list.shape)
@@ -138,7 +195,12 @@ class AsyncLM(ABC):
                 )
         self._check_open()
         lora = self.resolve_lora(lora_name)
-        return [Query(self.validate_token_ids(ids), lora) for ids in token_ids_list]
+        return [
+            self._query(ids, lora_name)
+            if type(ids) is PrefixHandle
+            else Query(self.validate_token_ids(ids), lora)
+            for ids in token_ids_list
+        ]
 
     @abstractmethod
     async def next_token_logprobs(
@@ -163,8 +225,8 @@ class AsyncLM(ABC):
 
     async def _answer(self, query: Query) -> torch.Tensor:
         """`next_token_logprobs` of a query already validated by `_query`/`_query_list`
-        (backends override it to skip the second check)."""
-        return await self.next_token_logprobs(query.token_ids, lora_name=query.lora)
+        (backends override it to skip the second check); a handle's ids as a list."""
+        return await self.next_token_logprobs(listed(query.token_ids), lora_name=query.lora)
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], *, lora_name: str | None = None
@@ -179,7 +241,7 @@ class AsyncLM(ABC):
         """`next_token_logprobs_sync` of validated queries, stacked (batched backends: one
         batch)."""
         return torch.stack(
-            [self.next_token_logprobs_sync(q.token_ids, lora_name=q.lora) for q in queries]
+            [self.next_token_logprobs_sync(listed(q.token_ids), lora_name=q.lora) for q in queries]
         )
 
     def clear_cache(self) -> None:
@@ -284,8 +346,13 @@ class AsyncLM(ABC):
     async def _sample(
         self, query: Query, max_tokens: int, eos: frozenset[int], temperature: float, seed: Any
     ) -> list[int]:
-        """`sample` with its arguments checked."""
-        context = list(query.token_ids)
+        """`sample` with its arguments checked. The context is a handle bound to the
+        query's adapter, extended by each token drawn: a step sends only that token."""
+        ids = query.token_ids
+        if type(ids) is PrefixHandle:
+            context = rebound(ids, query.lora)
+        else:
+            context = new_handle(self._handle_owner, ids, query.lora)
         limit = self.max_context_length
         generator = torch.Generator()
         if seed is None:
@@ -294,14 +361,14 @@ class AsyncLM(ABC):
             generator.manual_seed(int(seed))
         generated: list[int] = []
         for _ in range(max_tokens):
-            if limit is not None and len(context) > limit:
-                break
-            logprobs = await self.next_token_logprobs(context, lora_name=query.lora)
+            logprobs = await self.next_token_logprobs(context)
             token = sample_token(logprobs, temperature, generator)
             if token in eos:
                 break
             generated.append(token)
-            context.append(token)
+            if limit is not None and len(context) >= limit:
+                break  # the next context would be longer than the model's
+            context = context.extend((token,))
         return generated
 
     async def batch_sample(
@@ -388,6 +455,96 @@ class AsyncLM(ABC):
             "(genlm.backend.load_model_by_name)"
         )
 
+    # -- subclasses written for lists of token ids -----------------------------------------------
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Each method of ``cls`` that takes token ids (`TOKEN_ID_METHODS`) and is not
+        marked `takes_handles` (one a user wrote for lists) gets each handle as
+        ``list(h.ids)``, bound to the handle's adapter (`lists_for_handles`)."""
+        super().__init_subclass__(**kwargs)
+        for name, batched in TOKEN_ID_METHODS.items():
+            method = cls.__dict__.get(name)
+            if inspect.isfunction(method) and not handles_taken(method):
+                setattr(cls, name, lists_for_handles(method, batched))
+
+    def _as_lists(self, value: Any, lora_name: str | None, batched: bool) -> tuple[Any, str | None]:
+        """A method's token ids (``batched``: a list of prefixes) with each handle of this
+        LM as ``list(h.ids)``, and the adapter the handles name (else ``lora_name``):
+        ``ValueError`` for handles of another LM or of another adapter than ``lora_name``
+        or each other's."""
+        if not batched:
+            if type(value) is not PrefixHandle:
+                return value, lora_name
+            return list(value.ids), self._handle_lora(value, lora_name)
+        if type(value) is not list and type(value) is not tuple:
+            return value, lora_name
+        handles = [ids for ids in value if type(ids) is PrefixHandle]
+        if not handles:
+            return value, lora_name
+        loras = {self._handle_lora(handle, lora_name) for handle in handles}
+        if len(loras) > 1 or (len(handles) < len(value) and loras != {lora_name}):
+            raise ValueError(
+                f"{type(self).__name__} takes one lora_name per batch: its handles name "
+                f"{sorted(map(repr, loras))} and lora_name is {lora_name!r}; send a batch "
+                "per adapter"
+            )
+        return [listed(ids) for ids in value], loras.pop()
+
+
+# The methods that take token ids (True: a list of prefixes), where a user's subclass may
+# get handles (`AsyncLM.__init_subclass__`).
+TOKEN_ID_METHODS = {
+    "next_token_logprobs": False,
+    "next_token_logprobs_sync": False,
+    "batch_next_token_logprobs": True,
+    "batch_next_token_logprobs_sync": True,
+    "sample": False,
+    "batch_sample": True,
+    "next_token_logprobs_uncached": False,
+    "cache_kv": False,
+    "walk_cache": False,
+    "add_query": False,
+}
+
+
+def listed(ids: Sequence[int]) -> Any:
+    """A handle's ids as a list (what a method written for lists gets), other ids as they are."""
+    return list(ids.ids) if type(ids) is PrefixHandle else ids
+
+
+def lists_for_handles(method: Callable[..., Any], batched: bool) -> Callable[..., Any]:
+    """``method`` (of an `AsyncLM` subclass, taking token ids first, a list of prefixes if
+    ``batched``) called with each handle among them as ``list(h.ids)`` and the handles'
+    adapter as ``lora_name`` (`AsyncLM._as_lists`)."""
+    names = list(inspect.signature(method).parameters)
+    first = names[1] if len(names) > 1 else None
+
+    def converted(self: AsyncLM, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        if args:
+            value, rest = args[0], args[1:]
+        elif first in kwargs:
+            value, rest = kwargs.pop(first), ()
+        else:
+            return args
+        value, lora = self._as_lists(value, kwargs.get("lora_name"), batched)
+        if lora is not None:
+            kwargs["lora_name"] = lora
+        return (value, *rest)
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def wrapped_async(self: AsyncLM, *args: Any, **kwargs: Any) -> Any:
+            return await method(self, *converted(self, args, kwargs), **kwargs)
+
+        return takes_handles(wrapped_async)
+
+    @functools.wraps(method)
+    def wrapped(self: AsyncLM, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *converted(self, args, kwargs), **kwargs)
+
+    return takes_handles(wrapped)
+
 
 def owned_rows(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """A copy of each row with storage of its own (a caller that keeps one row keeps its
@@ -444,6 +601,7 @@ class BatchedAsyncLM(AsyncLM):
         keeps nor another caller's row, and a row a caller keeps holds only its own floats."""
         return owned_rows(rows)
 
+    @takes_handles
     async def next_token_logprobs(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
@@ -453,6 +611,7 @@ class BatchedAsyncLM(AsyncLM):
     async def _answer(self, query: Query) -> torch.Tensor:
         return await self.batcher.submit(query)
 
+    @takes_handles
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The engine keeps its own KV cache; on our side there is an optional `OutputCache` of
 log-probabilities (keyed by `Query`: prefix and adapter) in front of the shared
 `AutoBatcher`, and a closed state: after `cleanup` (or `close`) the engine is gone and
-every call raises `RuntimeError`.
+every call raises `RuntimeError`. Requests with a `PrefixHandle` pass the output cache by:
+a key would keep the handle (and what it remembers) alive, and hashing its ids costs
+what a handle saves; the engine's own prefix cache serves them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from genlm.backend.cache import OutputCache
 from genlm.backend.checks import dict_option, int_option
 from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.handle import PrefixHandle, takes_handles
 from genlm.backend.llm.options import Option
 from genlm.backend.llm.request import Query
 
@@ -77,27 +80,33 @@ class EngineLM(BatchedAsyncLM):
 
     async def _answer(self, query: Query) -> torch.Tensor:
         """From the output cache, else auto-batched with concurrent requests (and cached)."""
-        if self.output_cache is not None and query in self.output_cache:
+        if self.output_cache is not None and self._cached(query):
             return self.output_cache[query].clone()  # the caller's own: its edits stay its own
         logprobs = await self.batcher.submit(query)
         self._cache_output(query, logprobs)
         return logprobs
 
+    @takes_handles
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
         """Blocking `next_token_logprobs` (consults and fills the cache)."""
         query = self._query(token_ids, lora_name)
-        if self.output_cache is not None and query in self.output_cache:
+        if self.output_cache is not None and self._cached(query):
             return self.output_cache[query].clone()
         logprobs = self._rows_sync([query])[0]
         self._cache_output(query, logprobs)
         return logprobs
 
+    def _cached(self, query: Query) -> bool:
+        """Whether the output cache holds the row of ``query`` (never one with a handle)."""
+        cache = self.output_cache
+        return cache is not None and type(query.token_ids) is not PrefixHandle and query in cache
+
     def _cache_output(self, query: Query, logprobs: torch.Tensor) -> None:
         """Cache a copy of the row (of its own: no batch storage kept; a caller's edit of the
-        row it got does not reach the cache)."""
-        if self.output_cache is not None:
+        row it got does not reach the cache), unless its prefix is a handle."""
+        if self.output_cache is not None and type(query.token_ids) is not PrefixHandle:
             self.output_cache[query] = logprobs.clone()
 
     def clear_cache(self) -> None:

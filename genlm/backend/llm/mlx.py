@@ -271,7 +271,10 @@ class MlxRunner:
             width=width,
         )
         inputs = mx.array(
-            [plan.ids[first:end] for plan, first, end in zip(plans, firsts, ends, strict=True)]
+            [
+                list(plan.ids[first:end])
+                for plan, first, end in zip(plans, firsts, ends, strict=True)
+            ]
         )
         return inputs, [_PagedCache(pool, layer, step) for layer in range(len(pool.keys))]
 

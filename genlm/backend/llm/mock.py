@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from genlm.backend.llm.base import BatchedAsyncLM
+from genlm.backend.llm.handle import PrefixHandle, takes_handles
 from genlm.backend.llm.options import takes_options
 from genlm.backend.llm.request import Query
 
@@ -55,7 +56,13 @@ class MockAsyncLM(BatchedAsyncLM):
 
     def _logprobs(self, query: Query) -> torch.Tensor:
         """The query's row: a view of the tables (`_owned` copies a batch's rows)."""
-        digest = hashlib.blake2b(np.asarray(query.token_ids, dtype="<i8").tobytes(), digest_size=8)
+        ids = query.token_ids
+        if type(ids) is PrefixHandle:
+            digest = _handle_digest(ids)
+            if query.lora is not None:
+                digest = digest.copy()
+        else:
+            digest = hashlib.blake2b(_id_bytes(ids), digest_size=8)
         if query.lora is not None:
             digest.update(b"\0lora:" + query.lora.encode("utf-8"))
         code = int.from_bytes(digest.digest(), "little")
@@ -66,6 +73,7 @@ class MockAsyncLM(BatchedAsyncLM):
     def _compute_batch(self, keys: list[Query]) -> list[torch.Tensor]:
         return [self._logprobs(key) for key in keys]
 
+    @takes_handles
     def next_token_logprobs_sync(
         self, token_ids: Sequence[int], *, lora_name: str | None = None
     ) -> torch.Tensor:
@@ -74,3 +82,26 @@ class MockAsyncLM(BatchedAsyncLM):
 
     def _load_lora(self, lora_path: str, lora_name: str) -> None:
         """Nothing to load: an adapter's distributions derive from its name."""
+
+
+def _id_bytes(ids: Sequence[int]) -> bytes:
+    """What the mock hashes of a prefix: its ids as little-endian int64s."""
+    return np.asarray(ids, dtype="<i8").tobytes()
+
+
+def _handle_digest(handle: PrefixHandle) -> Any:
+    """The blake2b state of a handle's ids (`_id_bytes`), remembered in the handle (its
+    ``memo``: ``(length, state)``, inherited by its extensions): from its parent's state,
+    updated with its new ids alone, or from its ids where none was remembered."""
+    memo = handle.memo
+    length = len(handle)
+    if type(memo) is tuple and memo[0] <= length:
+        done, state = memo
+        if done == length:
+            return state
+        state = state.copy()
+        state.update(_id_bytes(handle[done:]))
+    else:
+        state = hashlib.blake2b(_id_bytes(handle.ids), digest_size=8)
+    handle.memo = (length, state)
+    return state

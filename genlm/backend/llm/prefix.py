@@ -24,7 +24,8 @@ import torch
 from genlm.backend.kv.pool import Chain
 from genlm.backend.kv.store import BatchPlan, KVNode, PrefixKVStore, RowPlan
 from genlm.backend.llm.base import BatchedAsyncLM, owned_rows
-from genlm.backend.llm.request import Query, TokenIds
+from genlm.backend.llm.handle import PrefixHandle, plain_ids, takes_handles
+from genlm.backend.llm.request import PrefixEntry, Query, TokenIds
 
 Past = TypeVar("Past")  # a backend's copy of cached KV (`walk_cache`'s ``past``)
 Past_co = TypeVar("Past_co", covariant=True)
@@ -148,6 +149,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         0 after `close`."""
         return self.store.kv_nbytes
 
+    @takes_handles
     def cache_kv(self, prompt_tokens: Sequence[int], *, lora_name: str | None = None) -> None:
         """Compute and pin the KV of ``prompt_tokens``: it stays until a cache clear.
 
@@ -156,6 +158,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         ids, lora = self._query(prompt_tokens, lora_name)
         self.batcher.run_sync(self._cache_kv, ids, lora)
 
+    @takes_handles
     def walk_cache(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> CacheWalk:
         """Where a request for ``token_ids`` would start: ``(node, next_token_index, past, base)``.
 
@@ -169,6 +172,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         ids, lora = self._query(token_ids, lora_name)
         return self.batcher.run_sync(self._walk_cache, ids, lora)
 
+    @takes_handles
     def add_query(self, token_ids: Sequence[int], *, lora_name: str | None = None) -> int:
         """Queue a prefix for `batch_evaluate_queries`; returns its position in the queue."""
         self._queries.append(self._query(token_ids, lora_name))
@@ -208,14 +212,19 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
     # -- batch evaluation (worker thread) ------------------------------------------------------
 
     def _compute_batch(self, keys: list[Query]) -> list[torch.Tensor]:
-        """The rows of ``keys``, as the tree holds them (`_owned` copies them for callers)."""
+        """The rows of ``keys``, as the tree holds them (`_owned` copies them for callers).
+        A handle is planned as it is (the store reads its ids from a node on their path
+        on, the runner its new ids), or without KV reuse as its ids (each row runs them
+        all)."""
         hints = [node_hint(ids, lora) for ids, lora in keys]
-        return self._run_plan(self.store.plan(keys, self._row_nbytes, hints))
+        planned = keys if self.kv_reuse else [(plain_ids(ids), lora) for ids, lora in keys]
+        plan = self.store.plan(planned, self._row_nbytes, hints)
+        return self._run_plan(plan, [ids for ids, _ in keys])
 
-    def _run_plan(self, plan: BatchPlan) -> list[torch.Tensor]:
+    def _run_plan(self, plan: BatchPlan, prefixes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The plan's rows computed and committed (the plan released if the forward fails):
-        every query's logprobs, in order. Each row's node is remembered with its ids, for
-        the next step's walk (`remember_node`)."""
+        every query's logprobs, in order. Each row's node is remembered with its query's
+        ids (``prefixes``, by slot), for the next step's walk (`remember_node`)."""
         try:
             rows = self._kept_rows(self.runner.run(plan.rows)) if plan.rows else []
         except BaseException:
@@ -223,7 +232,7 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
             raise
         answers = self.store.commit(plan, rows)
         for row in plan.rows:
-            remember_node(row.ids, row.lora, row.node)
+            remember_node(prefixes[row.slot], row.lora, row.node)
         return answers
 
     def _kept_rows(self, batch: torch.Tensor) -> list[torch.Tensor]:
@@ -240,7 +249,8 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
                 f"cache_kv needs KV reuse, which is off for this {type(self).__name__}'s model"
             )
         hint = node_hint(ids, lora)
-        self._run_plan(self.store.plan([(ids, lora)], self._row_nbytes, [hint], pin=True))
+        plan = self.store.plan([(ids, lora)], self._row_nbytes, [hint], pin=True)
+        self._run_plan(plan, [ids])
 
     def _walk_cache(self, ids: tuple[int, ...], lora: str | None) -> CacheWalk:
         node = self.store.find(lora, ids, node_hint(ids, lora))[0]
@@ -250,20 +260,29 @@ class PrefixCachedLM(BatchedAsyncLM, Generic[Past]):
         return CacheWalk(source, start, self.runner.read_past(source.chain, start), source.depth)
 
 
+def _entry(ids: Sequence[int]) -> PrefixEntry | PrefixHandle | None:
+    """Where the nodes of ``ids`` are remembered: a handle itself, or the entry of the
+    index of validated prefixes that validated them (None: nowhere)."""
+    if type(ids) is PrefixHandle:
+        return ids
+    return ids.entry if isinstance(ids, TokenIds) else None
+
+
 def node_hint(ids: Sequence[int], lora: str | None) -> KVNode | None:
     """A node on the path of ``ids`` in the prefix tree of ``lora`` (None: the base
-    model's), remembered in their entry of the index of validated prefixes for them or for
-    their parent prefix (`PrefixKVStore.find` walks on from it), or None."""
-    entry = ids.entry if isinstance(ids, TokenIds) else None
+    model's), remembered for them or for their parent prefix, in their handle or their
+    entry of the index of validated prefixes (`PrefixKVStore.find` walks on from it), or
+    None."""
+    entry = _entry(ids)
     if entry is None:
         return None
     return entry.node if lora is None else entry.adapter_nodes.get(lora)
 
 
 def remember_node(ids: Sequence[int], lora: str | None, node: KVNode) -> None:
-    """Remember ``node``, the node of ``ids`` in the prefix tree of ``lora``, in the entry
-    of ``ids`` (where they were validated here) for `node_hint`."""
-    entry = ids.entry if isinstance(ids, TokenIds) else None
+    """Remember ``node``, the node of ``ids`` in the prefix tree of ``lora``, in their
+    handle or their entry (where they were validated here) for `node_hint`."""
+    entry = _entry(ids)
     if entry is None:
         return
     if lora is None:

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 class Query(NamedTuple):
     """One next-token request: a validated prefix (a `TokenIds` where it was validated
-    here) and the adapter that serves it."""
+    here, or a `genlm.backend.llm.handle.PrefixHandle`) and the adapter that serves it."""
 
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
     lora: str | None = None
 
 
@@ -145,13 +145,21 @@ class PrefixIndex:
         return prefix
 
     def _converted(self, ids: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
-        """Ids not all exact ints: as exact ints where each is an integer (an int subclass,
-        a numpy integer; not a bool), else `raise_for_bad_id`."""
-        if not all(
-            issubclass(kind, int | np.integer) and kind is not bool for kind in set(map(type, ids))
-        ):
+        """Ids not all exact ints: `exact_ints`, else `raise_for_bad_id`."""
+        converted = exact_ints(ids)
+        if converted is None:
             raise_for_bad_id(ids, self.vocab_size)
-        return tuple(map(int, ids))
+        return converted
+
+    def checked(self, ids: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
+        """``ids`` (a non-empty list or tuple) as exact ints in ``[0, vocab_size)``, as
+        `validated` checks them, but neither looked up nor remembered (a handle's ids:
+        the handle remembers them itself)."""
+        if operator.countOf(map(type, ids), int) != len(ids):
+            ids = self._converted(ids)
+        if not (0 <= min(ids) and max(ids) < self.vocab_size):
+            raise_for_bad_id(ids, self.vocab_size)
+        return tuple(ids)
 
     def _get(self, key: int) -> PrefixEntry | None:
         entry = self._current.get(key)
@@ -200,10 +208,23 @@ def tuple_of_ids(token_ids: Any) -> tuple[Any, ...]:
         ) from None
 
 
-def raise_for_bad_id(ids: Sequence[Any], vocab_size: int) -> NoReturn:
-    """Raise `checked_id`'s error for the first bad id of ``ids`` (which has one)."""
-    for position, token_id in enumerate(ids):
-        checked_id(token_id, vocab_size, "token id", f" at position {position}")
+def exact_ints(ids: Sequence[Any]) -> tuple[int, ...] | None:
+    """``ids`` as exact ints where each is an integer (an int subclass, a numpy integer;
+    not a bool), else None."""
+    if not all(
+        issubclass(kind, int | np.integer) and kind is not bool for kind in set(map(type, ids))
+    ):
+        return None
+    return tuple(map(int, ids))
+
+
+def raise_for_bad_id(
+    ids: Sequence[Any], vocab_size: int, start: int = 0, note: str = ""
+) -> NoReturn:
+    """Raise `checked_id`'s error for the first bad id of ``ids`` (which has one), naming
+    its position (counted from ``start``) followed by ``note``."""
+    for position, token_id in enumerate(ids, start):
+        checked_id(token_id, vocab_size, "token id", f" at position {position}{note}")
     raise AssertionError(f"no bad token id in {ids!r}")
 
 

@@ -14,6 +14,7 @@ import itertools
 import logging
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -281,7 +282,8 @@ class AsyncVirtualLM(EngineLM):
                 for i in range(len(queries))
             ]
             requests = [
-                self._request(q.token_ids, q.lora, p) for q, p in zip(queries, params, strict=True)
+                self._request(as_tuple(q.token_ids), q.lora, p)
+                for q, p in zip(queries, params, strict=True)
             ]
             draws = [self._request(r.prompt, r.lora, r.sampling_params(vllm)) for r in samples]
             # A step with adapter rows runs without sessions (Sessions.step).
@@ -323,7 +325,7 @@ class AsyncVirtualLM(EngineLM):
         if max_tokens <= 0:
             return []
         request = _SampleRequest(
-            prompt=query.token_ids,
+            prompt=as_tuple(query.token_ids),
             max_tokens=int(max_tokens),
             eos_token_ids=tuple(sorted(eos)),
             temperature=float(temperature),
@@ -427,6 +429,12 @@ class AsyncVirtualLM(EngineLM):
     def _stop_engine(self) -> None:
         self.llm_engine = None
         self._handle.stop()
+
+
+def as_tuple(ids: Sequence[int]) -> tuple[int, ...]:
+    """A query's ids as a tuple: validated ids as they are (a `TokenIds`, its hash kept),
+    a handle's read once."""
+    return ids if isinstance(ids, tuple) else tuple(ids)
 
 
 def engine_max_model_len(engine: Any) -> int | None:
