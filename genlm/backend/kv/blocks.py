@@ -1,12 +1,17 @@
 """`BlockAllocator`: who holds each block of a `BlockPool`, and the pool's size.
 
 A chain (`genlm.backend.kv.pool.Chain`) is the ids of the blocks holding a prefix's KV.
-Every chain holding a block (a node's, or a row's while a batch runs) counts once, so
-particles that share a prompt share its blocks; a pinned chain counts again in the
-block's pins. Extending a chain (`extend_all`) shares its full blocks and appends to its
-partly filled last block in place when nobody has written past the prefix in it yet, else
-copies it (copy-on-write). A decode step costs O(new tokens) per row: shared blocks are
-held by one count in C, a chain appended to within its last block keeps its tuple.
+Chains share prefixes, so particles that share a prompt share its blocks: each block
+knows the block before it in every chain that holds it (its predecessor, set when it is
+allocated), and is held by the chains that end at it and by the blocks that follow it
+(each holding its predecessor once), like a persistent linked list. Holding or letting go
+of a chain is then one count, of its last block (letting go frees the blocks no chain
+reaches any more, from the end back: each block is freed once); a pinned chain counts
+again in each of its blocks' pins. Extending a chain (`extend_all`) shares its full
+blocks and appends to its partly filled last block in place when nobody has written past
+the prefix in it yet, else copies it (copy-on-write). A row's work is O(new tokens) in
+Python, whatever its context: a chain appended to within its last block keeps its tuple,
+another is its source's full blocks and its own in one tuple (one copy in C).
 
 The pool's size (`capacity`) follows what is held: the lowest free block is handed out
 first, `grow_for` grows the pool once per batch, `trim` halves it while three quarters of
@@ -17,14 +22,14 @@ addresses) is allocated at construction and never resized.
 from __future__ import annotations
 
 import heapq
-import itertools
-from collections import Counter
 from collections.abc import Sequence
 
 from genlm.backend.kv.pool import BlockCopy, BlockPool, Chain
 
 # Block 0 is never handed out: backends keep it zeroed and point padding at it.
 ZERO_BLOCK = 0
+# The predecessor of a chain's first block.
+NO_BLOCK = -1
 # Blocks in the pool after a clear, and the smallest growth step under a budget.
 INITIAL_BLOCKS = 64
 
@@ -57,24 +62,26 @@ class BlockAllocator:
     def _forget(self, capacity: int) -> None:
         """No block held over ``capacity`` blocks but block 0."""
         free = capacity - 1
+        # a block's holders: the chains ending at it and the blocks after it
         self._refs: list[int] = [1] + [0] * free  # block 0 (ZERO_BLOCK) is held forever
         self._pins: list[int] = [1] + [0] * free
         self._fill: list[int] = [0] * capacity
+        self._before: list[int] = [NO_BLOCK] * capacity  # each block's predecessor
         # a heap (sorted, so already one): the lowest free block is handed out first
         self._free: list[int] = list(range(1, capacity))
-        self.budgeted = 0  # blocks held by some chain and by no pinned one
+        self.held_blocks = 0  # blocks held by some chain (block 0 excluded)
         self.pinned = 0  # blocks held by some pinned chain
+
+    @property
+    def budgeted(self) -> int:
+        """Blocks held by some chain and by no pinned one."""
+        return self.held_blocks - self.pinned
 
     @property
     def capacity(self) -> int:
         """Blocks in the pool (block 0 included): with a budget, at most ``1 + budget
         blocks + pinned blocks``, or ``1 + held blocks + the blocks a batch asked for``."""
         return len(self._refs)
-
-    @property
-    def held_blocks(self) -> int:
-        """Blocks held by any chain, pinned or not (block 0 excluded)."""
-        return self.budgeted + self.pinned
 
     def limit(self, reserve_blocks: int) -> int | None:
         """The most blocks unpinned chains may hold so that ``reserve_blocks`` more fit the
@@ -176,11 +183,13 @@ class BlockAllocator:
         self.pool.resize(capacity)
         if capacity < old:
             del self._refs[capacity:], self._pins[capacity:], self._fill[capacity:]
+            del self._before[capacity:]
             self._free = [block for block in self._free if block < capacity]
         else:
             self._refs += [0] * (capacity - old)
             self._pins += [0] * (capacity - old)
             self._fill += [0] * (capacity - old)
+            self._before += [NO_BLOCK] * (capacity - old)
             self._free.extend(range(old, capacity))
         heapq.heapify(self._free)
 
@@ -189,98 +198,94 @@ class BlockAllocator:
     def extend_all(self, extensions: Sequence[Extension]) -> tuple[list[Chain], list[BlockCopy]]:
         """A new chain for each `Extension` of a batch, in order, held by the caller until
         a node takes it or it is let go (`let_go`), and the copies to apply before writing.
-        The full blocks shared are held by one count over the batch: each is held already,
-        by the chain extended, so holding it again changes its count alone, never what is
-        free or budgeted. If an extension fails, the chains made before it are let go."""
-        size, fill = self.block_size, self._fill
+        Each new block follows the chain's last block it shares (its predecessor, which it
+        holds); the chain holds its last block. If an extension fails, the chains made
+        before it are let go, and the blocks it allocated."""
+        size, fill, refs = self.block_size, self._fill, self._refs
         chains: list[Chain] = []
         copies: list[BlockCopy] = []
-        shared: list[Chain] = []  # the full blocks each new chain shares, held at the end
-        tail: list[int] = []  # the blocks after the shared full ones, of the chain being made
+        allocated = NO_BLOCK  # the last block allocated for the chain being made
         try:
             for chain, length, total in extensions:
                 full, partial = divmod(length, size)
                 if chain is None:
                     chain, full, partial = (), 0, 0
-                tail = []
+                allocated = NO_BLOCK
+                last = chain[full - 1] if full else NO_BLOCK  # the last block kept as it is
+                tail: list[int] = []
                 if partial:
-                    last = chain[full]
-                    if fill[last] == partial:  # appended to in place
-                        self._hold(last, 1, 0)
+                    if fill[chain[full]] == partial:  # appended to in place
+                        last = chain[full]
                     else:
-                        new = self._allocate()
-                        copies.append(BlockCopy(last, new, partial))
-                        last = new
+                        last = allocated = self._allocate(last)
+                        copies.append(BlockCopy(chain[full], last, partial))
                     fill[last] = min(size, total - full * size)
                     tail.append(last)
                 while (full + len(tail)) * size < total:
-                    new = self._allocate()
-                    fill[new] = min(size, total - (full + len(tail)) * size)
-                    tail.append(new)
-                head = chain[:full]
+                    last = allocated = self._allocate(last)
+                    fill[last] = min(size, total - (full + len(tail)) * size)
+                    tail.append(last)
+                refs[last] += 1  # the new chain's hold
+                allocated = NO_BLOCK
                 # a decode step's row, appended to within its last block: the same blocks
                 same = len(chain) == full + 1 and tail == [chain[full]]
-                chains.append(chain if same else head + tuple(tail))
-                tail = []
-                if full:
-                    shared.append(head)
+                chains.append(chain if same else chain[:full] + tuple(tail))
         finally:
-            refs = self._refs
-            for block, count in Counter(itertools.chain.from_iterable(shared)).items():
-                refs[block] += count
             if len(chains) < len(extensions):
-                self._hold_blocks(tail, -1)
+                if allocated != NO_BLOCK:  # the failed extension's new blocks
+                    refs[allocated] += 1
+                    self._let_go_block(allocated)
                 for made in chains:
                     self.let_go(made)
         return chains, copies
 
     def hold(self, chain: Chain) -> Chain:
-        """Hold ``chain``'s blocks once more; `let_go` of them."""
-        self._hold_blocks(chain, 1)
+        """Hold ``chain`` once more; `let_go` of it."""
+        if chain:
+            self._refs[chain[-1]] += 1
         return chain
 
     def let_go(self, chain: Chain | None) -> None:
-        """Let go of a chain from `extend_all` or `hold` (None: nothing)."""
-        self._hold_blocks(chain or (), -1)
+        """Let go of a chain from `extend_all` or `hold` (None: nothing): the blocks no
+        chain holds any more are freed."""
+        if chain:
+            self._let_go_block(chain[-1])
+
+    def _let_go_block(self, block: int) -> None:
+        """One hold less on ``block``; a block left without holders is freed, and lets go
+        of its predecessor in turn."""
+        refs = self._refs
+        while block != NO_BLOCK:
+            refs[block] -= 1
+            if refs[block]:
+                return
+            self.held_blocks -= 1
+            self._fill[block] = 0
+            heapq.heappush(self._free, block)
+            block = self._before[block]
 
     def pin(self, chain: Chain) -> None:
         """Count a held chain's blocks as pinned (outside the budget) until `unpin`."""
-        for block in chain:
-            self._hold(block, 0, 1)
+        self._pin_blocks(chain, 1)
 
     def unpin(self, chain: Chain) -> None:
         """Count a pinned chain's blocks as held by it alone again (still held)."""
+        self._pin_blocks(chain, -1)
+
+    def _pin_blocks(self, chain: Chain, pins: int) -> None:
+        counts = self._pins
         for block in chain:
-            self._hold(block, 0, -1)
+            before = counts[block] > 0
+            counts[block] += pins
+            self.pinned += (counts[block] > 0) - before
 
-    def _hold(self, block: int, refs: int, pins: int) -> None:
-        before = self._refs[block] > 0 and self._pins[block] == 0
-        pinned_before = self._pins[block] > 0
-        self._refs[block] += refs
-        self._pins[block] += pins
-        after = self._refs[block] > 0 and self._pins[block] == 0
-        self.budgeted += after - before
-        self.pinned += (self._pins[block] > 0) - pinned_before
-        if not self._refs[block]:
-            self._fill[block] = 0
-            heapq.heappush(self._free, block)
-
-    def _hold_blocks(self, blocks: Sequence[int], refs: int) -> None:
-        """`_hold` (no pins) of every block of ``blocks`` in one loop without a call per
-        block: a chain's blocks are all held or let go at once."""
-        counts, pins = self._refs, self._pins
-        for block in blocks:
-            before = counts[block]
-            counts[block] = after = before + refs
-            if (before > 0) is not (after > 0):
-                if not pins[block]:
-                    self.budgeted += 1 if after else -1
-                if not after:
-                    self._fill[block] = 0
-                    heapq.heappush(self._free, block)
-
-    def _allocate(self) -> int:
+    def _allocate(self, before: int) -> int:
+        """A free block following ``before`` (`NO_BLOCK`: none), which it holds; held by
+        nothing else yet."""
         self.grow_for(1)
         block = heapq.heappop(self._free)
-        self._hold(block, 1, 0)
+        self.held_blocks += 1
+        self._before[block] = before
+        if before != NO_BLOCK:
+            self._refs[before] += 1
         return block
