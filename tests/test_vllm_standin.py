@@ -1578,3 +1578,83 @@ def test_close_is_bounded_when_the_engines_shutdown_never_returns(
     engine.release.set()  # the loop's thread then ends
     loop._thread.join(5)
     assert not loop._thread.is_alive()
+
+
+# -- prefix handles: a particle's session found from its handle, closed once nobody holds it --
+
+
+def no_context_keys_for_handles(monkeypatch):
+    """Fail a step that builds a session key of a handle's context (a tuple of its ids):
+    a handle's session is found from the handle."""
+    from genlm.backend.llm.handle import PrefixHandle
+    from genlm.backend.llm.vllm.sessions import StepRequest
+
+    key = StepRequest.key
+
+    def checked(self, context):
+        assert not isinstance(self.token_ids, PrefixHandle), "a handle's context was keyed"
+        return key(self, context)
+
+    monkeypatch.setattr(StepRequest, "key", checked)
+
+
+async def closed_sessions(lm, engine, open_now):
+    """Wait (at most 5 s) until the engine holds ``open_now`` sessions; their number."""
+    for _ in range(500):
+        if len(engine.open_sessions) == open_now:
+            break
+        await asyncio.sleep(0.01)
+    return len(engine.open_sessions)
+
+
+async def test_a_handle_continues_the_session_its_parent_went_through(lm, engine, monkeypatch):
+    no_context_keys_for_handles(monkeypatch)
+    prompt = lm.handle([1, 2, 3])
+    assert await step(lm, engine, [prompt]) == ["open"]
+    child = prompt + [4]
+    assert await step(lm, engine, [child]) == ["extend"]
+    # forks: one continues the session, the other opens one (as with lists)
+    forks = [child + [5], child + [6]]
+    assert await step(lm, engine, forks) == ["extend", "open"]
+    assert await step(lm, engine, [f + [7] for f in forks]) == ["extend", "extend"]
+    # a handle two tokens past its session's context, or a list of the same ids: new sessions
+    assert await step(lm, engine, [forks[0] + [7, 8], [1, 2, 3, 4, 5, 7]]) == ["open", "open"]
+    sessions = lm._handle.sessions
+    assert all(s.context is None for s in sessions.live.values() if s.link is not None)
+
+
+async def test_a_session_no_handle_can_continue_is_closed(lm, engine):
+    sessions = lm._handle.sessions
+    parent = lm.handle([1, 2, 3])
+    await step(lm, engine, [parent])
+    child = parent + [4]
+    del parent  # its child holds the link: the session stays
+    gc.collect()
+    assert await closed_sessions(lm, engine, 1) == 1
+    assert await step(lm, engine, [child]) == ["extend"]
+    sibling = lm.handle([9, 9])
+    await step(lm, engine, [sibling])
+    assert len(engine.open_sessions) == 2
+    del child  # nobody can continue its session: closed, without a call
+    assert await closed_sessions(lm, engine, 1) == 1
+    assert sessions.counts["unlinked"] == 1 and len(sessions.live) == 1
+    assert await step(lm, engine, [sibling + [1]]) == ["extend"]
+
+
+async def test_handles_made_shared_and_dropped_leave_no_session_behind(lm, engine):
+    """Particles resampled and extended for many steps, then dropped: the engine's
+    sessions and the live table are back to none."""
+    rng = random.Random(0)
+    particles = [lm.handle([1, 2, 3])] * 8
+    for _ in range(12):
+        particles = [particles[rng.randrange(8)] for _ in range(8)]
+        particles = [p + [rng.randrange(lm.vocab_size)] for p in particles]
+        await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+    counts = lm._handle.sessions.counts
+    # forks opened sessions; the dead particles' were closed: never two steps' worth open
+    assert counts["opened"] > 3 * 8 and counts["unlinked"] > 2 * 8
+    assert engine.max_open <= 2 * 8
+    del particles
+    gc.collect()
+    assert await closed_sessions(lm, engine, 0) == 0
+    assert lm._handle.sessions.live == {}

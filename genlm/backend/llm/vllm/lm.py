@@ -24,6 +24,7 @@ import torch
 from genlm.backend.batching import AutoBatcher
 from genlm.backend.llm.base import owned_rows
 from genlm.backend.llm.engine import EngineLM
+from genlm.backend.llm.handle import PrefixHandle
 from genlm.backend.llm.options import Option, takes_options
 from genlm.backend.llm.protocols import LogprobsCapture, VLLMEngine
 from genlm.backend.llm.request import Query
@@ -282,7 +283,7 @@ class AsyncVirtualLM(EngineLM):
                 for i in range(len(queries))
             ]
             requests = [
-                self._request(as_tuple(q.token_ids), q.lora, p)
+                self._request(step_context(q.token_ids), q.lora, p)
                 for q, p in zip(queries, params, strict=True)
             ]
             draws = [self._request(r.prompt, r.lora, r.sampling_params(vllm)) for r in samples]
@@ -299,7 +300,9 @@ class AsyncVirtualLM(EngineLM):
             answers[request] = request.tokens(output)
         return [answers[key] for key in keys]
 
-    def _request(self, token_ids: tuple[int, ...], lora: str | None, params: Any) -> StepRequest:
+    def _request(
+        self, token_ids: tuple[int, ...] | PrefixHandle, lora: str | None, params: Any
+    ) -> StepRequest:
         """A request of a step, with vLLM's ``LoRARequest`` for its adapter. LMs with other
         captures on this engine never continue its sessions (its ``kind``)."""
         lora_request = (
@@ -435,6 +438,12 @@ def as_tuple(ids: Sequence[int]) -> tuple[int, ...]:
     """A query's ids as a tuple: validated ids as they are (a `TokenIds`, its hash kept),
     a handle's read once."""
     return ids if isinstance(ids, tuple) else tuple(ids)
+
+
+def step_context(ids: Sequence[int]) -> tuple[int, ...] | PrefixHandle:
+    """A query's context for `Sessions`: a handle as it is (its session is found from it),
+    other ids as a tuple."""
+    return ids if isinstance(ids, PrefixHandle) else as_tuple(ids)
 
 
 def engine_max_model_len(engine: Any) -> int | None:

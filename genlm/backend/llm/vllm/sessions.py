@@ -14,6 +14,12 @@ made by closing paused ones, least recently used first, and a request that does 
 even then runs as an ordinary one-shot request in that slot, so paused sessions can
 never deadlock it.
 
+A request with a `PrefixHandle` finds the session it continues in O(1), from the handle
+(`SessionLink`: the session its parent's request went through, which the handle inherits as
+its ``memo``), and a session that no live handle can continue any more (every handle that
+holds its link collected) is closed (`Sessions._unlinked`): particles that die in
+resampling let go of their engine requests without a call.
+
 They run on the engine's loop (`genlm.backend.llm.vllm.loop.EngineLoop`). A step
 that stops making progress (no output for any of its requests for ``stall_timeout``
 seconds: sessions waiting on each other for KV blocks, a request the engine dropped) fails
@@ -28,11 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections import Counter
-from collections.abc import Awaitable, Collection, Coroutine, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from genlm.backend.llm.handle import PrefixHandle
 from genlm.backend.llm.vllm import api
 
 # Longest wait (seconds) for a step's chunks to leave before the held scheduler resumes.
@@ -112,12 +120,12 @@ class EngineLimits:
 
 @dataclass(frozen=True, slots=True)
 class StepRequest:
-    """One request of a step: a context, its adapter, its sampling parameters, and ``kind``:
-    what else its chunks must share with a session's to continue it (the requester's
-    capture: a session opened with one capture's parameters is never continued with
-    another's, which on vLLM 0.32 kills the engine)."""
+    """One request of a step: a context (a tuple of ids, or a `PrefixHandle`), its adapter,
+    its sampling parameters, and ``kind``: what else its chunks must share with a session's
+    to continue it (the requester's capture: a session opened with one capture's parameters
+    is never continued with another's, which on vLLM 0.32 kills the engine)."""
 
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | PrefixHandle
     lora: str | None
     lora_request: Any
     params: Any
@@ -137,21 +145,27 @@ def _prompt(token_ids: Sequence[int]) -> dict[str, list[int]]:
     return {"prompt_token_ids": list(token_ids)}
 
 
-# A live session's key: its context, adapter and `StepRequest.kind`.
-SessionKey = tuple[tuple[int, ...], str | None, Hashable]
+# A live session's key: its context, adapter and `StepRequest.kind` (a session of a
+# handle's context: the session itself, found through its `SessionLink`).
+SessionKey = Hashable
 
 
 class Session:
     """One streaming-input request: its context grows by one chunk per step.
 
     ``sent`` is set once the engine has sent the last chunk on to its core: vLLM asks
-    the input stream for the next chunk only after sending the previous one.
+    the input stream for the next chunk only after sending the previous one. ``context``:
+    its ids as a tuple, or None for a handle's (a session keeps no handle alive);
+    ``link``: a weak reference to the `SessionLink` of its last chunk's handle, if any.
     """
 
     def __init__(self, engine: Any, request_id: str, request: StepRequest):
         self.request_id = request_id
-        self.context = request.token_ids
-        self.request = request
+        self.lora, self.kind = request.lora, request.kind
+        self.context: tuple[int, ...] | None = None
+        self.length = 0
+        self.link: _LinkRef | None = None
+        self._follow(request)
         self.sent = asyncio.Event()
         self._inputs: asyncio.Queue = asyncio.Queue()
         self._inputs.put_nowait(request.chunk(request.token_ids))
@@ -180,12 +194,17 @@ class Session:
         """Send the request's last token as the next chunk."""
         self.sent.clear()
         self._inputs.put_nowait(request.chunk(request.token_ids[-1:]))
-        self.context = request.token_ids
-        self.request = request
+        self._follow(request)
+
+    def _follow(self, request: StepRequest) -> None:
+        """Take the request's context as this session's (a handle's: its length alone)."""
+        ids = request.token_ids
+        self.context = None if isinstance(ids, PrefixHandle) else ids
+        self.length = len(ids)
 
     @property
     def key(self) -> SessionKey:
-        return self.request.key(self.context)
+        return self if self.context is None else (self.context, self.lora, self.kind)
 
     async def close(self) -> None:
         """End the input stream (the engine frees the request) and drain its outputs."""
@@ -264,11 +283,13 @@ class Sessions:
             if session is not None:
                 self.counts["continued"] += 1
                 session.extend(request)
+                self._link(session, request)
             elif slots >= 1 and blocks >= need:
                 self._make_room(slots - 1, blocks - need)
                 slots, blocks = slots - 1, blocks - need
                 self.counts["opened"] += 1
                 session = Session(self.engine, self._request_id(), request)
+                self._link(session, request)
             else:
                 self.counts["one_shot"] += 1
                 waits.append(self._one_shot(request))
@@ -280,10 +301,50 @@ class Sessions:
 
     def _claim(self, request: StepRequest) -> Session | None:
         """The live session that ``request`` continues (its context but the last token),
-        taken out of the table."""
-        if len(request.token_ids) < 2:
+        taken out of the table: a handle's through its link, in O(1)."""
+        ids = request.token_ids
+        if len(ids) < 2:
             return None
-        return self.live.pop(request.key(request.token_ids[:-1]), None)
+        if not isinstance(ids, PrefixHandle):
+            return self.live.pop(request.key(ids[:-1]), None)
+        link = ids.memo
+        if type(link) is not SessionLink or link.length != len(ids) - 1:
+            return None
+        session = link.session
+        if (
+            session.link is None
+            or session.link() is not link  # continued since, by another handle
+            or self.live.get(session) is not session
+            or (session.lora, session.kind) != (request.lora, request.kind)
+        ):
+            return None
+        return self.live.pop(session)
+
+    def _link(self, session: Session, request: StepRequest) -> None:
+        """Make the session of a handle's request findable from the handle and its
+        extensions (`SessionLink`, its ``memo``), and closed once none holds it."""
+        handle = request.token_ids
+        if not isinstance(handle, PrefixHandle):
+            session.link = None
+            return
+        link = SessionLink(session, len(handle))
+        session.link = _LinkRef(link, self._unlinked, session, asyncio.get_running_loop())
+        handle.memo = link
+
+    def _unlinked(self, ref: _LinkRef) -> None:
+        """(Any thread, when a link is collected) close its session on the engine's loop,
+        unless it went on with another handle; nothing if the loop is closed."""
+        try:
+            ref.loop.call_soon_threadsafe(self._close_unlinked, ref)
+        except RuntimeError:  # the loop is closed: the engine's requests went with it
+            pass
+
+    def _close_unlinked(self, ref: _LinkRef) -> None:
+        session = ref.session()
+        if session is not None and session.link is ref and self.live.get(session) is session:
+            del self.live[session]
+            self.counts["unlinked"] += 1
+            self._close_later(session)
 
     async def _check_resumed(
         self, resumed: asyncio.Future, tasks: Sequence[asyncio.Future], stall_timeout: float
@@ -409,7 +470,7 @@ class Sessions:
         request slots and ``blocks`` KV blocks."""
         while self.live and (
             len(self.live) > slots
-            or sum(self.limits.blocks(len(s.context)) for s in self.live.values()) > blocks
+            or sum(self.limits.blocks(s.length) for s in self.live.values()) > blocks
         ):
             self._close_later(self.live.pop(next(iter(self.live))))
 
@@ -446,6 +507,47 @@ class Sessions:
         if self._background_tasks:
             _, late = await asyncio.wait(list(self._background_tasks), timeout=RELEASE_TIMEOUT)
             await _cancel(late)
+
+
+class SessionLink:
+    """What a handle remembers of the session its request went through (its ``memo``,
+    inherited by its extensions): the session, and the length of the handle's context.
+    The session holds it weakly (`_LinkRef`): once no handle holds it, the session can
+    never be continued, and is closed."""
+
+    __slots__ = ("__weakref__", "length", "session")
+
+    def __init__(self, session: Session, length: int):
+        self.session = session
+        self.length = length
+
+
+class _LinkRef(weakref.ref[SessionLink]):
+    """A session's weak reference to its `SessionLink`, with the session (weakly: no cycle)
+    and the loop its `Sessions` runs on (for the callback, which runs on whichever thread
+    drops the link)."""
+
+    __slots__ = ("loop", "session")
+
+    def __new__(
+        cls,
+        link: SessionLink,
+        callback: Callable[[_LinkRef], Any],
+        session: Session,
+        loop: asyncio.AbstractEventLoop,
+    ) -> _LinkRef:
+        return super().__new__(cls, link, callback)
+
+    def __init__(
+        self,
+        link: SessionLink,
+        callback: Callable[[_LinkRef], Any],
+        session: Session,
+        loop: asyncio.AbstractEventLoop,
+    ):
+        # weakref.ref.__new__ made the reference; its __init__ only checks the arguments
+        self.session = weakref.ref(session)
+        self.loop = loop
 
 
 def _stalled(n: int, stall_timeout: float) -> StepStalledError:
