@@ -33,6 +33,13 @@ per token):
   Timed apart, per step, outside ``ms``. ``host_ms - check_ms`` is the library's own host
   work.
 
+``--form``: a step as one ``batch_next_token_logprobs_sync`` (``batch``), each particle an
+asyncio task awaiting its own row (``tasks``, as clients call), or the same with each
+particle holding a `PrefixHandle` that it extends by its token (``handles``: the same steps
+and draws; its ``check_ms`` is 0, the handle's ids being checked as it is extended).
+Several forms run interleaved in one run, each to its own file (issue 47's targets for
+``handles`` at N=128: host ms at 1,024 tokens <= 1.10x at 64, and <= 0.75x the list form's).
+
 Each configuration runs ``--repeats`` times (3, round-robin, each timing the median of
 the runs), each time in a fresh process with glibc's malloc thresholds fixed
 (``MALLOC_MMAP_THRESHOLD_`` 32 MiB, ``MALLOC_TRIM_THRESHOLD_`` 1 GiB; ``--glibc-malloc
@@ -53,6 +60,8 @@ caller's 128 contexts among them) add to the host time.
     python benchmark/bench_host.py                  # N = 8, 128 x prompt = 64, 1024, 3 runs each
     python benchmark/bench_host.py --collector off --particles 128   # -> host_collector_off.json
     python benchmark/bench_host.py --ops-only       # op counts only (fast, deterministic)
+    python benchmark/bench_host.py --form tasks handles --particles 128 --repeats 5
+        # lists vs handles, interleaved -> host_tasks.json, host_handles.json
     python benchmark/bench_host.py --profile 30 --particles 128 --prompt-tokens 1024
         # the timed steps' Python calls, GC collections and top 30 functions (cProfile,
         # both threads), per configuration, in this process (no timings)
@@ -249,7 +258,8 @@ def library_steps(
     ``profile_from``, a `StepProfile` of the steps from that one on (``profile``). A step
     is one ``batch_next_token_logprobs_sync`` (``form="batch"``), or each particle an
     asyncio task awaiting its own ``next_token_logprobs`` (``"tasks"``, as clients call:
-    each row the caller's own copy)."""
+    each row the caller's own copy), or the same with each particle holding a
+    `PrefixHandle` it extends by its token (``"handles"``: same steps and draws)."""
     import asyncio
 
     import torch
@@ -271,7 +281,7 @@ def library_steps(
 
     loop = asyncio.new_event_loop()
 
-    def step_rows(contexts: list[list[int]], lm: AsyncTransformer = lm) -> Any:
+    def step_rows(contexts: list[Any], lm: AsyncTransformer = lm) -> Any:
         if form == "batch":
             return lm.batch_next_token_logprobs_sync(contexts)
 
@@ -283,14 +293,16 @@ def library_steps(
     generator = torch.Generator().manual_seed(0)
     first = lm.batch_next_token_logprobs_sync([prompt])
     draws = torch.multinomial(first[0].exp(), n, replacement=True, generator=generator)
-    contexts = [prompt + [token] for token in draws.tolist()]
+    start: Any = lm.handle(prompt) if form == "handles" else prompt
+    contexts = [start + [token] for token in draws.tolist()]
     walls, hosts, checks = [], [], []
     ops: Counter[str] = Counter()
     kernels: Counter[str] = Counter()
     for step in range(steps):
         start = time.perf_counter()
-        for context in contexts:
-            operator.countOf(map(type, context), int)
+        if form != "handles":  # a handle's ids were checked as it was extended
+            for context in contexts:
+                operator.countOf(map(type, context), int)
         checks.append(time.perf_counter() - start)
         last = count_ops and step == steps - 1
         if last:  # the batch form's path, and the batcher's (the tasks form's)
@@ -433,7 +445,9 @@ def measure_here(
     return measure(model, tokenizer, n, prompt_tokens, steps, warmup, form)
 
 
-def profile_here(n: int, prompt_tokens: int, steps: int, warmup: int, top: int) -> str:
+def profile_here(
+    n: int, prompt_tokens: int, steps: int, warmup: int, top: int, form: str = "batch"
+) -> str:
     """`StepProfile.report` of ``steps`` library steps after ``warmup``, then three steps
     with the collector off (objects left allocated) and one that counts ops, on the same
     prompt as `measure`."""
@@ -442,7 +456,7 @@ def profile_here(n: int, prompt_tokens: int, steps: int, warmup: int, top: int) 
     model, tokenizer = tiny_model()
     generator = torch.Generator().manual_seed(prompt_tokens)
     prompt = torch.randint(0, len(tokenizer), (prompt_tokens,), generator=generator).tolist()
-    library = library_steps(model, tokenizer, prompt, n, warmup + steps + 4, True, warmup)
+    library = library_steps(model, tokenizer, prompt, n, warmup + steps + 4, True, warmup, form)
     return library["profile"].report(top)
 
 
@@ -483,6 +497,10 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
             merged[key] = statistics.median(run[key] for run in runs)
     merged["host_ms_runs"] = [run["host_ms"] for run in runs]
     return merged
+
+
+# Each form of a step, and its results file's suffix.
+FORMS = {"batch": "", "tasks": "_tasks", "handles": "_handles"}
 
 
 def check_targets(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -536,9 +554,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--form",
-        choices=["batch", "tasks"],
-        default="batch",
-        help="a step as one batch call, or as a task per particle (tasks: to host_tasks.json)",
+        choices=list(FORMS),
+        nargs="+",
+        default=["batch"],
+        help="a step as one batch call, as a task per particle (tasks), or as a task per "
+        "particle holding a handle (handles); several: interleaved in one run, each form's "
+        "results to its own file (host.json, host_tasks.json, host_handles.json)",
     )
     parser.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)  # N, prompt
     args = parser.parse_args(argv)
@@ -546,13 +567,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         if args.collector == "off":
             gc.disable()
-        print(json.dumps(measure_here(*args.one, steps, warmup, args.form)))
+        print(json.dumps(measure_here(*args.one, steps, warmup, args.form[0])))
         return
     if args.profile is not None:
         for n in args.particles:
             for prompt_tokens in args.prompt_tokens:
                 print(f"N={n} prompt={prompt_tokens}")
-                print(profile_here(n, prompt_tokens, steps, warmup, args.profile))
+                print(profile_here(n, prompt_tokens, steps, warmup, args.profile, args.form[0]))
         return
     header = (
         f"{'N':>4} {'prompt':>6} {'ops':>6} {'floor':>6} {'kernels':>7} {'floor':>6} "
@@ -560,11 +581,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{'host mean':>9} {'check ms':>8} {'floor ms':>8} {'fill ms':>8} {'floor fill':>10}"
     )
     print(header)
-    configurations = [(n, p) for n in args.particles for p in args.prompt_tokens]
-    runs: dict[tuple[int, int], list[dict[str, Any]]] = {c: [] for c in configurations}
+    configurations = [
+        (form, n, p) for form in args.form for n in args.particles for p in args.prompt_tokens
+    ]
+    runs: dict[tuple[str, int, int], list[dict[str, Any]]] = {c: [] for c in configurations}
     repeats = 1 if args.ops_only else args.repeats
     for repeat in range(repeats):  # round-robin: drift over the run hits every configuration
-        for n, prompt_tokens in configurations:
+        for form, n, prompt_tokens in configurations:
             r = measure_apart(
                 n,
                 prompt_tokens,
@@ -572,58 +595,83 @@ def main(argv: list[str] | None = None) -> None:
                 warmup,
                 args.glibc_malloc == "fixed",
                 args.collector == "on",
-                args.form,
+                form,
             )
-            runs[n, prompt_tokens].append(r)
+            runs[form, n, prompt_tokens].append(r)
             print(
                 f"{n:>4} {prompt_tokens:>6} {r['ops']:>6} {r['floor_ops']:>6} "
                 f"{r['kernels']:>7} {r['floor_kernels']:>6} {r['syncs']:>5} "
                 f"{r['ms']:>8.2f} {r['host_ms']:>8.2f} {r['host_mean_ms']:>9.2f} "
                 f"{r['check_ms']:>8.2f} {r['floor_ms']:>8.2f} "
                 f"{r['fill_ms'] or 0:>8.2f} {r['floor_fill_ms'] or 0:>10.2f}"
+                + (f"  {form}" if len(args.form) > 1 else "")
                 + (f"   (repeat {repeat + 1} of {repeats})" if repeats > 1 else "")
             )
-    results = [median_run(runs[c]) for c in configurations]
-    if repeats > 1:
-        print("medians over the repeats:")
-        for r in results:
-            print(
-                f"{r['particles']:>4} {r['prompt_tokens']:>6} {r['ms']:>8.2f} ms "
-                f"{r['host_ms']:>8.2f} host ms {r['check_ms']:>8.2f} check ms "
-                f"{r['floor_ms']:>8.2f} floor ms"
-            )
-    targets = check_targets(results)
-    for name, value in targets.items():
-        print(f"{name}: {value:.2f}")
+    by_form = {
+        form: [median_run(runs[c]) for c in configurations if c[0] == form] for form in args.form
+    }
+    for form, results in by_form.items():
+        if repeats > 1:
+            print(f"medians over the repeats ({form}):")
+            for r in results:
+                print(
+                    f"{r['particles']:>4} {r['prompt_tokens']:>6} {r['ms']:>8.2f} ms "
+                    f"{r['host_ms']:>8.2f} host ms {r['check_ms']:>8.2f} check ms "
+                    f"{r['floor_ms']:>8.2f} floor ms"
+                )
+    targets = {form: check_targets(results) for form, results in by_form.items()}
+    if "handles" in by_form:
+        targets["handles"].update(handle_targets(by_form["handles"], by_form))
+    for form, values in targets.items():
+        for name, value in values.items():
+            print(f"{form}: {name}: {value:.2f}")
     if args.ops_only:
         return
     import torch
 
-    suffix = ("" if args.form == "batch" else "_tasks") + (
-        "" if args.collector == "on" else "_collector_off"
-    )
-    out = args.out or RESULTS_DIR / f"host{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
-                "steps": steps,
-                "warmup": warmup,
-                "repeats": repeats,
-                "glibc_malloc": args.glibc_malloc,
-                "collector": args.collector,
-                "form": args.form,
-                "targets": targets,
-                "table": TABLE,
-                "rows": results,
-            },
-            indent=1,
+    for form, results in by_form.items():
+        suffix = FORMS[form] + ("" if args.collector == "on" else "_collector_off")
+        out = args.out if args.out and len(args.form) == 1 else RESULTS_DIR / f"host{suffix}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps(
+                {
+                    "machine": platform.processor() or platform.machine(),
+                    "torch": torch.__version__,
+                    "steps": steps,
+                    "warmup": warmup,
+                    "repeats": repeats,
+                    "glibc_malloc": args.glibc_malloc,
+                    "collector": args.collector,
+                    "form": form,
+                    "forms_in_run": args.form,
+                    "targets": targets[form],
+                    "table": TABLE,
+                    "rows": results,
+                },
+                indent=1,
+            )
+            + "\n"
         )
-        + "\n"
-    )
-    print(f"wrote {out}")
+        print(f"wrote {out}")
+
+
+def handle_targets(
+    handles: list[dict[str, Any]], by_form: dict[str, list[dict[str, Any]]]
+) -> dict[str, float]:
+    """Issue 47's figures at N=128: the handle form's host ms at 1,024 tokens over 64
+    (<= 1.10; 1.05 the stretch), and over the list forms' of the same run at 1,024 (<= 0.75)."""
+    by = {(r["particles"], r["prompt_tokens"]): r for r in handles}
+    if not {(128, 64), (128, 1024)} <= by.keys():
+        return {}
+    figures = {"host_ms_1024_vs_64_at_128": by[128, 1024]["host_ms"] / by[128, 64]["host_ms"]}
+    for form in ("tasks", "batch"):
+        lists = {(r["particles"], r["prompt_tokens"]): r for r in by_form.get(form, [])}
+        if (128, 1024) in lists:
+            figures[f"host_ms_vs_{form}_at_128x1024"] = (
+                by[128, 1024]["host_ms"] / lists[128, 1024]["host_ms"]
+            )
+    return figures
 
 
 if __name__ == "__main__":

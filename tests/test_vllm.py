@@ -297,6 +297,38 @@ async def test_sessions_continue_fork_close_and_reopen_and_match_transformers(vl
     assert counts["opened"] == 1 and counts["continued"] == 0
 
 
+async def test_handles_continue_their_sessions_and_close_them_when_dropped(vlm, hf_model):
+    """Particles holding handles on the real engine: a child continues the session its
+    parent's request went through (a fork opens one), its rows are right, and a session
+    no handle can continue any more is closed once the handles are collected."""
+    import gc
+
+    sessions = vlm._handle.sessions
+    await close_sessions(vlm)
+    base = vlm.handle(vlm.tokenizer.encode("Once upon a time there was a"))
+
+    async def step(handles):
+        before = Counter(sessions.counts)
+        rows = await asyncio.gather(*(vlm.next_token_logprobs(h) for h in handles))
+        for handle, row in zip(handles, rows, strict=True):
+            assert_right(vlm, list(handle.ids), row, hf_model)
+        return Counter(sessions.counts) - before
+
+    assert (await step([base]))["opened"] == 1
+    children = [base + [11], base + [12]]
+    counts = await step(children)
+    assert counts["continued"] == 1 and counts["opened"] == 1
+    grandchildren = [children[0] + [5], children[1] + [6]]
+    assert (await step(grandchildren))["continued"] == 2
+    del base, children, grandchildren
+    gc.collect()
+    for _ in range(500):  # closed on the engine's loop, soon after
+        if not sessions.live:
+            break
+        await asyncio.sleep(0.01)
+    assert sessions.live == {} and sessions.counts["unlinked"] >= 2
+
+
 async def test_held_steps_leave_the_engine_running(vlm, hf_model):
     base = vlm.tokenizer.encode("Once upon a time there was a")
     contexts = [base + [token] for token in (21, 22, 23)]

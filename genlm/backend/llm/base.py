@@ -124,8 +124,9 @@ class AsyncLM(ABC):
         self._check_open()
         if lora_name is not None:
             self.resolve_lora(lora_name)
-        if type(token_ids) is PrefixHandle:
-            bound = self._handle_lora(token_ids, None if token_ids.lora_name is None else lora_name)
+        if type(token_ids) is PrefixHandle:  # a handle bound to none may be bound here
+            bound = token_ids.lora_name
+            self._handle_lora(token_ids, None if bound is None else lora_name)
             return rebound(token_ids, bound if lora_name is None else lora_name)
         if type(token_ids) is list or type(token_ids) is tuple:
             ids = token_ids

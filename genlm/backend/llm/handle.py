@@ -81,6 +81,13 @@ class PrefixHandle(Sequence[int]):
     adapter (None: the LM's default when a request runs). ``copy.copy`` and
     ``copy.deepcopy`` return the handle itself; it equals a handle of the same LM with the
     same ids and adapter, nothing else; pickling it raises ``TypeError``.
+
+    Attributes:
+        node: its node (or its parent's) in the base model's prefix tree, for the
+            prefix-cached backends (as `genlm.backend.llm.request.PrefixEntry`'s).
+        adapter_nodes: the same by adapter name.
+        memo: what its backend remembers for it (the mock's digest, vLLM's session link),
+            inherited by its extensions until the backend remembers their own.
     """
 
     __slots__ = (
