@@ -366,10 +366,10 @@ HF_MODELS = {}
 def hf_lm(tokenizer, monkeypatch, kv_reuse=True):
     from small_models import tiny_llama
 
-    from genlm.backend.llm.hf import AsyncTransformer
+    from genlm.backend.llm.hf import AsyncTransformer, forward
 
     if not kv_reuse:
-        monkeypatch.setattr(AsyncTransformer, "_probe_kv_layout", lambda s: (None, "test"))
+        monkeypatch.setattr(forward, "kv_layout", lambda *args: (None, "test"))
     if "llama" not in HF_MODELS:
         HF_MODELS["llama"] = tiny_llama(len(tokenizer), std=0.1)
     with warnings.catch_warnings():
