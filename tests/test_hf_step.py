@@ -311,3 +311,38 @@ def test_clearing_the_kv_detaches_the_nodes_it_empties_and_rows_stay_right(
             torch.testing.assert_close(got, lm.next_token_logprobs_uncached(ids), atol=TOL, rtol=0)
     # the root, the prompt's nodes, and each of the two rows kept: its context's and its own
     assert sizes == [1 + len(prompt) + 2 * 2] * 3
+
+
+def test_cascade_blocks_are_the_chains_longest_common_prefix(
+    tiny_model, smollm2_tokenizer, monkeypatch
+):
+    """`cascade_blocks`' binary search finds, for every group of a resampled population,
+    the blocks a brute-force walk over the chains finds (the common prefix within every
+    plan's past, if long enough for the cascade)."""
+    from genlm.backend.llm.hf import runner, step
+
+    groups = []
+
+    def checked(plans, block_size):
+        found = step.cascade_blocks(plans, block_size)
+        limit = min(plan.start for plan in plans) // block_size
+        common = 0
+        while common < limit and len({plan.chain[common] for plan in plans}) == 1:
+            common += 1
+        if len(plans) < 2 or common * block_size < step.CASCADE_MIN_SHARED:
+            common = 0
+        groups.append((found, common))
+        return found
+
+    monkeypatch.setattr(runner, "cascade_blocks", checked)
+    lm = AsyncTransformer(tiny_model, smollm2_tokenizer, batch_size=32)
+    prompt = [(13 * i) % 900 + 5 for i in range(100)]
+    lm.next_token_logprobs_sync(prompt)  # the prompt's KV, which the particles share
+    contexts = [prompt + [i % 4 + 1] for i in range(12)]
+    for index in range(20):
+        lm.batch_next_token_logprobs_sync(contexts)
+        ancestors = [(5 * i + index) % len(contexts) for i in range(len(contexts))]
+        contexts = [contexts[a] + [(3 * i + index) % 7 + 1] for i, a in enumerate(ancestors)]
+    lm.close()
+    assert groups and all(found == common for found, common in groups)
+    assert any(common > 0 for _, common in groups)
