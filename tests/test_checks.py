@@ -9,6 +9,7 @@ sentinel. Closed LMs get every public method and must raise without starting a t
 """
 
 import inspect
+import sys
 import weakref
 
 import pytest
@@ -153,6 +154,21 @@ def mlx_class():
 def test_hf_options_are_refused_before_the_model_loads(no_loading, options, error, message):
     with pytest.raises(error, match=message):
         hf_class().from_name("any/model", **options)
+
+
+@pytest.mark.parametrize("name", ["hf_opts", "bitsandbytes_opts"])
+@pytest.mark.parametrize("bad", ["dtype=float16", [("dtype", "float16")]])
+def test_hf_loading_options_are_dicts_refused_before_the_model_loads(no_loading, name, bad):
+    message = rf"{name} must be a dict of keyword arguments or None, got {type(bad).__name__}"
+    with pytest.raises(TypeError, match=message):
+        hf_class().from_name("any/model", **{name: bad})
+
+
+def test_bitsandbytes_opts_without_bitsandbytes_name_the_extra(no_loading, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # its import raises ImportError
+    message = r"bitsandbytes_opts needs bitsandbytes: pip install -e .*\[bnb\]"
+    with pytest.raises(ImportError, match=message):
+        hf_class().from_name("any/model", bitsandbytes_opts={"load_in_8bit": True})
 
 
 @pytest.mark.parametrize("options, error, message", HF_BAD_OPTIONS[:-1])
