@@ -242,8 +242,7 @@ class DecodeGraphs:
         return True
 
     def clear(self) -> None:
-        """Drop every graph (the next step of each bucket captures anew) and the output
-        buffer."""
+        """Drop every graph (each bucket captures anew) and the output buffer."""
         self.graphs.clear()
         self._out = None
 
@@ -311,8 +310,7 @@ class DecodeGraphs:
         return graph
 
     def _check(self, graph: _Graph, rows: int) -> None:
-        """Compare a replay's rows with the eager forward's on the same inputs (which writes
-        the same KV again)."""
+        """Compare a replay's rows with the eager forward's (which writes the same KV again)."""
         replayed = graph.out[:rows].clone()
         self.recorder.run_eagerly(lambda: self.forward(graph.step, graph.out))
         self.checks += 1
