@@ -20,12 +20,13 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from gpu_tree import decode_graphs, library_lm, pool_mb
 
 LOCKSTEP_STEPS = 4  # steps of the graph and eager LMs compared row by row
 UNCACHED_ROWS = 4  # rows of the last step also run uncached
+T = TypeVar("T")
 
 
 def first_rows(
@@ -106,21 +107,27 @@ def first_rows(
 
 
 def _syncs(lm: Any, contexts: list[list[int]], device: str) -> dict:
-    """The host syncs torch reports in one replayed step (CUDA's sync debug mode)."""
-    import torch
-
+    """The host syncs torch reports in one replayed step (`host_syncs`)."""
     what = "graph path: host syncs in one step"
     if not device.startswith("cuda"):
         return _row(what, None, "CUDA only")
+    _, syncs = host_syncs(lambda: lm.batch_next_token_logprobs_sync(contexts))
+    return _row(what, len(syncs), "; ".join(sync[:160] for sync in syncs[:3]))
+
+
+def host_syncs(work: Callable[[], T]) -> tuple[T, list[str]]:
+    """What ``work()`` returns and the host syncs torch reports while it runs (CUDA's sync
+    debug mode, put back to ``"default"`` after)."""
+    import torch
+
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            lm.batch_next_token_logprobs_sync(contexts)
+            result = work()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message)[:160] for w in caught if "synchroniz" in str(w.message)]
-    return _row(what, len(syncs), "; ".join(syncs[:3]))
+    return result, [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
 def _lockstep(graphed: Any, eager: Any, prompt: list[int], n: int, generator: Any) -> dict:

@@ -7,7 +7,8 @@ step's ops and rows (tests/test_hf_step.py, tests/test_checks.py). `save_small_l
 writes the Llama that splits over two tensor-parallel workers: used by
 ``tests/test_vllm.py`` (the multi-worker agreement checks) and ``bench_vllm.py`` (the
 multi-worker configuration), so both run the same model. `tiny_gemma3` builds a small
-sliding-window hybrid, Gemma 3's layout (``bench_lm.py --model tiny-gemma3``).
+sliding-window hybrid, Gemma 3's layout (``bench_lm.py --model tiny-gemma3``). Tiny models
+of every family transformers ships: benchmark/families.py.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ def tiny_llama(
     ``attn_implementation``: None for transformers' default (sdpa); ``config``: more
     `LlamaConfig` fields.
     """
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     llama_config = LlamaConfig(
@@ -56,61 +56,7 @@ def tiny_llama(
         attn_implementation=attn_implementation,
         **config,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config).float().eval()
-    if std is not None:
-        _draw_weights(model, std, head_std)
-    return model
-
-
-# Tiny configs of other families: 2 layers of width 32, 4 query / 2 KV heads of dim 8.
-_SHAPE = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 512,
-}
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    # decoder layers that call attention without the forward's keyword arguments
-    "stablelm": ("StableLm", {}),
-    "nemotron": ("Nemotron", {}),
-    # sliding and global layers (a hybrid cache), a window shorter than the prompts
-    "gemma3": (
-        "Gemma3",
-        {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
-    ),
-    "gpt2": ("GPT2", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 512}),  # absolute
-    "mixtral": ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # MoE
-}
-
-
-def tiny_causal_lm(family: str, vocab_size: int, *, std: float = 0.3, seed: int = 0) -> Any:
-    """A random causal LM of ``family`` (a key of `FAMILIES`) in float32, in eval mode, with
-    sdpa attention: every weight matrix drawn from N(0, ``std``), so that rows differ
-    clearly between contexts."""
-    import torch
-    import transformers
-
-    prefix, config = FAMILIES[family]
-    if family == "gemma3":
-        config_class, model_class = transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
-    elif family == "gpt2":
-        config_class, model_class = transformers.GPT2Config, transformers.GPT2LMHeadModel
-    else:
-        config_class = getattr(transformers, f"{prefix}Config")
-        model_class = getattr(transformers, f"{prefix}ForCausalLM")
-    shape = {} if family == "gpt2" else _SHAPE
-    settings = {"vocab_size": vocab_size, "bos_token_id": 0, "eos_token_id": 0, **shape, **config}
-    torch.manual_seed(seed)
-    model = model_class(config_class(**settings, attn_implementation="sdpa")).float().eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() == 2:
-                parameter.normal_(0.0, std)
-    return model
+    return _random_model(LlamaForCausalLM, llama_config, seed, std, head_std)
 
 
 TINY_GEMMA3_LAYERS = (
@@ -142,7 +88,6 @@ def tiny_gemma3(
     Weights from ``torch.manual_seed(seed)``: transformers' initialisation, or with ``std``
     every weight but the norms drawn from N(0, std).
     """
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     head_dim = hidden_size // heads
@@ -160,23 +105,27 @@ def tiny_gemma3(
         max_position_embeddings=max_positions,
         attn_implementation=attn_implementation,
     )
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config).float().eval()
-    if std is not None:
-        _draw_weights(model, std)
-    return model
+    return _random_model(Gemma3ForCausalLM, config, seed, std)
 
 
-def _draw_weights(model: Any, std: float, head_std: float | None = None) -> None:
-    """Redraw every weight of ``model`` but the norms from N(0, ``std``), the output head's
-    from N(0, ``head_std``) if given (and not tied to the embeddings)."""
+def _random_model(
+    model_class: Any, config: Any, seed: int, std: float | None, head_std: float | None = None
+) -> Any:
+    """``model_class(config)`` in float32, in eval mode, weights from ``torch.manual_seed(seed)``:
+    transformers' initialisation, or with ``std`` every weight but the norms redrawn from
+    N(0, ``std``), the output head's from N(0, ``head_std``) if given (and not tied)."""
     import torch
 
+    torch.manual_seed(seed)
+    model = model_class(config).float().eval()
+    if std is None:
+        return model
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" not in name:
                 lm_head = head_std is not None and name.startswith("lm_head")
                 parameter.normal_(0.0, head_std if lm_head else std)
+    return model
 
 
 def save_small_llama(tokenizer: Any, path: str | Path) -> str:

@@ -343,11 +343,12 @@ async def test_unordered_collections_are_not_prefixes(mock_lm, unordered):
 
 
 @pytest.mark.parametrize("batch", [torch.tensor([4, 5, 6]), np.array([4, 5]), torch.tensor(4)])
-async def test_a_tensor_of_ids_is_not_a_batch_and_the_error_names_token_ids_list(
+async def test_a_tensor_of_ids_is_not_a_batch_and_the_error_names_the_argument(
     mock_lm, monkeypatch, batch
 ):
-    """One prefix passed where a batch of them goes: the error names ``token_ids_list`` and
-    its shape (not that of an element), before any model work; a 2-D tensor is a batch."""
+    """One prefix passed where a batch of them goes: the error names the argument
+    (``token_ids_list``, or ``batch_sample``'s ``prompt_token_ids_list``) and its shape (not
+    that of an element), before any model work; a 2-D tensor is a batch."""
     batches = spy_batches(mock_lm, monkeypatch)
     message = (
         rf"token_ids_list must be a list of token-id prefixes \(as a tensor or array: 2-D, "
@@ -358,9 +359,19 @@ async def test_a_tensor_of_ids_is_not_a_batch_and_the_error_names_token_ids_list
         await mock_lm.batch_next_token_logprobs(batch)
     with pytest.raises(ValueError, match=message):
         mock_lm.batch_next_token_logprobs_sync(batch)
+    with pytest.raises(
+        ValueError, match=message.replace("token_ids_list", "prompt_token_ids_list")
+    ):
+        await mock_lm.batch_sample(batch, 2, [])
     assert batches == []
     rows = mock_lm.batch_next_token_logprobs_sync(torch.tensor([[4, 5, 6], [4, 5, 7]]))
     assert torch.equal(rows[1], mock_lm.next_token_logprobs_sync([4, 5, 7]))
+
+
+async def test_batch_sample_names_its_own_argument_for_a_non_list(mock_lm):
+    message = "prompt_token_ids_list must be a list of token-id prefixes, got str"
+    with pytest.raises(TypeError, match=message):
+        await mock_lm.batch_sample("4 5 6", 2, [])
 
 
 @pytest.mark.parametrize(

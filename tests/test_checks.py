@@ -9,12 +9,19 @@ sentinel. Closed LMs get every public method and must raise without starting a t
 """
 
 import inspect
+import sys
 import weakref
 
 import pytest
 import torch
 
-from genlm.backend.checks import check_budget, check_choice, check_int, check_seconds
+from genlm.backend.checks import (
+    check_budget,
+    check_choice,
+    check_int,
+    check_seconds,
+    fraction_option,
+)
 from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import KVLayout
 from genlm.backend.kv.store import PrefixKVStore
@@ -80,6 +87,15 @@ def test_ints_seconds_and_choices_name_the_option_the_value_and_what_is_allowed(
         check_choice("how", 1, (True, "a"))  # 1 == True, but it is not the choice True
 
 
+@pytest.mark.parametrize("bad", [10**400, -(10**400), NAN, 0, 1])
+def test_a_fraction_no_float_holds_is_refused_naming_the_option(bad):
+    """10**400 is an int that no float holds: a ValueError naming the option, not the
+    OverflowError of its conversion."""
+    with pytest.raises(ValueError, match=r"share must be a number strictly between 0 and 1, got "):
+        fraction_option("share", bad)
+    fraction_option("share", 0.25)
+
+
 # -- from_name: every option checked before a model loads ----------------------------------------
 
 
@@ -100,7 +116,7 @@ HF_BAD_OPTIONS = [
             ValueError,
             f"cuda_kv_memory_fraction must be a number strictly between 0 and 1, got {bad!r}",
         )
-        for bad in (0, 1, 1.5, -0.1, NAN, INF, True, "0.5", None)
+        for bad in (0, 1, 1.5, -0.1, NAN, INF, True, "0.5", None, 10**400)
     ),
     ({"prefill_step_size": 4}, TypeError, "AsyncTransformer takes no option 'prefill_step_size'"),
 ]
@@ -138,6 +154,21 @@ def mlx_class():
 def test_hf_options_are_refused_before_the_model_loads(no_loading, options, error, message):
     with pytest.raises(error, match=message):
         hf_class().from_name("any/model", **options)
+
+
+@pytest.mark.parametrize("name", ["hf_opts", "bitsandbytes_opts"])
+@pytest.mark.parametrize("bad", ["dtype=float16", [("dtype", "float16")]])
+def test_hf_loading_options_are_dicts_refused_before_the_model_loads(no_loading, name, bad):
+    message = rf"{name} must be a dict of keyword arguments or None, got {type(bad).__name__}"
+    with pytest.raises(TypeError, match=message):
+        hf_class().from_name("any/model", **{name: bad})
+
+
+def test_bitsandbytes_opts_without_bitsandbytes_name_the_extra(no_loading, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # its import raises ImportError
+    message = r"bitsandbytes_opts needs bitsandbytes: pip install -e .*\[bnb\]"
+    with pytest.raises(ImportError, match=message):
+        hf_class().from_name("any/model", bitsandbytes_opts={"load_in_8bit": True})
 
 
 @pytest.mark.parametrize("options, error, message", HF_BAD_OPTIONS[:-1])

@@ -13,6 +13,7 @@ import gpu
 import numpy as np
 import pytest
 import torch
+from gpu_first import host_syncs
 
 from genlm.backend.cache import OutputCache
 from genlm.backend.llm.hf import AsyncTransformer
@@ -180,8 +181,6 @@ def test_a_capture_that_fails_on_the_device_leaves_the_lm_and_the_device_usable(
 def test_a_decode_step_makes_no_host_sync(open_lm, tokenizer, prompt, cuda_graphs):
     """The eager step (the default) and a replayed one: inputs in one pinned copy, rows
     out on the device; the host waits for nothing."""
-    import warnings
-
     model = gpu.build_model("tiny", "cuda")
     lm = open_lm(model, tokenizer, batch_size=64, cuda_graphs=cuda_graphs)
     contexts = [prompt + [i + 1] for i in range(64)]
@@ -190,18 +189,11 @@ def test_a_decode_step_makes_no_host_sync(open_lm, tokenizer, prompt, cuda_graph
         contexts = [c + [step + 2] for c in contexts]
     torch.cuda.synchronize()
     replays = lm.runner.graphs.replays if cuda_graphs else 0
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            lm.batch_next_token_logprobs_sync(contexts)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _, syncs = host_syncs(lambda: lm.batch_next_token_logprobs_sync(contexts))
     if cuda_graphs:
         assert lm.runner.graphs.replays == replays + 1
     else:
         assert lm.runner.graphs is None
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert syncs == []
 
 
@@ -303,24 +295,15 @@ def test_parallel_trie_results_in_pinned_blocks_or_a_device_tensor():
 
 def test_sampling_a_batch_of_cuda_rows_syncs_once():
     """`TokenSampler`'s kernel: one device-to-host copy for the whole batch."""
-    import warnings
-
     from genlm.backend.sampling import sample_rows
 
     rows = list(torch.randn(128, 49_152, device="cuda").log_softmax(1))
     generator = torch.Generator("cuda").manual_seed(0)
     sample_rows(rows, 1.0, generator)  # warm-up
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            tokens = sample_rows(rows, 1.0, generator)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    tokens, syncs = host_syncs(lambda: sample_rows(rows, 1.0, generator))
     assert len(tokens) == 128 and all(0 <= t < 49_152 for t in tokens)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert len(syncs) == 1, syncs
 
 
 def test_async_trie_batches_cuda_weights():

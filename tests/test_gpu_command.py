@@ -19,6 +19,7 @@ from pathlib import Path
 
 import bench_lm
 import gpu
+import gpu_first
 import gpu_run
 import pytest
 import torch
@@ -350,6 +351,31 @@ def test_every_implementation_is_warmed_up_and_timed_alike_and_no_flush_enters_a
         assert all(row["warmup_tokens"] == [tokens] for row in rows)
         assert all(row["window_tokens"] == [tokens, tokens] for row in rows)
         assert all(row["seconds_min"] <= row["seconds"] <= row["seconds_max"] for row in rows)
+
+
+def test_the_sync_probe_counts_only_sync_warnings_and_puts_the_mode_back(monkeypatch):
+    """`gpu_first.host_syncs` (the first part's and tests/test_cuda.py's probe) on a
+    stand-in for CUDA's sync debug mode, which warns once per host sync."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step():
+        assert modes == ["warn"]
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        return 7
+
+    assert gpu_first.host_syncs(step) == (7, ["called a synchronizing CUDA operation"])
+    assert modes == ["warn", "default"]
+
+    def failing():
+        raise KeyError("step")
+
+    with pytest.raises(KeyError, match="step"):
+        gpu_first.host_syncs(failing)
+    assert modes[-1] == "default"
 
 
 def test_an_archive_that_names_a_directory_is_refused(tmp_path, capsys):

@@ -1,6 +1,6 @@
-"""The HF step beyond Llama: tiny random models of other families (`tiny_causal_lm`) in the
-cascade scenario (a prompt of >= 64 tokens shared by particles that fork and step, with a
-shorter prefix of another group in the same batches), every row against the model's own
+"""The HF step beyond Llama: tiny random models of other families (benchmark/families.py)
+in the cascade scenario (a prompt of >= 64 tokens shared by particles that fork and step,
+with a shorter prefix of another group in the same batches), every row against the model's own
 uncached forward of its whole context. StableLM's and Nemotron's decoder layers do not pass
 the forward's keyword arguments on to attention (their cascade must reach its cache another
 way); Gemma 3 is a hybrid of sliding and global layers (no KV reuse: whole prefixes); GPT-2
@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 import torch
-from small_models import FAMILIES, tiny_causal_lm
+from families import family, family_model
 
 import genlm.backend.llm.hf.step as step_module
 from genlm.backend.llm.hf import AsyncTransformer
@@ -35,11 +35,11 @@ def plain_row(model, ids):
 
 
 @pytest.mark.filterwarnings("ignore:KV reuse is off:UserWarning")
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(PATHS))
 async def test_cascade_scenario_rows_are_the_uncached_forwards(
-    smollm2_tokenizer, family, monkeypatch
+    smollm2_tokenizer, name, monkeypatch
 ):
-    model = tiny_causal_lm(family, len(smollm2_tokenizer))
+    model = family_model(family(name), len(smollm2_tokenizer))
     cascades = []
     cascade = step_module.cascade_attention
 
@@ -49,7 +49,7 @@ async def test_cascade_scenario_rows_are_the_uncached_forwards(
 
     monkeypatch.setattr(step_module, "cascade_attention", counted)
     lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=16)
-    assert (lm.kv_reuse, lm.runner.cascade) == PATHS[family]
+    assert (lm.kv_reuse, lm.runner.cascade) == PATHS[name]
     await lm.next_token_logprobs(PROMPT)
     contexts = [[*PROMPT, i + 1] for i in range(6)]
     for step in range(3):
@@ -58,8 +58,8 @@ async def test_cascade_scenario_rows_are_the_uncached_forwards(
         rows = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in queries))
         for ids, row in zip(queries, rows, strict=True):
             diff = (row - plain_row(model, ids)).abs().max().item()
-            assert diff <= TOL, f"{family}: {len(ids)} tokens off by {diff}"
+            assert diff <= TOL, f"{name}: {len(ids)} tokens off by {diff}"
         contexts = [contexts[3] if i < 3 else c for i, c in enumerate(contexts)]
         contexts = [c + [(17 * i + step) % 500 + 1] for i, c in enumerate(contexts)]
-    assert bool(cascades) == PATHS[family][1]
+    assert bool(cascades) == PATHS[name][1]
     lm.close()

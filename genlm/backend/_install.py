@@ -7,7 +7,9 @@ installs *this* package's extra.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from types import ModuleType
 
 # The checkout root when this package is an editable install or run from a clone.
 _CHECKOUT = Path(__file__).resolve().parents[2]
@@ -22,3 +24,12 @@ def install_hint(extra: str) -> str:
         f"pip install -e '.[{extra}]' in a checkout of this package's repository "
         "(PyPI's genlm-backend is a different library)"
     )
+
+
+def import_extra(module: str, extra: str, needs: str) -> ModuleType:
+    """``import module``, or ImportError saying ``needs`` (what needs it) and the command
+    that installs ``extra``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(f"{needs}: {install_hint(extra)}") from error

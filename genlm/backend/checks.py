@@ -113,7 +113,12 @@ def choice_option(*choices: Any) -> OptionCheck:
 
 def fraction_option(name: str, value: Any) -> None:
     """An option that is a share strictly between 0 and 1 (a finite real number)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not _finite_float(value)
+        or not 0 < float(value) < 1
+    ):
         raise ValueError(f"{name} must be a number strictly between 0 and 1, got {value!r}")
 
 

@@ -1,22 +1,11 @@
 """`PrefixKVStore`: the policy of a paged prefix-KV store shared by particles.
 
-A prefix tree per adapter (`genlm.backend.kv.tree`) maps a prefix to its cached next-token
-logprobs and its *chain*, the blocks of a `BlockPool` holding its KV, which a
-`genlm.backend.kv.blocks.BlockAllocator` hands out. The store decides what stays: the KV
-budget counts the blocks held by unpinned chains (optionally also how many chains), the
-logprobs budget the bytes of the memory the values occupy (`genlm.backend.kv.budget`),
-least recently used first; pinned chains (a ``pin`` plan's) are outside the budget.
-
-A batch's order of work is three verbs, which with `drop_root` and the clears are all that
-changes what the store holds (the rest are read-only views): `plan` (each query's cached
-logprobs, or a `RowPlan`: its node made, the deepest usable KV source touched and kept
-from eviction, room made for its blocks, its own chain made and the copy-on-write copies
-applied, room made for its logprobs), then `commit` (each row's logprobs cached at its
-node, its chain given to the node) or `release` (the chains let go), either of which ends
-the plan, once, then unprotects the sources, evicts, trims and prunes. Between them a
-backend's forward reads each row's chain and writes its new tokens' KV into it. A decode
-step costs O(new tokens) per request in Python, whatever its context: `find` starts from
-a node the caller remembers for the request's prefix from an earlier step (`RowPlan.node`).
+A prefix tree per adapter (`genlm.backend.kv.tree`) maps a prefix to its cached logprobs and
+its chain of blocks (`genlm.backend.kv.blocks.BlockAllocator`); the store decides what stays
+(LRU budgets of KV blocks and logprobs bytes; pinned chains outside them). Only `plan`,
+`commit`, `release`, `drop_root` and the clears change what it holds; a plan ends once
+(a second end raises before freeing anything); a decode step's walk is O(new tokens),
+from the node remembered for its prefix. The design: docs/kv-store.md.
 """
 
 from __future__ import annotations

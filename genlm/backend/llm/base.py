@@ -176,21 +176,24 @@ class AsyncLM(ABC):
         lora = self.resolve_lora(lora_name)
         return Query(self.validate_token_ids(token_ids), lora)
 
-    def _query_list(self, token_ids_list: Any, lora_name: str | None = None) -> list[Query]:
-        """`_query` for each prefix of a list (all are checked before any model work)."""
+    def _query_list(
+        self, token_ids_list: Any, lora_name: str | None = None, name: str = "token_ids_list"
+    ) -> list[Query]:
+        """`_query` for each prefix of a list (all are checked before any model work);
+        ``name``: the argument's, for the errors."""
         if isinstance(token_ids_list, str | bytes | Set | Mapping | PrefixHandle) or not isinstance(
             token_ids_list, Sequence | torch.Tensor | np.ndarray
         ):
             hint = "; for one handle, pass [h]" if isinstance(token_ids_list, PrefixHandle) else ""
             raise TypeError(
-                f"token_ids_list must be a list of token-id prefixes, got "
+                f"{name} must be a list of token-id prefixes, got "
                 f"{type(token_ids_list).__name__}{hint}"
             )
         if isinstance(token_ids_list, torch.Tensor | np.ndarray):
             shape = tuple(token_ids_list.shape)
             if len(shape) != 2 and shape != (0,):  # an empty 1-D one is an empty batch
                 raise ValueError(
-                    f"token_ids_list must be a list of token-id prefixes (as a tensor or "
+                    f"{name} must be a list of token-id prefixes (as a tensor or "
                     f"array: 2-D, one prefix per row), got a {type(token_ids_list).__name__} "
                     f"of shape {shape}; for one prefix, pass [token_ids]"
                 )
@@ -384,7 +387,7 @@ class AsyncLM(ABC):
     ) -> list[list[int]]:
         """`sample` for several prompts at once (their steps are batched together); prompt
         ``i`` uses the seed ``seed + i``."""
-        queries = self._query_list(prompt_token_ids_list, lora_name)
+        queries = self._query_list(prompt_token_ids_list, lora_name, "prompt_token_ids_list")
         check_sampling_args(
             max_tokens, temperature, seed, len(queries), max_temperature=self.max_temperature
         )

@@ -1,17 +1,11 @@
 """`PrefixCachedLM`: the shared half of every backend whose KV lives in a `PrefixKVStore`,
 composed with that backend's `RowRunner`.
 
-It composes a batch's work: the batcher hands it distinct queries, the store plans them
-(`PrefixKVStore.plan`: cached answers, and a `RowPlan` with its own chain for each query
-to compute), the backend's runner computes the plan's rows (`RowRunner.run`), and the
-store commits them (`PrefixKVStore.commit`), or releases the plan if the forward fails.
-It also keeps the public cache calls (`walk_cache`, `cache_kv`, `clear_cache`,
-`clear_kv_cache`, `reset_async_queries`, `kv_nbytes`, the `add_query` queue), each with
-one meaning for every backend. A backend is its runner: it reads the (frozen) row plans,
-writes their new tokens' KV into their chains and returns their logprobs; it never calls
-the store or this class (`genlm.backend.kv.rows` orders its forwards). Each row's
-node is remembered in its prefix's entry of the index of validated prefixes
-(`remember_node`), where the next step's plan starts its walk (`node_hint`).
+It composes a batch: the store plans the batcher's distinct queries, the runner computes the
+plan's rows, the store commits them (or releases the plan if the forward fails); it keeps
+the public cache calls, one meaning for every backend. The runner reads the frozen row
+plans and never calls the store or this class. Each row's node is remembered with its
+prefix (`remember_node`) for the next step's walk. The design: docs/kv-store.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Hugging Face transformers backend: `AsyncTransformer` (the LM, `model`), its forward over
-a batch's rows (`TransformerRunner`, `runner`) through the model's own step (`ModelForward`,
-`forward`), the model as the LMs over it share it (`shared`), the step's attention backend:
-its inputs, the paged cache and cascade attention (`step`), the CUDA graphs of its decode
-steps (`graphs`), its LM head (`head`) and its loading options (`options`)."""
+"""Hugging Face transformers backend: `AsyncTransformer` (`model`), its runner over a batch's
+rows (`runner`), the model's step (`forward`) and attention backend (`step`), the model as
+the LMs over it share it (`shared`), CUDA graphs (`graphs`), LM head (`head`), loading
+options (`options`) and what families KV reuse refuses (`families`)."""
 
 from genlm.backend.llm.hf.forward import BASE_ADAPTER, ModelForward
 from genlm.backend.llm.hf.model import (

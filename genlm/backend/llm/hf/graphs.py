@@ -1,12 +1,11 @@
 """CUDA graphs of `AsyncTransformer`'s decode steps: `DecodeGraphs` wraps the model's step
 (`ModelForward.step`) on a step padded to its shape bucket (`bucket_shape`), one graph per
-bucket over static buffers, so that a step is one copy of its inputs in, one replay and one
-copy of its rows out. A wrong row is never served: a bucket's capture and first replays are
-checked against the eager forward, and a difference, or a capture or replay that raises,
-turns graphs off for the LM (a failed capture leaves the device as it found it). The graphs
-hold the KV pool's addresses: with graphs on, the pool is sized once. `EagerRecorder`
-replays by running the forward again, so all but the capture is tested on a CPU. The
-design, buckets and covering graphs: docs/kv-store.md ("One batch").
+bucket over static buffers: a step is one copy of its inputs in, one replay, one copy of its
+rows out. A wrong row is never served: a bucket's capture and first replays are checked
+against the eager forward, and a difference, or a capture or replay that raises, turns
+graphs off for the LM (a failed capture leaves the device as it found it). The graphs hold
+the KV pool's addresses: with graphs on, the pool is sized once. The design, buckets and
+covering graphs: docs/kv-store.md ("One batch").
 """
 
 from __future__ import annotations
@@ -55,14 +54,10 @@ def round_down(n: int) -> int:
 
 
 def bucket_shape(shape: StepShape) -> StepShape | None:
-    """The graph bucket of a decode step's exact shape (None: the step runs eagerly).
-
-    Rows round up by at most half (`round_up`); shared slots, read once per layer for all
-    rows, to a power of two from 16, so that a shared prefix that grows (SMC particles
-    descending from one ancestor) changes buckets only as it doubles; each row's keys (its
-    own tokens, after the shared ones) to a power of 4 from 64, so that a row's growth by
-    one token per step changes buckets rarely (a 1,000-token generation meets 3 widths);
-    past `MAX_WIDTH` keys a step runs eagerly."""
+    """The graph bucket of a decode step's exact shape (None: the step runs eagerly): rows
+    rounded up by at most half (`round_up`), shared slots to a power of two from 16, each
+    row's own keys to a power of 4 from 64 (up to `MAX_WIDTH`), so that a growing prefix
+    changes buckets rarely."""
     if shape.new != 1 or shape.rows > MAX_ROWS or shape.past >= MAX_WIDTH:
         return None
     width = 64
@@ -84,12 +79,9 @@ class Recorder(Protocol):
 
 class CudaRecorder:
     """CUDA graphs: captured on a side stream, every graph in one memory pool (a graph's
-    memory is scratch: its inputs and outputs are buffers allocated outside the pool, and
-    replays never overlap), in ``thread_local`` mode so other threads may use the device
-    while a step is captured.
-
-    A capture that fails leaves the process as it found it (`capture`), so that the LM
-    runs on eagerly and the device stays usable for everything else."""
+    memory is scratch: its inputs and outputs live outside the pool, and replays never
+    overlap), in ``thread_local`` mode so other threads may use the device meanwhile. A
+    failed capture leaves the process as it found it (`capture`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -109,19 +101,13 @@ class CudaRecorder:
         """Capture ``forward`` with ``torch.cuda.graph``; if that raises, undo what a
         failed capture leaves behind, then raise.
 
-        When an op invalidates a capture (one that syncs, say), torch 2.13's
-        ``graph.__exit__`` raises from ``CUDAGraph::capture_end`` (``cudaStreamEndCapture``
-        failed) before ``CUDACachingAllocator::endAllocateToPool`` and before its stream
-        context's exit. Left over: (1) the allocator counts a capture into ``self.pool`` as
-        underway, stops reclaiming memory used on several streams and fails every later
-        ``empty_cache()`` (``graph.__enter__`` calls it) on ``captures_underway.empty()``:
-        `_end_pool_allocation` ends it; (2) the capture stream stays this thread's current
-        stream, unordered with other threads' default stream: the capture runs inside a
-        stream context of our own, whose exit restores it. The stream no longer captures,
-        the dropped graph leaves ATen's map, nothing captured ever ran and the warm-up is
-        ordered before later work (`run_eagerly`): no sync is needed. The pinned-memory
-        allocator's leftover entry (no Python binding ends it) refuses only a capture into
-        this same pool, which `DecodeGraphs` never asks for after a failure.
+        torch 2.13's ``graph.__exit__`` raises from ``capture_end`` before the allocator's
+        ``endAllocateToPool`` and before its stream context's exit. Left over: a capture
+        into ``self.pool`` counted as underway (every later ``empty_cache()`` fails):
+        `_end_pool_allocation` ends it; the capture stream as this thread's current one: our
+        own stream context's exit restores it. Nothing captured ran, so no sync is needed;
+        the pinned-memory allocator's leftover refuses only a capture into this same pool,
+        which `DecodeGraphs` never asks for after a failure.
         """
         graph = torch.cuda.CUDAGraph()
         try:
@@ -139,11 +125,9 @@ class CudaRecorder:
         return graph.replay
 
     def _end_pool_allocation(self) -> None:
-        """After a failed capture: end the caching allocator's allocation to the pool if it
-        is still on, and give back the pool reference that its start took (which the
-        graph's ``reset`` gives back only after a successful ``capture_end``), as
-        ``torch.cuda.memory.use_mem_pool`` ends its own. No allocation on (the capture
-        failed in Python, or after ``capture_end``'s allocator step): nothing to end."""
+        """After a failed capture: end the allocator's allocation to the pool if it is still
+        on, and give back the pool reference its start took, as
+        ``torch.cuda.memory.use_mem_pool`` ends its own."""
         index = self.stream.device_index
         try:
             torch._C._cuda_endAllocateToPool(index, self.pool)
@@ -186,11 +170,9 @@ class DecodeGraphs:
     """Decode steps replayed from one CUDA graph per shape bucket (see the module's doc).
 
     ``forward(step, out)`` runs the model over a step's inputs (`ModelForward.step`), its
-    log-probabilities into ``out``, allocating only scratch memory (nothing it allocates
-    may outlive it); ``block_size`` is the KV pool's. Steps of more than ``max_rows`` rows
-    (the batcher's batch size, at most `MAX_ROWS`) run eagerly: every graph writes its rows
-    into one output buffer of that many rows, so that a larger bucket never replaces it
-    (which would drop the graphs over the old one)."""
+    log-probabilities into ``out``, allocating only scratch memory; ``block_size`` is the
+    KV pool's. Every graph writes its rows into one output buffer of ``max_rows`` rows (the
+    batcher's batch size, at most `MAX_ROWS`); larger steps run eagerly."""
 
     def __init__(
         self,
@@ -210,8 +192,7 @@ class DecodeGraphs:
         self.graphs: OrderedDict[StepShape, _Graph] = OrderedDict()
         self.checked: set[StepShape] = set()  # buckets whose replays matched the eager forward
         self.failure: str | None = None  # why graphs are off for good
-        # what the decode steps ran as: captures, replays, eager forwards a capture or a
-        # replay was checked against, and steps that ran eagerly (no bucket, or graphs off)
+        # captures, replays, eager forwards checked against, steps run eagerly
         self.captures = 0
         self.replays = 0
         self.checks = 0
@@ -261,21 +242,16 @@ class DecodeGraphs:
         return True
 
     def clear(self) -> None:
-        """Drop every graph (the next step of each bucket captures anew) and the output
-        buffer."""
+        """Drop every graph (each bucket captures anew) and the output buffer."""
         self.graphs.clear()
         self._out = None
 
     def _covering(self, exact: StepShape, skip: int) -> tuple[StepShape, int] | None:
-        """A captured bucket that holds the step of shape ``exact`` (which reads ``skip``
-        shared blocks), the one with the fewest rows, and how many of the shared blocks it
-        reads as shared; None if none does. A graph holds a step with at most twice its
-        rows, in its own width bucket and shared bucket once it reads as shared only the
-        blocks the graph has slots for (the others as each row's own keys). So a number of
-        rows that falls and recovers (SMC's distinct particles after each resampling)
-        captures a graph per doubling, not one per bucket it meets, and a shared prefix
-        that grows (particles descending from one ancestor) none, until the rows' own keys
-        outgrow the graph's width."""
+        """The captured bucket with the fewest rows that holds the step of shape ``exact``
+        (reading ``skip`` shared blocks), and how many of those blocks it reads as shared;
+        None if none does. A graph holds a step with at most twice its rows, in its own
+        width and shared buckets once the shared blocks beyond its slots are read as each
+        row's own keys."""
         best: tuple[StepShape, int] | None = None
         block_size = self.block_size
         for shape in self.graphs:
@@ -292,9 +268,8 @@ class DecodeGraphs:
 
     def _spare(self, bucket: StepShape, exact: StepShape) -> StepShape:
         """The bucket to capture for a step of shape ``exact`` that no graph holds: its own
-        ``bucket``, or, where graphs of its widths exist already (its number of rows
-        varies), the same widths with rows to spare, up to twice the step's (within
-        `max_rows`), to hold the later steps of that range too."""
+        ``bucket``, or, where graphs of its widths exist (its number of rows varies), the
+        same widths with rows to spare, up to twice the step's (within `max_rows`)."""
         widths = (bucket.past, bucket.shared)
         if all((shape.past, shape.shared) != widths for shape in self.graphs):
             return bucket
@@ -335,8 +310,7 @@ class DecodeGraphs:
         return graph
 
     def _check(self, graph: _Graph, rows: int) -> None:
-        """Compare a replay's rows with the eager forward's on the same inputs (which writes
-        the same KV again)."""
+        """Compare a replay's rows with the eager forward's (which writes the same KV again)."""
         replayed = graph.out[:rows].clone()
         self.recorder.run_eagerly(lambda: self.forward(graph.step, graph.out))
         self.checks += 1

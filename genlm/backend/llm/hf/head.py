@@ -1,13 +1,10 @@
 """`OutputHead`: a model's LM head applied by `AsyncTransformer` itself, into reused memory.
 
-A transformers causal LM computes ``lm_head(base(...).last_hidden_state)`` into a fresh
-``[rows, vocab]`` tensor every step; on a CPU a fresh tensor of that size is page-faulted
-in each time (``benchmark/bench_host.py`` measures what that costs). For a
-model whose logits are exactly its head's output over its base model's last hidden state
-(`plain_head` checks it on a probe), the step runs the base model and this head: the
-tokenizer's columns only (no padding rows), into one buffer reused from step to step, and
-the float32 log-softmax straight from it. Any other model (softcapped or scaled logits,
-a wrapped or offloaded head, an adapter loaded) runs its own forward.
+Only for a model whose logits are exactly its head's output over its base model's last
+hidden state (`plain_head` checks it on a probe): the tokenizer's columns only, into one
+buffer reused from step to step (a fresh ``[rows, vocab]`` tensor is page-faulted in on
+every CPU step), the float32 log-softmax straight from it. Any other model (scaled or
+capped logits, a wrapped or offloaded head, an adapter loaded) runs its own forward.
 """
 
 from __future__ import annotations
@@ -32,32 +29,23 @@ class OutputHead:
         """``log_softmax(head(hidden))`` over the tokenizer's vocabulary, in float32, into
         ``out`` (``hidden``: ``[rows, hidden_size]``; under ``torch.inference_mode``, as
         the forward runs); the logits in the reused buffer, or fresh memory if not ``reuse``."""
-        torch.log_softmax(self.logits(hidden, reuse), dim=-1, dtype=torch.float32, out=out)
-
-    def logits(self, hidden: torch.Tensor, reuse: bool = True) -> torch.Tensor:
-        """The head's logits over the tokenizer's vocabulary, in the reused buffer (valid
-        until the next call) or, if not ``reuse``, in a tensor of their own."""
         weight = self.linear.weight[: self.vocab_size]
         rows = hidden.shape[0]
-        logits = (
-            self._buffer(rows, weight)
-            if reuse
-            else torch.empty((rows, self.vocab_size), dtype=weight.dtype, device=weight.device)
-        )
+        logits = self._logits
+        if not reuse or logits is None or logits.shape[0] < rows or logits.dtype != weight.dtype:
+            logits = torch.empty((rows, self.vocab_size), dtype=weight.dtype, device=weight.device)
+            if reuse:
+                self._logits = logits
+        logits = logits[:rows]
         if self.linear.bias is None:
-            return torch.mm(hidden, weight.t(), out=logits)
-        return torch.addmm(self.linear.bias[: self.vocab_size], hidden, weight.t(), out=logits)
+            torch.mm(hidden, weight.t(), out=logits)
+        else:
+            torch.addmm(self.linear.bias[: self.vocab_size], hidden, weight.t(), out=logits)
+        torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
 
     def free(self) -> None:
         """Let the logits buffer go (the next call makes a new one)."""
         self._logits = None
-
-    def _buffer(self, rows: int, weight: torch.Tensor) -> torch.Tensor:
-        buffer = self._logits
-        if buffer is None or buffer.shape[0] < rows or buffer.dtype != weight.dtype:
-            buffer = torch.empty((rows, self.vocab_size), dtype=weight.dtype, device=weight.device)
-            self._logits = buffer
-        return buffer[:rows]
 
 
 def plain_head(model: PreTrainedModel, vocab_size: int, device: torch.device) -> OutputHead | None:

@@ -1,28 +1,12 @@
 """`AsyncTransformer`: a Hugging Face transformers causal LM behind the `AsyncLM` interface.
 
-Many particles await ``next_token_logprobs`` on prefixes that share most of their
-tokens. The request plan, the cache calls and the batcher come from
-`genlm.backend.llm.prefix.PrefixCachedLM`, the paged KV from `genlm.backend.kv` (a
-`TorchBlockPool`: one tensor per layer, in 16-token blocks, shared by the particles that
-share a prompt and copied on write where they fork), the forward over a batch's rows from
-`genlm.backend.llm.hf.runner.TransformerRunner` (whose model forward probes whether the
-KV can be reused). This module checks the options, loads the model and sizes the pool: the
-pool follows what is held (it grows for a batch, trims between batches), except under
-CUDA graphs, whose captures hold its addresses: then it is sized once, at construction
-(`fixed_pool_capacity`); KV stays within ``max_kv_bytes`` between batches
-(docs/kv-store.md).
-
-LoRA adapters (peft) are chosen per request. Each adapter has its own prefix tree (all
-under the same budgets), and rows of several adapters share one forward: peft's
-mixed-adapter batches (``adapter_names=``) add each row's own low-rank update to the
-shared base matmuls (``lora_batching="grouped"`` runs one forward per adapter instead;
-measured slower, see benchmark/bench_lm.py ``--loras``).
-
-Models whose cache is not a plain stack of same-shaped full-attention layers
-(sliding windows shorter than the context, recurrent states, layers on several
-devices, ...), whose attention is neither ``sdpa`` nor ``eager``, or whose family the
-step cannot serve (`genlm.backend.llm.hf.families`: ALiBi from a 2-D mask, longrope)
-still work, without KV reuse: each request then runs its whole prefix.
+It checks the options, loads the model and builds the LM's parts: the request plan, cache
+calls and batcher of `PrefixCachedLM`, the paged KV of `genlm.backend.kv` (a
+`TorchBlockPool`, which follows what is held, except under CUDA graphs, whose captures hold
+its addresses: then it is sized once, `fixed_pool_capacity`) and the forward over a batch's
+rows (`TransformerRunner`). LoRA adapters (peft) are chosen per request, each with its own
+prefix tree. A model whose KV cannot be reused (docs/families.md) runs whole prefixes.
+The design: docs/kv-store.md, docs/lora.md.
 """
 
 from __future__ import annotations
@@ -32,7 +16,13 @@ from typing import Any
 
 import torch
 
-from genlm.backend.checks import check_budget, choice_option, fraction_option, int_option
+from genlm.backend.checks import (
+    check_budget,
+    choice_option,
+    dict_option,
+    fraction_option,
+    int_option,
+)
 from genlm.backend.kv.pool import BLOCK_SIZE, KVLayout, NoKVPool
 from genlm.backend.kv.store import PrefixKVStore
 from genlm.backend.llm.hf.options import (
@@ -50,9 +40,7 @@ LORA_BATCHING = ("mixed", "grouped")
 
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_LOGPROBS_BYTES = 256 << 20
-# The share of the device's free memory (after the model is loaded) that a CUDA KV pool
-# sized once for CUDA graphs takes at least (`cuda_kv_memory_fraction`'s default).
-CUDA_KV_MEMORY_FRACTION = 0.5
+CUDA_KV_MEMORY_FRACTION = 0.5  # `cuda_kv_memory_fraction`'s default
 
 
 class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
@@ -97,13 +85,10 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     shows them right and faster (docs/kv-store.md). Fixed at construction."""
 
     cuda_kv_memory_fraction = Option(CUDA_KV_MEMORY_FRACTION, fraction_option, assignable=False)
-    """With ``cuda_graphs=True`` on a CUDA device, the KV pool is allocated at construction
-    and never resized (the graphs hold its addresses): the larger of ``max_kv_bytes`` and
-    this share of the device's free memory (after the model is loaded), in ``(0, 1)``.
-    Pinned prompts and a running batch's rows must fit in it; a batch that cannot fails
-    before any work (an assigned ``max_kv_bytes`` does not resize it). No effect
-    otherwise: the pool follows what is held, on CUDA as on the CPU. Fixed at
-    construction."""
+    """With ``cuda_graphs=True`` on a CUDA device, the KV pool is sized once, at construction
+    (the graphs hold its addresses): the larger of ``max_kv_bytes`` and this share, in
+    ``(0, 1)``, of the device's free memory once the model is loaded; a batch that does not
+    fit fails before any work. No effect otherwise. Fixed at construction."""
 
     @takes_options
     def __init__(
@@ -122,8 +107,7 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     ):
         super().__init__(hf_tokenizer)
         self.model = hf_model  # in eval mode while an LM serves it (`SharedModel`)
-        # Read once: every prefix of every step is checked against it (a config lookup goes
-        # through transformers' __getattribute__).
+        # Read once: every prefix of every step is checked against it (config lookups are slow).
         self._max_positions: int | None = getattr(
             self.model.config.get_text_config(), "max_position_embeddings", None
         )
@@ -183,12 +167,8 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
             load_tokenizer,
         )
 
-        for name, value in (("hf_opts", hf_opts), ("bitsandbytes_opts", bitsandbytes_opts)):
-            if value is not None and not isinstance(value, dict):
-                raise TypeError(
-                    f"{name} must be a dict of keyword arguments or None, got "
-                    f"{type(value).__name__}: {value!r} (e.g. hf_opts={{'dtype': 'float16'}})"
-                )
+        dict_option("hf_opts", hf_opts)
+        dict_option("bitsandbytes_opts", bitsandbytes_opts)
         cls.check_constructor_options(kwargs)
         opts = dict(hf_opts or {})
         normalize_dtype(opts)
@@ -231,18 +211,11 @@ def fixed_pool_capacity(
     *,
     cuda_graphs: bool,
 ) -> int | None:
-    """The blocks of a KV pool sized once, at construction, as vLLM sizes its KV cache, or
-    None where the pool follows what is held.
-
-    Sized once only for CUDA graphs on a CUDA device (their captures hold the layers'
-    addresses): block 0 and the larger of the KV budget and ``memory_fraction`` of the
-    device's free memory. The budget stays a caching limit (what is kept between
-    batches, least recently used first); the rest of the pool is room for a running batch's
-    rows, so that a long run does not fail once its particles' own tokens outgrow the
-    budget. Otherwise None: the pool grows for a batch and trims between batches, so an
-    LM never holds device memory it does not use (a vLLM engine or a second LM built
-    after it on the same GPU gets what is free).
-    """
+    """The blocks of a KV pool sized once, at construction, as vLLM sizes its KV cache:
+    with CUDA graphs on a CUDA device (their captures hold the layers' addresses), block 0
+    and the larger of the KV budget and ``memory_fraction`` of the device's free memory (the
+    rest beyond the budget is room for a running batch's rows). Otherwise None: the pool
+    follows what is held (docs/kv-store.md, "Pool size")."""
     if device.type != "cuda" or not cuda_graphs:
         return None
     free, _ = torch.cuda.mem_get_info(device)

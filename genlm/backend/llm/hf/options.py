@@ -1,5 +1,5 @@
-"""Loading options of `AsyncTransformer`: dtype names, bitsandbytes' log noise, and the
-keyword under which a model's forward takes its KV cache."""
+"""Loading options of `AsyncTransformer`: dtype names, bitsandbytes' log noise, the keyword
+under which a model's forward takes its KV cache, and the device a model goes on."""
 
 from __future__ import annotations
 
@@ -10,14 +10,9 @@ from typing import Any
 import torch
 
 _DTYPE_NAMES = {
-    "float": torch.float32,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "half": torch.float16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    **dict.fromkeys(("float", "float32", "fp32"), torch.float32),
+    **dict.fromkeys(("half", "float16", "fp16"), torch.float16),
+    **dict.fromkeys(("bfloat16", "bf16"), torch.bfloat16),
 }
 
 
@@ -50,13 +45,9 @@ def quiet_bitsandbytes(model: torch.nn.Module) -> None:
 
 def cache_keyword(model: torch.nn.Module) -> str:
     """The name under which ``model``'s forward takes and returns its KV cache: ``cache``
-    from transformers 5.24 on (there ``past_key_values`` is deprecated, to go in 5.40),
-    ``past_key_values`` in older releases and in remote-code models that keep it.
-
-    Read from the class, so that a wrapper set on the instance (a profiler's) changes
-    nothing; a wrapper class whose forward takes only ``**kwargs`` gets the installed
-    transformers' name.
-    """
+    from transformers 5.24 on, ``past_key_values`` before and in remote-code models that
+    keep it. Read from the class (a wrapper set on the instance changes nothing); a forward
+    taking only ``**kwargs`` gets the installed transformers' name."""
     parameters = inspect.signature(type(model).forward).parameters
     for name in ("cache", "past_key_values"):
         if name in parameters:
@@ -86,13 +77,11 @@ def normalize_dtype(opts: dict[str, Any]) -> None:
 def bitsandbytes_config(bitsandbytes_opts: dict[str, Any]) -> Any:
     """``transformers.BitsAndBytesConfig(**bitsandbytes_opts)``, or ImportError naming the
     ``bnb`` extra when bitsandbytes is not installed."""
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError as error:
-        from genlm.backend._install import install_hint
-
-        raise ImportError(f"bitsandbytes_opts needs bitsandbytes: {install_hint('bnb')}") from error
     from transformers import BitsAndBytesConfig
+
+    from genlm.backend._install import import_extra
+
+    import_extra("bitsandbytes", "bnb", "bitsandbytes_opts needs bitsandbytes")
 
     return BitsAndBytesConfig(**bitsandbytes_opts)
 
@@ -109,15 +98,10 @@ def default_device_map(
     model_id: str, path: str, from_pretrained_kwargs: dict[str, Any]
 ) -> str | dict[str, int]:
     """The ``device_map`` for ``from_pretrained(path, **from_pretrained_kwargs)`` (which
-    loads ``model_id``) where the caller named none.
-
-    Without CUDA, ``"auto"`` (transformers puts the model on the CPU). With CUDA, the whole
-    model on the current device (``{"": index}``): transformers' ``"auto"`` spreads the
-    layers over every GPU it sees, and a model on several devices gets no KV reuse. The
-    weights' bytes are estimated from the config on the meta device (`weight_bytes`:
-    nothing is loaded); a model whose weights take more than ``ONE_DEVICE_WEIGHT_SHARE``
-    of the device's free memory raises ValueError naming the ways to split it.
-    """
+    loads ``model_id``) where the caller named none: without CUDA ``"auto"``; with CUDA the
+    whole model on the current device (``{"": index}``; ``"auto"`` would spread it over
+    every GPU, without KV reuse), or ValueError naming the ways to split it where its
+    weights (`weight_bytes`) take more than ``ONE_DEVICE_WEIGHT_SHARE`` of the free memory."""
     if not torch.cuda.is_available():
         return "auto"
     device = torch.cuda.current_device()
@@ -140,10 +124,9 @@ def default_device_map(
 
 
 def weight_bytes(path: str, from_pretrained_kwargs: dict[str, Any]) -> int:
-    """About the bytes that ``from_pretrained(path, **from_pretrained_kwargs)``'s weights
-    take: the model built from its config on the meta device, at the dtype it will load in
-    (``dtype``, else the config's, else float32) or, quantized (bitsandbytes options or a
-    quantized checkpoint), at 4 or 8 bits a weight."""
+    """About the bytes ``from_pretrained(path, **from_pretrained_kwargs)``'s weights take:
+    the model built on the meta device (nothing loaded), at the dtype it will load in
+    (``dtype``, else the config's, else float32) or, quantized, at 4 or 8 bits a weight."""
     from accelerate.utils import CustomDtype, compute_module_sizes
     from transformers import AutoConfig, AutoModelForCausalLM
 

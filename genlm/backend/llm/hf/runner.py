@@ -1,13 +1,11 @@
 """`TransformerRunner`: `AsyncTransformer`'s forward over a batch's rows (a `RowRunner`).
 
-`PrefixCachedLM` hands it a plan's rows; it calls down only. It groups them by their
-number ``t`` of new tokens (`genlm.backend.kv.rows`; no query row is padded, so no fully
-masked attention rows and no NaNs), decides each group's cascade (`cascade_blocks`),
-builds its inputs (`genlm.backend.llm.hf.step`) and runs the model's step
-(`ModelForward.step`), or replays it from a CUDA graph (`genlm.backend.llm.hf.graphs`),
-with the model held as the batch needs it (`ModelForward.serving`). A step's ops do not
-grow with its rows or their context (tests/test_hf_step.py, benchmark/bench_host.py); the
-design is told in docs/kv-store.md ("One batch").
+It calls down only: rows grouped by their number of new tokens (`genlm.backend.kv.rows`; no
+query row is padded, so no fully masked attention rows), each group's cascade decided
+(`cascade_blocks`), its inputs built (`genlm.backend.llm.hf.step`) and the model's step run
+(`ModelForward.step`) or replayed from a CUDA graph (`genlm.backend.llm.hf.graphs`), the
+model held as the batch needs it (`ModelForward.serving`). A step's ops do not grow with its
+rows or their context. The design: docs/kv-store.md ("One batch").
 """
 
 from __future__ import annotations
@@ -30,14 +28,9 @@ from genlm.backend.llm.hf.step import cascade_blocks, step_inputs
 class TransformerRunner:
     """The forward of a transformers causal LM over a batch's rows.
 
-    Args:
-        model: the model.
-        vocab_size: the tokenizer's vocabulary: the columns of each row's logprobs.
-        max_batch_tokens: most new tokens run in one forward.
-        lora_batching: ``"mixed"`` or ``"grouped"`` (`AsyncTransformer`).
-        cuda_graphs: replay decode steps of up to ``batch_size`` rows from CUDA graphs,
-            where they can be captured.
-    """
+    ``vocab_size``: the columns of each row's logprobs; ``max_batch_tokens`` and
+    ``lora_batching`` as `AsyncTransformer`'s options; ``cuda_graphs``: replay decode steps
+    of up to ``batch_size`` rows from CUDA graphs, where they can be captured."""
 
     def __init__(
         self,

@@ -1,11 +1,8 @@
 """`SharedModel`: the model object a user hands to `AsyncTransformer`, as the LMs over it
-share it.
-
-Each LM has its own worker thread, but peft's LoRA layers and the attention implementation
-live on the model's modules. So the LMs over one model object share one `SharedModel`
-(`SharedModel.of`): one lock, under which each step sets what it needs of the model
-(`genlm.backend.llm.hf.forward.ModelForward.serving`); one peft wrapper holding every LM's
-adapters under names of its own, so that a forward names each row's adapter (none for base
+share it (`SharedModel.of`). Each LM has its own worker thread, but peft's LoRA layers and
+the attention implementation live on the model's modules, so they share one lock, under
+which each step sets what it needs (`ModelForward.serving`); one peft wrapper holding every
+LM's adapters under names of its own (a forward names each row's adapter, none for base
 rows); and what the model was given as (train mode, attention implementation, which
 parameters required gradients), restored once its last LM closes or its last adapter goes.
 """
@@ -89,13 +86,10 @@ class SharedModel:
         """Check the adapter at ``lora_path`` and load it into the shared peft model under a
         fresh name, which is returned; a failure leaves the model as it was (no LoRA layers
         left injected)."""
-        try:
-            import peft
-        except ImportError as error:
-            from genlm.backend._install import install_hint
-
-            raise ImportError(f"LoRA adapters need peft: {install_hint('lora')}") from error
+        from genlm.backend._install import import_extra
         from genlm.backend.llm.adapters import check_peft_shapes, read_peft_adapter
+
+        peft = import_extra("peft", "lora", "LoRA adapters need peft")
 
         path, weights = read_peft_adapter(lora_path)
         check_peft_shapes(weights, model, path)
