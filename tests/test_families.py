@@ -383,6 +383,21 @@ def test_sliding_layers_ignore_keys_out_of_their_window(
     assert min((a - b).abs().max().item() for a, b in zip(windowed, whole, strict=True)) > 0.1
 
 
+def test_a_prefill_in_chunks_keeps_each_sliding_layers_window(smollm2_tokenizer):
+    """A 100-token prompt run in forwards of 24 tokens (`max_batch_tokens`), fresh and
+    extending a cached prefix: each chunk's queries read the earlier chunks' keys within
+    their window only."""
+    model = family_model(family("gemma3"), len(smollm2_tokenizer))
+    with AsyncTransformer(model, smollm2_tokenizer, max_batch_tokens=24) as lm:
+        assert lm.kv_reuse
+        rows = Rows(model, lm, seed=4)
+        prompt = rows.tokens(100)
+        rows.check([prompt])
+        rows.check([prompt[:30]])
+        rows.check([prompt[:30] + rows.tokens(70)])
+        assert rows.worst <= TOL
+
+
 def layer_kinds(model):
     """Each layer's kind, as the config names it (every layer sliding without types)."""
     config = model.config.get_text_config()
