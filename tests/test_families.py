@@ -20,9 +20,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import CONTEXT, FAMILIES, LONGROPE_ORIGINAL_CONTEXT, Family, family, family_model
+from families import (
+    CONTEXT,
+    FAMILIES,
+    LONGROPE_ORIGINAL_CONTEXT,
+    WINDOW,
+    Family,
+    family,
+    family_model,
+)
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+)
 
 from genlm.backend.llm.hf import AsyncTransformer
+from genlm.backend.llm.hf.families import kv_reuse_refusal
 
 TOL = 1e-4  # float32 rows: batched / KV-reused / cascade vs one plain forward
 DOCS_TABLE = Path(__file__).resolve().parents[1] / "docs" / "families.md"
@@ -40,19 +54,18 @@ class LMPath:
 
 REUSE_AND_CASCADE = LMPath(True, True)
 REUSE_ONLY = LMPath(True, False)  # attention modules that do not look up our cascade
-SLIDING = LMPath(False, False, "its cache has layers other than full attention")
 ALIBI = LMPath(False, False, "builds its ALiBi bias from a 2-D attention mask")
 
 PATHS: dict[str, LMPath] = {
     "llama": REUSE_AND_CASCADE,
     "llama-dynamic-ntk": REUSE_AND_CASCADE,
-    "mistral": SLIDING,
+    "mistral": REUSE_AND_CASCADE,
     "mistral-window-covers-context": REUSE_AND_CASCADE,
     "gemma": REUSE_AND_CASCADE,
-    "gemma2": SLIDING,
-    "gemma3": SLIDING,
+    "gemma2": REUSE_ONLY,
+    "gemma3": REUSE_AND_CASCADE,
     "gemma3-window-covers-context": REUSE_AND_CASCADE,
-    "phi3": SLIDING,
+    "phi3": REUSE_AND_CASCADE,
     "phi3-longrope": LMPath(False, False, "its longrope RoPE switches factors past position 64"),
     "qwen2": REUSE_AND_CASCADE,
     "qwen3": REUSE_AND_CASCADE,
@@ -65,14 +78,14 @@ PATHS: dict[str, LMPath] = {
     "falcon-alibi": ALIBI,
     "bloom": ALIBI,
     "mpt": REUSE_ONLY,
-    "starcoder2": SLIDING,
+    "starcoder2": REUSE_AND_CASCADE,
     "cohere": REUSE_AND_CASCADE,
-    "cohere2": SLIDING,
+    "cohere2": REUSE_AND_CASCADE,
     "granite": REUSE_AND_CASCADE,
     "olmo": REUSE_AND_CASCADE,
     "mixtral": REUSE_AND_CASCADE,
     "qwen2-moe": REUSE_AND_CASCADE,
-    "gpt-oss": SLIDING,
+    "gpt-oss": REUSE_ONLY,
     "deepseek-v3": LMPath(False, False, "its layers' KV shapes differ"),
 }
 
@@ -301,6 +314,153 @@ def test_dynamic_ntk_keeps_kv_reuse_up_to_its_context(smollm2_tokenizer):
         assert rows.worst <= TOL
         with pytest.raises(ValueError, match=f"{CONTEXT}"):
             lm.next_token_logprobs_sync(prompt)
+
+
+# -- sliding windows ---------------------------------------------------------------------------
+
+
+def window_cases():
+    """Every layer sliding (Mistral); sliding and full layers (Gemma 3: a mask per layer
+    type) with cascade attention, and eager (additive masks, no cascade)."""
+    yield pytest.param("mistral", {}, id="every-layer-sliding")
+    yield pytest.param("gemma3", {}, id="hybrid")
+    yield pytest.param("gemma3", {"attn_implementation": "eager"}, id="hybrid-eager")
+
+
+@pytest.mark.parametrize(("name", "options"), list(window_cases()))
+def test_sliding_layers_ignore_keys_out_of_their_window(
+    smollm2_tokenizer, monkeypatch, name, options
+):
+    """A 100-token prompt (6 times the window), prefixes of it cached at lengths inside and
+    beyond the window, then one batch extending them by 1, 3 and 20 tokens beside a fresh
+    prompt, then particles decoding from the prompt with cascade attention (whose shared
+    prefix runs past a sliding layer's window): rows as the model's own uncached forward,
+    which differ clearly from those of the same weights attending to the whole context."""
+    import genlm.backend.llm.hf.step as step
+
+    tiny = family(name)
+    tiny = Family(tiny.name, tiny.config, {**tiny.options, **options})
+    model = family_model(tiny, len(smollm2_tokenizer))
+    sliding = [kind == "sliding_attention" for kind in layer_kinds(model)]
+    cascades = []
+    cascade_attention = step.cascade_attention
+
+    def spied(module, *args, **kwargs):
+        shared = step.STEP_CACHE.get().shared
+        cascades.append((sliding[module.layer_idx], shared.shape[0]))
+        return cascade_attention(module, *args, **kwargs)
+
+    monkeypatch.setattr(step, "cascade_attention", spied)
+    lm, refusals = open_lm(model, smollm2_tokenizer)
+    with lm:
+        assert lm.kv_reuse and refusals == []
+        assert lm.runner.cascade == ("attn_implementation" not in options)
+        rows = Rows(model, lm, seed=3)
+        prompt = rows.tokens(100)
+        rows.check([prompt[:10], prompt[:40], prompt])
+        rows.check(
+            [
+                prompt[:10] + rows.tokens(1),
+                prompt[:40] + rows.tokens(3),
+                prompt + rows.tokens(1),
+                prompt + rows.tokens(20),
+                rows.tokens(30),
+            ]
+        )
+        particles = [prompt + rows.tokens(1) for _ in range(8)]
+        for _ in range(2):
+            rows.check(particles)
+            particles = [p + rows.tokens(1) for p in particles]
+        assert rows.worst <= TOL
+    if lm.runner.cascade:
+        assert any(is_sliding and shared > WINDOW for is_sliding, shared in cascades)
+    else:
+        assert cascades == []
+    wide = Family("wide", tiny.config, {**tiny.options, "sliding_window": CONTEXT})
+    contexts = [prompt, particles[0]]
+    windowed = Rows(model, lm, 0).uncached(contexts)
+    whole = Rows(family_model(wide, len(smollm2_tokenizer)), lm, 0).uncached(contexts)
+    assert min((a - b).abs().max().item() for a, b in zip(windowed, whole, strict=True)) > 0.1
+
+
+def test_a_prefill_in_chunks_keeps_each_sliding_layers_window(smollm2_tokenizer):
+    """A 100-token prompt run in forwards of 24 tokens (`max_batch_tokens`), fresh and
+    extending a cached prefix: each chunk's queries read the earlier chunks' keys within
+    their window only."""
+    model = family_model(family("gemma3"), len(smollm2_tokenizer))
+    with AsyncTransformer(model, smollm2_tokenizer, max_batch_tokens=24) as lm:
+        assert lm.kv_reuse
+        rows = Rows(model, lm, seed=4)
+        prompt = rows.tokens(100)
+        rows.check([prompt])
+        rows.check([prompt[:30]])
+        rows.check([prompt[:30] + rows.tokens(70)])
+        assert rows.worst <= TOL
+
+
+def layer_kinds(model):
+    """Each layer's kind, as the config names it (every layer sliding without types)."""
+    config = model.config.get_text_config()
+    kinds = getattr(config, "layer_types", None)
+    return kinds or ["sliding_attention"] * config.num_hidden_layers
+
+
+def cache_layer(kind, **options):
+    """A cache layer of ``kind`` holding one token's KV."""
+    layer = kind(**options)
+    layer.keys = layer.values = torch.zeros(1, 2, 1, 16)
+    return layer
+
+
+def refusal_cases():
+    full, sliding = (
+        cache_layer(DynamicLayer),
+        cache_layer(DynamicSlidingWindowLayer, sliding_window=WINDOW),
+    )
+    narrower = cache_layer(DynamicSlidingWindowLayer, sliding_window=WINDOW // 2)
+    recurrent = cache_layer(LinearAttentionAndFullAttentionLayer)
+    gemma3 = ["sliding_attention", "full_attention"]
+    yield pytest.param(
+        "gemma3",
+        [sliding, sliding],
+        f"its cache layers are not its layer_types {gemma3}",
+        id="types",
+    )
+    yield pytest.param(
+        "mistral", [sliding, narrower], "its sliding layers' windows differ", id="windows"
+    )
+    yield pytest.param(
+        "mistral", [sliding, full], "its sliding and full layers have no layer_types", id="untyped"
+    )
+    yield pytest.param(
+        "llama",
+        [full, recurrent],
+        "its cache has layers other than attention (recurrent or state-space)",
+        id="recurrent",
+    )
+
+
+@pytest.mark.parametrize(("name", "layers", "reason"), list(refusal_cases()))
+def test_kv_reuse_is_refused_for_windows_a_steps_masks_cannot_state(
+    smollm2_tokenizer, name, layers, reason
+):
+    model = family_model(family(name), len(smollm2_tokenizer))
+    assert kv_reuse_refusal(model, layers) == reason
+
+
+@pytest.mark.parametrize("refused", ["attn_logit_softcapping", "sinks"])
+def test_cascade_is_refused_where_attention_is_not_a_plain_softmax(smollm2_tokenizer, refused):
+    """Soft-capped scores (Gemma 2) or attention sinks (gpt-oss) on a model that runs
+    ``sdpa``: cascade attention, a plain softmax, would drop them."""
+    from genlm.backend.llm.hf.step import attention_modules, use_cascade
+
+    model = family_model(family("gemma3"), len(smollm2_tokenizer))
+    assert model.config._attn_implementation == "sdpa"
+    module = attention_modules(model)[1]
+    setattr(module, refused, 50.0 if refused == "attn_logit_softcapping" else torch.zeros(4))
+    assert not use_cascade(model, 2)
+    setattr(module, refused, None)
+    assert use_cascade(model, 2)
 
 
 # -- the docs' table of families -------------------------------------------------------------

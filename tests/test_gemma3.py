@@ -151,6 +151,7 @@ async def test_rows_with_resampling_match_the_uncached_forward(gemma3_270m, summ
     prompt = tokenizer(" ".join([text] * 40)).input_ids[: window - 1]
     assert len(prompt) == window - 1
     lm = AsyncTransformer(model, tokenizer, batch_size=8)
+    assert lm.kv_reuse and lm.runner.cascade  # its sliding layers masked to their window
     references: dict[tuple[int, ...], torch.Tensor] = {}
 
     def expected(ids):

@@ -3,7 +3,7 @@ in the cascade scenario (a prompt of >= 64 tokens shared by particles that fork 
 with a shorter prefix of another group in the same batches), every row against the model's own
 uncached forward of its whole context. StableLM's and Nemotron's decoder layers do not pass
 the forward's keyword arguments on to attention (their cascade must reach its cache another
-way); Gemma 3 is a hybrid of sliding and global layers (no KV reuse: whole prefixes); GPT-2
+way); Gemma 3 is a hybrid of sliding and global layers (a mask per layer type); GPT-2
 has absolute positions (KV reuse, no cascade: its attention has no KV heads to group);
 Mixtral is an MoE."""
 
@@ -22,7 +22,7 @@ PROMPT = [(13 * j) % 700 + 2 for j in range(70)]  # 4 full blocks shared, then a
 PATHS = {
     "stablelm": (True, True),
     "nemotron": (True, True),
-    "gemma3": (False, False),
+    "gemma3": (True, True),
     "gpt2": (True, False),
     "mixtral": (True, True),
 }

@@ -9,7 +9,7 @@ import pytest
 import torch
 from held_memory import assert_rows_hold_only_themselves
 from op_count import OpCounter, kernel_launches, multi_tensor_launches
-from small_models import tiny_llama
+from small_models import tiny_gemma3, tiny_llama
 
 from genlm.backend.kv.pool import BlockCopy, KVLayout
 from genlm.backend.kv.torch_pool import TorchBlockPool
@@ -60,13 +60,17 @@ def particles(n, prompt):
 
 
 @pytest.mark.parametrize(
-    ("attn_implementation", "prompt_tokens"),
-    [("sdpa", 64), ("eager", 20)],  # with cascade attention; without (eager: none)
+    ("family", "attn_implementation", "prompt_tokens"),
+    # with cascade attention; without (eager: none); a sliding-window hybrid (window 32)
+    [("llama", "sdpa", 64), ("llama", "eager", 20), ("gemma3", "sdpa", 64)],
 )
 def test_a_steps_kernel_count_does_not_grow_with_particles_or_context(
-    smollm2_tokenizer, attn_implementation, prompt_tokens
+    smollm2_tokenizer, family, attn_implementation, prompt_tokens
 ):
-    model = tiny_llama(len(smollm2_tokenizer), attn_implementation=attn_implementation, **MODEL)
+    if family == "llama":
+        model = tiny_llama(len(smollm2_tokenizer), attn_implementation=attn_implementation, **MODEL)
+    else:
+        model = tiny_gemma3(len(smollm2_tokenizer), attn_implementation=attn_implementation)
 
     def step_kernels(n, context):
         lm = AsyncTransformer(model, smollm2_tokenizer, batch_size=n)

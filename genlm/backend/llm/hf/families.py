@@ -7,9 +7,11 @@ keys and values depend only on the tokens before it and their positions, and the
 attention on the mask given. Where a family departs from that, its model runs each
 request's whole prefix instead (`genlm.backend.kv.pool.NoKVPool` warns with the reason):
 
-- cache layers other than full attention (a sliding window shorter than the context,
-  recurrent states): the store holds full-attention KV only. A window at or beyond the
-  context is full attention, and keeps reuse.
+- cache layers other than attention (recurrent or state-space states): the store holds
+  attention KV only. Sliding-window layers keep reuse: the store holds their KV as a full
+  layer's, and each step's mask hides the keys out of their window (`sliding_window`);
+  a window at or beyond the context is full attention. Hybrids (sliding and full layers)
+  need their config's ``layer_types`` (one mask per type) and one window for all.
 - ALiBi built from a 2-D attention mask (Bloom, Falcon with ``alibi=True``): the bias
   is computed from the mask's columns, and a step's mask is 4-D. (MPT builds its ALiBi
   from positions: right.)
@@ -27,25 +29,65 @@ from typing import Any
 
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from genlm.backend.llm.hf.step import SlidingWindow
+
 
 def kv_reuse_refusal(model: Any, layers: Sequence[object]) -> str | None:
     """Why the paged step cannot give ``model``'s rows (whose one-token forward built the
     cache ``layers``), or None where it can."""
     config = model.config.get_text_config()
     context = getattr(config, "max_position_embeddings", None)
-    if not all(full_attention(layer, context) for layer in layers):
-        return "its cache has layers other than full attention"
-    return alibi_from_mask(config) or position_dependent_rope(config, context)
+    if not all(attention_layer(layer) for layer in layers):
+        return "its cache has layers other than attention (recurrent or state-space)"
+    return (
+        window_refusal(config, layers, context)
+        or alibi_from_mask(config)
+        or position_dependent_rope(config, context)
+    )
 
 
-def full_attention(layer: object, context: int | None) -> bool:
-    """Whether a cache layer holds full-attention KV: a plain layer, or a sliding window
-    that covers the whole ``context`` (every key is within any query's window)."""
+def attention_layer(layer: object) -> bool:
+    """Whether a cache layer holds attention KV: a full layer, or a sliding window's."""
     if getattr(layer, "keys", None) is None or getattr(layer, "values", None) is None:
         return False
-    if type(layer) is DynamicSlidingWindowLayer:
-        return context is not None and layer.sliding_window >= context
-    return type(layer) is DynamicLayer
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def windows(layers: Sequence[object], context: int | None) -> list[int | None]:
+    """Each attention cache layer's sliding window, None where it attends to the whole
+    ``context`` (a full layer, or a window that covers the context)."""
+    found = [getattr(layer, "sliding_window", None) for layer in layers]
+    return [None if context is not None and w is not None and w >= context else w for w in found]
+
+
+def window_refusal(config: Any, layers: Sequence[object], context: int | None) -> str | None:
+    """Why a model's sliding layers cannot run steps: cache layers other than its config's
+    ``layer_types`` (a chunked attention's, say), windows of several sizes, or sliding and
+    full layers without ``layer_types`` to tell apart (a step's masks go by layer type)."""
+    kinds = [
+        "sliding_attention" if type(layer) is DynamicSlidingWindowLayer else "full_attention"
+        for layer in layers
+    ]
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and list(layer_types) != kinds:
+        return f"its cache layers are not its layer_types {list(layer_types)}"
+    sizes = set(windows(layers, context))
+    if len(sizes - {None}) > 1:
+        return "its sliding layers' windows differ"
+    if len(sizes) > 1 and layer_types is None:
+        return "its sliding and full layers have no layer_types"
+    return None
+
+
+def sliding_window(model: Any, layers: Sequence[object]) -> SlidingWindow | None:
+    """The sliding window of ``model`` (which `kv_reuse_refusal` accepts) whose probe
+    built the cache ``layers``; None where every layer attends to the whole context."""
+    config = model.config.get_text_config()
+    sizes = windows(layers, getattr(config, "max_position_embeddings", None))
+    size = next((size for size in sizes if size is not None), None)
+    if size is None:
+        return None
+    return SlidingWindow(size, tuple(size is not None for size in sizes))
 
 
 def alibi_from_mask(config: Any) -> str | None:

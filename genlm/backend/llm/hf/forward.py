@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,12 +23,13 @@ from transformers.cache_utils import DynamicCache
 from genlm.backend.kv.pool import KVLayout, uniform_layout
 from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
-from genlm.backend.llm.hf.families import kv_reuse_refusal
+from genlm.backend.llm.hf.families import kv_reuse_refusal, sliding_window
 from genlm.backend.llm.hf.head import plain_head
 from genlm.backend.llm.hf.options import cache_keyword
 from genlm.backend.llm.hf.shared import SharedModel
 from genlm.backend.llm.hf.step import (
     CASCADE_ATTENTION,
+    SlidingWindow,
     StepInputs,
     attention_modules,
     model_inputs,
@@ -47,8 +49,9 @@ class ModelForward:
         vocab_size: the tokenizer's vocabulary: the columns of each row.
 
     Its ``pool`` is the KV pool the steps read and write (None: the model's KV cannot be
-    reused, for the reason ``kv_reason``); ``cascade``, whether the model runs cascade
-    attention (`genlm.backend.llm.hf.step.use_cascade`).
+    reused, for the reason ``kv_reason``), ``window`` its sliding layers' window (None:
+    none); ``cascade``, whether the model runs cascade attention
+    (`genlm.backend.llm.hf.step.use_cascade`).
     """
 
     def __init__(self, model: Any, vocab_size: int):
@@ -65,7 +68,8 @@ class ModelForward:
             self.shared.join(model, self)
             try:
                 layout, self.kv_reason = kv_layout(model, self._cache_keyword)
-                self.pool = None if layout is None else TorchBlockPool(layout)
+                self.pool = None if layout is None else TorchBlockPool(layout.kv)
+                self.window = None if layout is None else layout.window
                 self.head = plain_head(model, vocab_size, self.input_device)
                 self._set_attention()
             except BaseException:
@@ -164,7 +168,7 @@ class ModelForward:
         chunk = max_tokens or new
         for begin in range(0, new, chunk):
             cache, inputs = model_inputs(
-                self.pool, step, begin, min(new, begin + chunk), self._mask_dtype
+                self.pool, step, begin, min(new, begin + chunk), self._mask_dtype, self.window
             )
             inputs[self._cache_keyword] = cache
             with cache:
@@ -212,7 +216,15 @@ class ModelForward:
         torch.log_softmax(logits[:, -1, : self.vocab_size].float(), dim=-1, out=out)
 
 
-def kv_layout(model: Any, keyword: str) -> tuple[KVLayout | None, str]:
+@dataclass(frozen=True)
+class PagedLayout:
+    """What a model's steps need to know of its KV: its shape, and its sliding window."""
+
+    kv: KVLayout
+    window: SlidingWindow | None
+
+
+def kv_layout(model: Any, keyword: str) -> tuple[PagedLayout | None, str]:
     """Run one token to learn the KV shape, and whether this design can reuse it (else
     None, and why not)."""
     implementation = getattr(model.config, "_attn_implementation", None)
@@ -225,9 +237,10 @@ def kv_layout(model: Any, keyword: str) -> tuple[KVLayout | None, str]:
     if not isinstance(cache, DynamicCache) or not cache.layers:
         return None, f"its cache is a {type(cache).__name__}"
     layers: list[Any] = cache.layers
-    if any(getattr(layer, "keys", None) is None for layer in layers):
-        return None, "its cache has layers other than full attention"
     refusal = kv_reuse_refusal(model, layers)
     if refusal is not None:
         return None, refusal
-    return uniform_layout([(layer.keys, layer.values) for layer in layers])
+    layout, reason = uniform_layout([(layer.keys, layer.values) for layer in layers])
+    if layout is None:
+        return None, reason
+    return PagedLayout(layout, sliding_window(model, layers)), reason

@@ -29,6 +29,8 @@ from genlm.backend.kv.torch_pool import TorchBlockPool
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
 # The attention implementation `use_cascade` gives a model: `sdpa_or_cascade_attention`.
 CASCADE_ATTENTION = "genlm_cascade"
+# A step's attention mask: one for every layer, or one per layer type (a hybrid's).
+Mask = torch.Tensor | dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,21 @@ class StepInputs:
         return cls(
             ids, positions, write, read, first, shared, used, shape.past, padded, shared_padded
         )
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The window of a model's sliding layers (``sliding``: whether each KV layer is one):
+    a query attends to the ``size`` keys up to its own (key position > query position -
+    ``size``, as transformers' sliding masks). Where some layers attend fully the model
+    takes one mask per layer type (``config.layer_types``), else one mask for all."""
+
+    size: int
+    sliding: tuple[bool, ...]
+
+    @property
+    def every_layer(self) -> bool:
+        return all(self.sliding)
 
 
 def cascade_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
@@ -206,8 +223,9 @@ class _PagedLayer(DynamicLayer):
 class PagedCache(Cache):
     """A transformers `Cache` over the pool for one forward: its layers write the ``write``
     slots and read the ``read`` rows, after the ``shared`` slots every row attends to with
-    cascade attention (None: no cascade), of which ``shared_mask`` hides the padding ones.
-    Inside ``with``, the current one (`STEP_CACHE`)."""
+    cascade attention (None: no cascade), of which ``shared_mask`` hides the padding ones
+    and, from the ``window``'s sliding layers, ``shared_window`` those out of each query's
+    window. Inside ``with``, the current one (`STEP_CACHE`)."""
 
     _token: Token[PagedCache | None]
 
@@ -219,13 +237,23 @@ class PagedCache(Cache):
         past: int,
         shared: torch.Tensor | None,
         shared_mask: torch.Tensor | None,
+        window: SlidingWindow | None = None,
+        shared_window: torch.Tensor | None = None,
     ):
         self.shared, self.shared_mask, self.pool_layers = shared, shared_mask, pool.layers
+        self.window, self.shared_window = window, shared_window
         super().__init__(layers=[_PagedLayer(kv, write, read, past) for kv in pool.layers])
 
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The prefix every row shares, read once: keys and values ``[heads, shared, dim]``."""
         return self.pool_layers[layer][:, self.shared].transpose(1, 2).unbind(0)
+
+    def shared_window_of(self, layer: int) -> torch.Tensor | None:
+        """The shared keys within each query's window, ``[rows, 1, new, shared]``, if
+        ``layer`` is a sliding one (else None: its queries read them all)."""
+        if self.window is not None and self.window.sliding[layer]:
+            return self.shared_window
+        return None
 
     def __enter__(self) -> PagedCache:
         self._token = STEP_CACHE.set(self)
@@ -246,23 +274,34 @@ def model_inputs(
     begin: int,
     end: int,
     mask_dtype: torch.dtype | None,
+    window: SlidingWindow | None = None,
 ) -> tuple[PagedCache, dict[str, Any]]:
     """The model's inputs for new tokens ``begin:end`` of each row of ``step`` (the one
     builder of a forward's inputs: an eager step, a chunk of a long prefill, a graph's
     capture): its `PagedCache` (cascade attention when the step has shared slots) and the
     ids, positions and ``[rows, 1, new, keys]`` mask (boolean, or additive in
     ``mask_dtype`` for eager attention; none when no row is padded and the tokens run
-    causally from the start)."""
+    causally from the start). With a sliding ``window`` its layers' mask also hides keys
+    out of each query's window: one mask, or one per layer type (`SlidingWindow`)."""
     new, past = end - begin, step.past + begin
     shared = step.shared if step.shared.shape[0] else None
-    mask = None
-    if shared is not None or step.padded or (past and new > 1):
+    mask: Mask | None = None
+    shared_window = None
+    if window is not None or shared is not None or step.padded or (past and new > 1):
         keys = torch.arange(past + new, device=step.first.device)
-        mask = (keys >= step.first[:, None, None]) & (keys <= keys[past:, None])
-        mask = mask[:, None]
-        if mask_dtype is not None:
-            additive = torch.zeros(mask.shape, dtype=mask_dtype, device=mask.device)
-            mask = additive.masked_fill_(~mask, torch.finfo(mask_dtype).min)
+        queries = keys[past:, None]
+        mask = ((keys >= step.first[:, None, None]) & (keys <= queries))[:, None]
+        if window is not None:
+            # a key's distance from a query in ``read`` is their positions' distance
+            sliding = mask & (keys > queries - window.size)
+            by_type = {"full_attention": mask, "sliding_attention": sliding}  # a hybrid's
+            mask = sliding if window.every_layer else by_type
+            if shared is not None:
+                shared_window = _shared_in_window(step, begin, end, window.size)
+        if mask_dtype is not None and isinstance(mask, dict):
+            mask = {name: _additive(part, mask_dtype) for name, part in mask.items()}
+        elif mask_dtype is not None and isinstance(mask, torch.Tensor):
+            mask = _additive(mask, mask_dtype)
     shared_mask = None
     if shared is not None and step.shared_padded:
         shared_mask = torch.arange(shared.shape[0], device=shared.device) < step.shared_used
@@ -272,8 +311,24 @@ def model_inputs(
         (field if whole else field[:, begin:end])
         for field in (step.write, step.input_ids, step.position_ids)
     )
-    cache = PagedCache(pool, write.flatten(), read, past, shared, shared_mask)
+    cache = PagedCache(
+        pool, write.flatten(), read, past, shared, shared_mask, window, shared_window
+    )
     return cache, dict(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True)
+
+
+def _shared_in_window(step: StepInputs, begin: int, end: int, size: int) -> torch.Tensor:
+    """The shared keys (positions 0, 1, ...) within the window of each query ``begin:end``
+    of a sliding layer, ``[rows, 1, new, shared]``."""
+    slots = torch.arange(step.shared.shape[0], device=step.shared.device)
+    return (slots > step.position_ids[:, begin:end, None] - size)[:, None]
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Eager attention's additive mask in ``dtype`` for a boolean ``mask``: 0 where a key
+    is read, the dtype's lowest value where not."""
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return additive.masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 def cascade_attention(
@@ -303,6 +358,9 @@ def cascade_attention(
     q = query.reshape(rows, kv_heads, groups * new, dim) * scale
     flat = q.transpose(0, 1).reshape(kv_heads, rows * groups * new, dim)
     shared = torch.matmul(flat, shared_keys.transpose(1, 2))
+    window = cache.shared_window_of(module.layer_idx)
+    if window is not None:  # a sliding layer: the shared keys out of each query's window
+        shared = torch.where(window, shared.view(kv_heads, rows, groups, new, -1), float("-inf"))
     shared = shared.view(kv_heads, rows, groups * new, -1).transpose(0, 1)
     if cache.shared_mask is not None:
         shared = torch.where(cache.shared_mask, shared, float("-inf"))
@@ -344,9 +402,11 @@ def use_cascade(model: Any, num_layers: int) -> bool:
     (with ``sdpa``'s masks), and set as the model's implementation (`set_attention`).
     transformers' own entries stay as they are, and so does every other model; this one
     runs ``sdpa`` as before outside a cascade step. Whether each of its attention modules
-    (one per KV layer) now finds it (a model that cannot switch keeps its ``sdpa`` and no
-    cascade runs)."""
+    (one per KV layer) now finds it (a model that cannot switch, or whose attention is not
+    a plain softmax (`plain_softmax`), keeps its ``sdpa`` and no cascade runs)."""
     if model.config._attn_implementation not in ("sdpa", CASCADE_ATTENTION):
+        return False
+    if not all(plain_softmax(module) for module in attention_modules(model)):
         return False
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -364,6 +424,16 @@ def use_cascade(model: Any, num_layers: int) -> bool:
         and registry is not None
         and registry.get_interface(CASCADE_ATTENTION, None) is sdpa_or_cascade_attention
         for module, registry in zip(modules, registries, strict=True)
+    )
+
+
+def plain_softmax(module: torch.nn.Module) -> bool:
+    """Whether an attention module's weights are the plain softmax of its scaled scores, as
+    cascade attention computes them: no logit soft-capping (Gemma 2's) and no attention
+    sinks (gpt-oss')."""
+    return (
+        getattr(module, "attn_logit_softcapping", None) is None
+        and getattr(module, "sinks", None) is None
     )
 
 
