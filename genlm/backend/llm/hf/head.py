@@ -28,7 +28,13 @@ class OutputHead:
     def logprobs(self, hidden: torch.Tensor, out: torch.Tensor, reuse: bool = True) -> None:
         """``log_softmax(head(hidden))`` over the tokenizer's vocabulary, in float32, into
         ``out`` (``hidden``: ``[rows, hidden_size]``; under ``torch.inference_mode``, as
-        the forward runs); the logits in the reused buffer, or fresh memory if not ``reuse``."""
+        the forward runs)."""
+        torch.log_softmax(self.logits(hidden, reuse), dim=-1, dtype=torch.float32, out=out)
+
+    def logits(self, hidden: torch.Tensor, reuse: bool = True) -> torch.Tensor:
+        """The head's logits over the tokenizer's vocabulary (the benchmarks clock them
+        apart from the log-softmax), in the reused buffer (valid until the next call) or,
+        if not ``reuse``, in a tensor of their own."""
         weight = self.linear.weight[: self.vocab_size]
         rows = hidden.shape[0]
         logits = self._logits
@@ -38,10 +44,8 @@ class OutputHead:
                 self._logits = logits
         logits = logits[:rows]
         if self.linear.bias is None:
-            torch.mm(hidden, weight.t(), out=logits)
-        else:
-            torch.addmm(self.linear.bias[: self.vocab_size], hidden, weight.t(), out=logits)
-        torch.log_softmax(logits, dim=-1, dtype=torch.float32, out=out)
+            return torch.mm(hidden, weight.t(), out=logits)
+        return torch.addmm(self.linear.bias[: self.vocab_size], hidden, weight.t(), out=logits)
 
     def free(self) -> None:
         """Let the logits buffer go (the next call makes a new one)."""
