@@ -509,10 +509,10 @@ async def test_sliding_windows_mixed_cached_lengths_and_extensions(sliding):
 def test_sliding_windows_walk_cache_past_is_mlx_lms_own_cache(smollm2_tokenizer):
     """`walk_cache`'s ``past`` holds a ``RotatingKVCache`` of the window's last tokens for
     each sliding layer, from which mlx-lm continues by one token or several."""
+    pytest.importorskip("mlx_lm")
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    pytest.importorskip("mlx_lm")
     model = tiny_gemma3(len(smollm2_tokenizer))
     lm = reusing_lm(model, smollm2_tokenizer)
     prompt = random_ids(np.random.default_rng(5), 100)
