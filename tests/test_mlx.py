@@ -373,7 +373,34 @@ def tiny_hybrid_llama(vocab_size, window=WINDOW):
     return tiny_llama(vocab_size, layers, window)
 
 
-SLIDING_MODELS = {"gemma3": tiny_gemma3, "llama-hybrid": tiny_hybrid_llama}
+def tiny_gpt_oss(vocab_size, window=WINDOW):
+    """A small random-weight mlx-lm gpt-oss: a sliding and a full layer, attention sinks
+    and a mixture of experts."""
+    import mlx.core as mx
+    from mlx_lm.models import gpt_oss
+
+    mx.random.seed(0)
+    args = gpt_oss.ModelArgs(
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=64,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return gpt_oss.Model(args)
+
+
+SLIDING_MODELS = {
+    "gemma3": tiny_gemma3,
+    "llama-hybrid": tiny_hybrid_llama,
+    "gpt-oss": tiny_gpt_oss,
+}
 
 
 @pytest.fixture(params=sorted(SLIDING_MODELS))
