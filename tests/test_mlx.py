@@ -555,6 +555,85 @@ def test_sliding_windows_walk_cache_past_is_mlx_lms_own_cache(smollm2_tokenizer)
         )
 
 
+def tiny_gemma3n(vocab_size):
+    """A small random-weight mlx-lm Gemma 3n: two sliding and two full layers, the last two
+    sharing the KV of the first ones (read through their cache's ``keys_and_values``)."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma3n
+
+    mx.random.seed(0)
+    layers = 4
+    text = dict(
+        model_type="gemma3n_text",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        num_key_value_heads=2,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=vocab_size,
+        sliding_window=WINDOW,
+        max_position_embeddings=4096,
+        rope_local_base_freq=10_000.0,
+        rope_theta=1_000_000.0,
+        final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * layers,
+        hidden_size_per_layer_input=8,
+        altup_num_inputs=2,
+        altup_coef_clip=120.0,
+        altup_correct_scale=True,
+        altup_active_idx=0,
+        laurel_rank=4,
+    )
+    return gemma3n.Model(gemma3n.ModelArgs(model_type="gemma3n", text_config=text))
+
+
+async def test_kv_shared_layers_reuse_kv_as_mlx_lms_own_cache_runs_them(smollm2_tokenizer):
+    """Gemma 3n's KV-shared layers read an earlier layer's cache. The reference is mlx-lm's
+    own cached forward: its uncached one gives those layers KV of their own."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_gemma3n(len(smollm2_tokenizer))
+    lm = reusing_lm(model, smollm2_tokenizer, batch_size=8, prefill_step_size=7)
+    rng = np.random.default_rng(6)
+    prompt = random_ids(rng, 100)
+    for length in (37, 100):
+        lm.next_token_logprobs_sync(prompt[:length])
+    rows = [prompt + random_ids(rng, 5), prompt[:37] + [3], random_ids(rng, 30), prompt + [9]]
+    for _ in range(3):  # a mixed batch, then decode steps
+        results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+        for ids, logps in zip(rows, results, strict=True):
+            own = plain_run(model, make_prompt_cache(model), ids)
+            assert max_diff(logps, own) <= SELF_TOLERANCE, ids
+        rows = [ids + [int(logps.argmax())] for ids, logps in zip(rows, results, strict=True)]
+    assert max_diff(uncached_logprobs(model, rows[0]), own) > 0.1
+
+
+class ReadsItsCacheArrays(RecordingModel):
+    """A model that reads its cache layers' ``keys`` itself, beyond mlx-lm's cache protocol."""
+
+    def __call__(self, inputs, *args, cache=None, **kwargs):
+        if cache is not None:
+            assert all(layer.keys is None or layer.keys.size for layer in cache)
+        return super().__call__(inputs, *args, cache=cache, **kwargs)
+
+
+async def test_a_model_failing_over_the_paged_cache_runs_whole_prefixes(smollm2_tokenizer):
+    pytest.importorskip("mlx_lm")
+    model = ReadsItsCacheArrays(tiny_gemma3(len(smollm2_tokenizer)))
+    with pytest.warns(UserWarning, match="paged cache fails: AttributeError: .*keys"):
+        lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
+    assert not lm.kv_reuse
+    rows = [random_ids(np.random.default_rng(7), 40), [4], [5, 6]]
+    results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+    assert_rows_match_the_uncached_forward(model, rows, results)
+
+
 def keeping_rotating_cache():
     """mlx-lm's cache for ``max_kv_size`` (a window that keeps its first 4 tokens)."""
     from mlx_lm.models.cache import RotatingKVCache

@@ -9,7 +9,7 @@ a block chain and new tokens, one row of the batch), per adapter:
 1. prefills each row's new tokens but the last (rows with as many such tokens together,
    in steps of ``prefill_step_size``), then runs every row's last token in one forward.
    Each layer gets a `_PagedCache` (mlx-lm's cache protocol: ``offset``,
-   ``update_and_fetch``, ``make_mask``): it scatters the new tokens' K/V into their chain
+   ``update_and_fetch``, ``make_mask``, ``keys_and_values``): it scatters the new tokens' K/V into their chain
    slots and returns each row's K/V gathered through its chain, left-padded to the
    longest row with block-0 slots that the mask hides; RoPE gets each row's own offset,
    as with mlx-lm's ``BatchKVCache``. A sliding-window layer (mlx-lm's
@@ -24,7 +24,8 @@ keep their logprobs, least recently used first; ``max_kv_bytes`` and
 pinned with `cache_kv` are outside these budgets.
 
 Models with other cache layers (quantized, recurrent or state-space states, a
-``RotatingKVCache`` that keeps its first tokens) still work, without KV reuse: a warning
+``RotatingKVCache`` that keeps its first tokens), or whose forward fails over the paged
+cache (tried on two tokens at construction), still work, without KV reuse: a warning
 says so, each request runs its whole prefix with a fresh ``make_prompt_cache`` (rows of
 one length together), and `cache_kv` raises ``NotImplementedError``.
 
@@ -57,6 +58,7 @@ from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.rows import plan_order, row_groups
 from genlm.backend.kv.store import PrefixKVStore, RowPlan
+from genlm.backend.kv.tree import KVNode
 from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.options import Option, takes_options
 from genlm.backend.llm.prefix import PrefixCachedLM
@@ -128,10 +130,13 @@ class _PagedCache:
     row's K/V gathered through its chain (``[rows, kv_heads, width, head_dim]``), the whole
     chain even for a sliding-window layer: the mask the model asks for with its window
     (``make_mask``'s ``window_size``) hides the older keys, as in its uncached forward.
+    ``keys_and_values`` hands the same K/V to later layers that share this layer's cache
+    (Gemma 3n's KV-shared layers).
     """
 
     def __init__(self, pool: MlxBlockPool, layer: int, step: _Step):
         self.pool, self.layer, self.step = pool, layer, step
+        self.fetched: tuple[Any, Any] | None = None  # what update_and_fetch returned
 
     @property
     def offset(self) -> Any:
@@ -146,7 +151,11 @@ class _PagedCache:
             layer = layers[self.layer]
             layer[step.write] = states.transpose(0, 2, 1, 3).reshape(rows * new, heads, dim)
             fetched.append(layer[step.read].transpose(0, 2, 1, 3))
-        return fetched[0], fetched[1]
+        self.fetched = fetched[0], fetched[1]
+        return self.fetched
+
+    def keys_and_values(self) -> tuple[Any, Any] | None:
+        return self.fetched
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any
@@ -431,8 +440,9 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache | RotatingKVCache]"]):
         return cls(model, tokenizer, **kwargs)
 
     def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
-        """Run one token to learn the KV shape, and whether this design can reuse it; check
-        that the output layer covers the tokenizer's vocabulary."""
+        """Run one token to learn the KV shape, and whether this design can reuse it (then
+        run two through the paged cache); check that the output layer covers the
+        tokenizer's vocabulary."""
         from mlx_lm.models.cache import make_prompt_cache
 
         mx = _import_mlx()
@@ -446,7 +456,26 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache | RotatingKVCache]"]):
                 f"its cache layers are {sorted(others)}, not only KVCache and "
                 "RotatingKVCache keeping no first tokens"
             )
-        return uniform_layout([(layer.keys, layer.values) for layer in cache])
+        layout, reason = uniform_layout([(layer.keys, layer.values) for layer in cache])
+        if layout is not None:
+            reason = _paged_forward_error(self.model, self.vocab_size, layout)
+        return (None if reason else layout), reason
+
+
+def _paged_forward_error(model: Any, vocab_size: int, layout: KVLayout) -> str:
+    """Why ``model`` cannot run over the paged cache ('' if it can), from a forward of two
+    tokens through a scratch pool: a model that reaches into its cache beyond the
+    protocol `_PagedCache` speaks fails here, once, instead of on every request."""
+    pool = MlxBlockPool(layout)
+    pool.resize(2)  # block 0 (zeros) and the row's block
+    row = RowPlan(slot=0, ids=(0, 0), lora=None, node=KVNode(), start=0, new_tokens=2, chain=(1,))
+    try:
+        MlxRunner(model, vocab_size, pool, prefill_step_size=1).run([row])
+    except Exception as error:  # whatever the model's own code raises
+        return f"its forward over a paged cache fails: {type(error).__name__}: {first_line(error)}"
+    finally:
+        pool.free()
+    return ""
 
 
 def _pageable(layer: Any) -> bool:
