@@ -338,10 +338,314 @@ def uncached_logprobs(model, ids):
     return normalized(model(mx.array([ids]))[0, -1])
 
 
+# Sliding-window models: tiny random mlx-lm models whose sliding layers (``RotatingKVCache``)
+# see 16 tokens, against 100-token prompts. The references are the model's own uncached
+# forward (mlx-lm builds the window into its mask), never transformers: mlx-lm's Gemma 3
+# rows differ from transformers' by ~0.017.
+WINDOW = 16
+
+
+def tiny_gemma3(vocab_size, window=WINDOW):
+    """A small random-weight mlx-lm Gemma 3: two sliding-window layers, then a global one."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(0)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        vocab_size=vocab_size,
+        sliding_window=window,
+        sliding_window_pattern=3,
+    )
+    return gemma3_text.Model(args)
+
+
+def tiny_hybrid_llama(vocab_size, window=WINDOW):
+    """A small random-weight mlx-lm llama with sliding layers around a full one."""
+    layers = ["sliding_attention", "full_attention", "sliding_attention"]
+    return tiny_llama(vocab_size, layers, window)
+
+
+def tiny_gpt_oss(vocab_size, window=WINDOW):
+    """A small random-weight mlx-lm gpt-oss: a sliding and a full layer, attention sinks
+    and a mixture of experts."""
+    import mlx.core as mx
+    from mlx_lm.models import gpt_oss
+
+    mx.random.seed(0)
+    args = gpt_oss.ModelArgs(
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=64,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return gpt_oss.Model(args)
+
+
+SLIDING_MODELS = {
+    "gemma3": tiny_gemma3,
+    "llama-hybrid": tiny_hybrid_llama,
+    "gpt-oss": tiny_gpt_oss,
+}
+
+
+@pytest.fixture(params=sorted(SLIDING_MODELS))
+def sliding(request, smollm2_tokenizer):
+    """``(make_model, tokenizer)`` for each sliding-window family."""
+    pytest.importorskip("mlx_lm")
+    return SLIDING_MODELS[request.param], smollm2_tokenizer
+
+
+def random_ids(rng, count):
+    return rng.integers(1, 40_000, count).tolist()
+
+
+def reusing_lm(model, tokenizer, **options):
+    """An `AsyncMlxLM` that must reuse KV (any warning fails)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lm = AsyncMlxLM(model, tokenizer, **options)
+    assert lm.kv_reuse
+    return lm
+
+
+def last_position_logprobs(model, ids):
+    """The model's own uncached forward with its output layer on the last position only:
+    the row the whole call gives (checked below), at a tenth of the time on MLX's CPU
+    build, whose matrix products over a 49,152-token head are slow."""
+    import mlx.core as mx
+
+    hidden = model.model(mx.array([ids]))[:, -1:]
+    head = model.lm_head if "lm_head" in model else model.model.embed_tokens.as_linear
+    return normalized(head(hidden)[0, -1])
+
+
+def assert_rows_match_the_uncached_forward(model, rows, results):
+    """Each row against ``model``'s uncached forward (a `RecordingModel`'s inner model:
+    the references are not recorded), once per distinct row."""
+    model = getattr(model, "inner", model)
+    references = {}
+    for ids, logps in zip(rows, results, strict=True):
+        if tuple(ids) not in references:
+            references[tuple(ids)] = last_position_logprobs(model, ids)
+        assert max_diff(logps, references[tuple(ids)]) <= SELF_TOLERANCE, ids
+
+
+def test_the_window_shapes_the_reference_rows(sliding):
+    """The window matters to these rows: a forward that let sliding layers see the whole
+    prefix would be far outside the tolerance the tests below hold."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    make_model, tokenizer = sliding
+    model, unwindowed = make_model(len(tokenizer)), make_model(len(tokenizer), window=4096)
+    kinds = [type(layer) for layer in model.make_cache()]
+    assert RotatingKVCache in kinds and len(set(kinds)) == 2
+    ids = random_ids(np.random.default_rng(0), 100)
+    assert max_diff(uncached_logprobs(model, ids), uncached_logprobs(unwindowed, ids)) > 0.1
+    assert torch.equal(last_position_logprobs(model, ids), uncached_logprobs(model, ids))
+
+
+async def test_sliding_windows_one_prompt(sliding):
+    make_model, tokenizer = sliding
+    model = RecordingModel(make_model(len(tokenizer)))
+    lm = reusing_lm(model, tokenizer)
+    prompt = random_ids(np.random.default_rng(1), 100)
+    assert_rows_match_the_uncached_forward(model, [prompt], [await lm.next_token_logprobs(prompt)])
+    model.shapes.clear()
+    extended = prompt + [7]
+    assert_rows_match_the_uncached_forward(
+        model, [extended], [lm.next_token_logprobs_sync(extended)]
+    )
+    assert model.shapes == [(1, 1)]  # the prompt's KV reused: only the new token ran
+
+
+async def test_sliding_windows_particles_with_resampling(sliding):
+    """12 particles sample a token each step and are resampled by its probability, so
+    they fork, die and duplicate, across a block boundary (112 tokens)."""
+    make_model, tokenizer = sliding
+    model = RecordingModel(make_model(len(tokenizer)))
+    lm = reusing_lm(model, tokenizer, batch_size=12)
+    rng = np.random.default_rng(2)
+    particles = [random_ids(rng, 100)] * 12
+    for step in range(16):
+        model.shapes.clear()
+        rows = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in particles))
+        assert_rows_match_the_uncached_forward(model, particles, rows)
+        if step:  # every particle's past is cached: one token per distinct particle runs
+            assert model.shapes == [(len(set(map(tuple, particles))), 1)]
+        probs = [row.double().exp().numpy() for row in rows]
+        tokens = [int(rng.choice(len(p), p=p / p.sum())) for p in probs]
+        weights = np.array([p[t] for p, t in zip(probs, tokens, strict=True)])
+        survivors = rng.choice(12, size=12, p=weights / weights.sum())
+        particles = [particles[i] + [tokens[i]] for i in survivors]
+
+
+async def test_sliding_windows_shared_prompt_then_decode_steps(sliding):
+    make_model, tokenizer = sliding
+    model = RecordingModel(make_model(len(tokenizer)))
+    lm = reusing_lm(model, tokenizer, batch_size=8)
+    rng = np.random.default_rng(3)
+    prompt = random_ids(rng, 100)
+    lm.cache_kv(prompt)
+    rows = [prompt + [token] for token in random_ids(rng, 4)]
+    for _ in range(16):
+        model.shapes.clear()
+        results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+        assert_rows_match_the_uncached_forward(model, rows, results)
+        assert model.shapes == [(len(rows), 1)]
+        rows = [ids + [int(logps.argmax())] for ids, logps in zip(rows, results, strict=True)]
+
+
+async def test_sliding_windows_mixed_cached_lengths_and_extensions(sliding):
+    """One batch of rows whose cached pasts end at other lengths (inside and past the
+    window), extended by one to 23 tokens, prefilled in steps of 7."""
+    make_model, tokenizer = sliding
+    model = make_model(len(tokenizer))
+    lm = reusing_lm(model, tokenizer, batch_size=8, prefill_step_size=7)
+    rng = np.random.default_rng(4)
+    prompt = random_ids(rng, 100)
+    for length in (10, 37, 100):
+        lm.next_token_logprobs_sync(prompt[:length])
+    rows = [
+        prompt[:10] + random_ids(rng, 4),
+        prompt[:37] + random_ids(rng, 1),
+        prompt + random_ids(rng, 23),
+        prompt[:37] + random_ids(rng, 17),
+        random_ids(rng, 45),
+        prompt[:60],
+    ]
+    results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+    assert lm.batcher.batch_sizes[-1] == len(rows)
+    assert_rows_match_the_uncached_forward(model, rows, results)
+
+
+def test_sliding_windows_walk_cache_past_is_mlx_lms_own_cache(smollm2_tokenizer):
+    """`walk_cache`'s ``past`` holds a ``RotatingKVCache`` of the window's last tokens for
+    each sliding layer, from which mlx-lm continues by one token or several."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    model = tiny_gemma3(len(smollm2_tokenizer))
+    lm = reusing_lm(model, smollm2_tokenizer)
+    prompt = random_ids(np.random.default_rng(5), 100)
+    lm.cache_kv(prompt)
+    for extension in ([7], [7, 8, 9]):
+        past = lm.walk_cache(prompt + extension).past
+        assert [type(layer) for layer in past] == [RotatingKVCache, RotatingKVCache, KVCache]
+        assert [layer.keys.shape[2] for layer in past] == [WINDOW, WINDOW, len(prompt)]
+        assert all(layer.offset == len(prompt) for layer in past)
+        logits = model(mx.array([extension]), cache=past)[0, -1]
+        assert max_diff(normalized(logits), uncached_logprobs(model, prompt + extension)) <= (
+            SELF_TOLERANCE
+        )
+
+
+def tiny_gemma3n(vocab_size):
+    """A small random-weight mlx-lm Gemma 3n: two sliding and two full layers, the last two
+    sharing the KV of the first ones (read through their cache's ``keys_and_values``)."""
+    import mlx.core as mx
+    from mlx_lm.models import gemma3n
+
+    mx.random.seed(0)
+    layers = 4
+    text = dict(
+        model_type="gemma3n_text",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        num_key_value_heads=2,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=vocab_size,
+        sliding_window=WINDOW,
+        max_position_embeddings=4096,
+        rope_local_base_freq=10_000.0,
+        rope_theta=1_000_000.0,
+        final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * layers,
+        hidden_size_per_layer_input=8,
+        altup_num_inputs=2,
+        altup_coef_clip=120.0,
+        altup_correct_scale=True,
+        altup_active_idx=0,
+        laurel_rank=4,
+    )
+    return gemma3n.Model(gemma3n.ModelArgs(model_type="gemma3n", text_config=text))
+
+
+async def test_kv_shared_layers_reuse_kv_as_mlx_lms_own_cache_runs_them(smollm2_tokenizer):
+    """Gemma 3n's KV-shared layers read an earlier layer's cache. The reference is mlx-lm's
+    own cached forward: its uncached one gives those layers KV of their own."""
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_gemma3n(len(smollm2_tokenizer))
+    lm = reusing_lm(model, smollm2_tokenizer, batch_size=8, prefill_step_size=7)
+    rng = np.random.default_rng(6)
+    prompt = random_ids(rng, 100)
+    for length in (37, 100):
+        lm.next_token_logprobs_sync(prompt[:length])
+    rows = [prompt + random_ids(rng, 5), prompt[:37] + [3], random_ids(rng, 30), prompt + [9]]
+    for _ in range(3):  # a mixed batch, then decode steps
+        results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+        for ids, logps in zip(rows, results, strict=True):
+            own = plain_run(model, make_prompt_cache(model), ids)
+            assert max_diff(logps, own) <= SELF_TOLERANCE, ids
+        rows = [ids + [int(logps.argmax())] for ids, logps in zip(rows, results, strict=True)]
+    assert max_diff(uncached_logprobs(model, rows[0]), own) > 0.1
+
+
+class ReadsItsCacheArrays(RecordingModel):
+    """A model that reads its cache layers' ``keys`` itself, beyond mlx-lm's cache protocol."""
+
+    def __call__(self, inputs, *args, cache=None, **kwargs):
+        if cache is not None:
+            assert all(layer.keys is None or layer.keys.size for layer in cache)
+        return super().__call__(inputs, *args, cache=cache, **kwargs)
+
+
+async def test_a_model_failing_over_the_paged_cache_runs_whole_prefixes(smollm2_tokenizer):
+    pytest.importorskip("mlx_lm")
+    model = ReadsItsCacheArrays(tiny_gemma3(len(smollm2_tokenizer)))
+    with pytest.warns(UserWarning, match="paged cache fails: AttributeError: .*keys"):
+        lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
+    assert not lm.kv_reuse
+    rows = [random_ids(np.random.default_rng(7), 40), [4], [5, 6]]
+    results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
+    assert_rows_match_the_uncached_forward(model, rows, results)
+
+
+def keeping_rotating_cache():
+    """mlx-lm's cache for ``max_kv_size`` (a window that keeps its first 4 tokens)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return RotatingKVCache(max_size=16, keep=4)
+
+
 async def test_unreusable_cache_layers_warn_once_and_disable_prefix_caching(smollm2_tokenizer):
     pytest.importorskip("mlx_lm")
-    model = tiny_llama(len(smollm2_tokenizer), ["sliding_attention", "full_attention"], 4)
-    with pytest.warns(UserWarning, match="KV reuse is off.*RotatingKVCache"):
+    layers = ["full_attention", "full_attention"]
+    model = tiny_llama(len(smollm2_tokenizer), layers, cache_class=keeping_rotating_cache)
+    with pytest.warns(UserWarning, match=r"KV reuse is off.*RotatingKVCache\(keep=4\)"):
         lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
     assert not lm.kv_reuse
     rows = [list(range(1, 8)), [8], [9, 10, 11], list(range(1, 10))]
@@ -357,14 +661,44 @@ async def test_unreusable_cache_layers_warn_once_and_disable_prefix_caching(smol
         lm.cache_kv(rows[0])
 
 
-async def test_other_cache_layers_run_whole_prefixes(smollm2_tokenizer):
-    pytest.importorskip("mlx_lm")
+def tiny_mamba(vocab_size):
+    """A small random-weight mlx-lm Mamba: recurrent state-space layers (``ArraysCache``)."""
+    import mlx.core as mx
+    from mlx_lm.models import mamba
+
+    mx.random.seed(0)
+    args = mamba.ModelArgs(
+        model_type="mamba",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    )
+    return mamba.Model(args)
+
+
+def concatenating_llama(vocab_size):
     from mlx_lm.models.cache import ConcatenateKVCache
 
     layers = ["full_attention", "full_attention"]
-    model = tiny_llama(len(smollm2_tokenizer), layers, cache_class=ConcatenateKVCache)
-    with pytest.warns(UserWarning, match="ConcatenateKVCache"):
+    return tiny_llama(vocab_size, layers, cache_class=ConcatenateKVCache)
+
+
+@pytest.mark.parametrize(
+    "make_model, kind",
+    [(concatenating_llama, "ConcatenateKVCache"), (tiny_mamba, "ArraysCache")],
+)
+async def test_other_cache_layers_run_whole_prefixes(smollm2_tokenizer, make_model, kind):
+    pytest.importorskip("mlx_lm")
+    model = make_model(len(smollm2_tokenizer))
+    with pytest.warns(UserWarning, match=f"KV reuse is off.*{kind}"):
         lm = AsyncMlxLM(model, smollm2_tokenizer, batch_size=8)
+    assert not lm.kv_reuse
     rows = [[1, 2, 3], [4], [5, 6], [7, 8, 9]]
     results = await asyncio.gather(*(lm.next_token_logprobs(ids) for ids in rows))
     for ids, logps in zip(rows, results, strict=True):

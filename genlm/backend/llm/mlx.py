@@ -9,10 +9,12 @@ a block chain and new tokens, one row of the batch), per adapter:
 1. prefills each row's new tokens but the last (rows with as many such tokens together,
    in steps of ``prefill_step_size``), then runs every row's last token in one forward.
    Each layer gets a `_PagedCache` (mlx-lm's cache protocol: ``offset``,
-   ``update_and_fetch``, ``make_mask``): it scatters the new tokens' K/V into their chain
+   ``update_and_fetch``, ``make_mask``, ``keys_and_values``): it scatters the new tokens' K/V into their chain
    slots and returns each row's K/V gathered through its chain, left-padded to the
    longest row with block-0 slots that the mask hides; RoPE gets each row's own offset,
-   as with mlx-lm's ``BatchKVCache``;
+   as with mlx-lm's ``BatchKVCache``. A sliding-window layer (mlx-lm's
+   ``RotatingKVCache``) keeps every token in the pool like a full one: its mask hides
+   the keys older than its window, as the model's own uncached forward does;
 2. keeps the logits of the last position only (MLX is lazy: the prefill's logits are
    never computed), over the tokenizer's vocabulary, as float32 log-probabilities.
 
@@ -21,10 +23,11 @@ keep their logprobs, least recently used first; ``max_kv_bytes`` and
 ``max_logprobs_bytes`` optionally bound their bytes, as on `AsyncTransformer`. Prompts
 pinned with `cache_kv` are outside these budgets.
 
-Models whose cache layers are not all plain ``KVCache`` (sliding windows, quantized or
-recurrent states) still work, without KV reuse: a warning says so, each request runs its
-whole prefix with a fresh ``make_prompt_cache`` (rows of one length together), and
-`cache_kv` raises ``NotImplementedError``.
+Models with other cache layers (quantized, recurrent or state-space states, a
+``RotatingKVCache`` that keeps its first tokens), or whose forward fails over the paged
+cache (tried on two tokens at construction), still work, without KV reuse: a warning
+says so, each request runs its whole prefix with a fresh ``make_prompt_cache`` (rows of
+one length together), and `cache_kv` raises ``NotImplementedError``.
 
 LoRA adapters are loaded by mlx-lm itself (``mlx_lm.tuner.utils.load_adapters``: an
 ``adapter_config.json`` and ``adapters.safetensors`` directory, as ``mlx_lm.lora`` writes)
@@ -55,12 +58,13 @@ from genlm.backend.kv.mlx_pool import MlxBlockPool
 from genlm.backend.kv.pool import Chain, KVLayout, NoKVPool, uniform_layout
 from genlm.backend.kv.rows import plan_order, row_groups
 from genlm.backend.kv.store import PrefixKVStore, RowPlan
+from genlm.backend.kv.tree import KVNode
 from genlm.backend.llm.loading import check_vocab_fits
 from genlm.backend.llm.options import Option, takes_options
 from genlm.backend.llm.prefix import PrefixCachedLM
 
 if TYPE_CHECKING:
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 MLX_INSTALL_HINT = install_hint("mlx")
 
@@ -123,11 +127,16 @@ class _PagedCache:
     """mlx-lm's cache protocol for one layer of one forward over the block pool.
 
     ``update_and_fetch`` scatters the new tokens' K/V into their slots and returns each
-    row's K/V gathered through its chain (``[rows, kv_heads, width, head_dim]``).
+    row's K/V gathered through its chain (``[rows, kv_heads, width, head_dim]``), the whole
+    chain even for a sliding-window layer: the mask the model asks for with its window
+    (``make_mask``'s ``window_size``) hides the older keys, as in its uncached forward.
+    ``keys_and_values`` hands the same K/V to later layers that share this layer's cache
+    (Gemma 3n's KV-shared layers).
     """
 
     def __init__(self, pool: MlxBlockPool, layer: int, step: _Step):
         self.pool, self.layer, self.step = pool, layer, step
+        self.fetched: tuple[Any, Any] | None = None  # what update_and_fetch returned
 
     @property
     def offset(self) -> Any:
@@ -142,7 +151,11 @@ class _PagedCache:
             layer = layers[self.layer]
             layer[step.write] = states.transpose(0, 2, 1, 3).reshape(rows * new, heads, dim)
             fetched.append(layer[step.read].transpose(0, 2, 1, 3))
-        return fetched[0], fetched[1]
+        self.fetched = fetched[0], fetched[1]
+        return self.fetched
+
+    def keys_and_values(self) -> tuple[Any, Any] | None:
+        return self.fetched
 
     def make_mask(
         self, n: int, return_array: bool = False, window_size: int | None = None, **_: Any
@@ -173,10 +186,14 @@ class MlxRunner:
     def __init__(
         self, model: Any, vocab_size: int, pool: MlxBlockPool | None, prefill_step_size: int
     ):
+        from mlx_lm.models.cache import make_prompt_cache
+
         self.model = model
         self.vocab_size = vocab_size
         self.pool = pool
         self.prefill_step_size = prefill_step_size
+        # each cache layer's sliding window (None: full attention), for `read_past`
+        self.windows = [_window(layer) for layer in make_prompt_cache(model)]
         self.adapters: dict[str, Any] = {}  # adapter name -> model holding its LoRA layers
 
     def free(self) -> None:
@@ -302,21 +319,32 @@ class MlxRunner:
         logits = logits[:, -1, : self.vocab_size].astype(mx.float32)
         return logits - _logsumexp(logits)
 
-    def read_past(self, chain: Chain, tokens: int) -> list[KVCache]:
-        """One mlx-lm ``KVCache`` per layer holding a copy of a chain's first ``tokens``
-        (keys and values ``[1, kv_heads, tokens, head_dim]``)."""
-        from mlx_lm.models.cache import KVCache
+    def read_past(self, chain: Chain, tokens: int) -> list[KVCache | RotatingKVCache]:
+        """One mlx-lm cache per layer holding a copy of a chain's first ``tokens``, which the
+        model continues from as from its own: a ``KVCache`` (keys and values ``[1, kv_heads,
+        tokens, head_dim]``), or for a sliding layer a ``RotatingKVCache`` holding the last
+        ``min(tokens, window)`` in order (its ``state`` as mlx-lm 0.32 orders it)."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+        mx = _import_mlx()
         assert self.pool is not None  # chains go with KV reuse
-        past = []
-        for keys, values in self.pool.read(chain, tokens):
-            layer = KVCache()
-            layer.keys, layer.values, layer.offset = keys, values, tokens
-            past.append(layer)
+        past: list[KVCache | RotatingKVCache] = []
+        for (keys, values), window in zip(self.pool.read(chain, tokens), self.windows, strict=True):
+            if window is None:
+                full = KVCache()
+                full.keys, full.values, full.offset = keys, values, tokens
+                past.append(full)
+            else:
+                sliding = RotatingKVCache(max_size=window)
+                keys, values = keys[..., -window:, :], values[..., -window:, :]
+                # (keys, values, offset, keep, max_size, index of the next write)
+                sliding.state = (keys, values, tokens, 0, window, keys.shape[2])
+                past.append(sliding)
+        mx.eval([(layer.keys, layer.values) for layer in past])  # on this thread's stream
         return past
 
 
-class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
+class AsyncMlxLM(PrefixCachedLM["list[KVCache | RotatingKVCache]"]):
     """Asynchronous, auto-batched mlx-lm model with a prefix tree of cached KV and logprobs.
 
     Each returned log-probability vector is the caller's own copy: editing it in place
@@ -412,19 +440,64 @@ class AsyncMlxLM(PrefixCachedLM["list[KVCache]"]):
         return cls(model, tokenizer, **kwargs)
 
     def _probe_kv_layout(self) -> tuple[KVLayout | None, str]:
-        """Run one token to learn the KV shape, and whether this design can reuse it; check
-        that the output layer covers the tokenizer's vocabulary."""
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        """Run one token to learn the KV shape, and whether this design can reuse it (then
+        run two through the paged cache); check that the output layer covers the
+        tokenizer's vocabulary."""
+        from mlx_lm.models.cache import make_prompt_cache
 
         mx = _import_mlx()
         cache = make_prompt_cache(self.model)
         logits = self.model(mx.array([[0]]), cache=cache)
         mx.eval(logits, [layer.state for layer in cache])
         check_vocab_fits(self.vocab_size, logits.shape[-1])
-        kinds = {type(layer).__name__ for layer in cache if type(layer) is not KVCache}
-        if kinds or not cache:
-            return None, f"its cache layers are {sorted(kinds)}, not only plain KVCache"
-        return uniform_layout([(layer.keys, layer.values) for layer in cache])
+        others = {_kind(layer) for layer in cache if not _pageable(layer)}
+        if others or not cache:
+            return None, (
+                f"its cache layers are {sorted(others)}, not only KVCache and "
+                "RotatingKVCache keeping no first tokens"
+            )
+        layout, reason = uniform_layout([(layer.keys, layer.values) for layer in cache])
+        if layout is not None:
+            reason = _paged_forward_error(self.model, self.vocab_size, layout)
+        return (None if reason else layout), reason
+
+
+def _paged_forward_error(model: Any, vocab_size: int, layout: KVLayout) -> str:
+    """Why ``model`` cannot run over the paged cache ('' if it can), from a forward of two
+    tokens through a scratch pool: a model that reaches into its cache beyond the
+    protocol `_PagedCache` speaks fails here, once, instead of on every request."""
+    pool = MlxBlockPool(layout)
+    pool.resize(2)  # block 0 (zeros) and the row's block
+    row = RowPlan(slot=0, ids=(0, 0), lora=None, node=KVNode(), start=0, new_tokens=2, chain=(1,))
+    try:
+        MlxRunner(model, vocab_size, pool, prefill_step_size=1).run([row])
+    except Exception as error:  # whatever the model's own code raises
+        return f"its forward over a paged cache fails: {type(error).__name__}: {first_line(error)}"
+    finally:
+        pool.free()
+    return ""
+
+
+def _pageable(layer: Any) -> bool:
+    """Whether the pool can stand in for an mlx-lm cache layer: a plain ``KVCache``, or a
+    ``RotatingKVCache`` (a sliding window) that keeps none of the first tokens (kept ones,
+    as with ``make_prompt_cache``'s ``max_kv_size``, stay visible past the window)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    return type(layer) is KVCache or (type(layer) is RotatingKVCache and layer.keep == 0)
+
+
+def _window(layer: Any) -> int | None:
+    """An mlx-lm cache layer's sliding window: a ``RotatingKVCache``'s size (None: none)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return layer.max_size if type(layer) is RotatingKVCache else None
+
+
+def _kind(layer: Any) -> str:
+    """An mlx-lm cache layer's class name, with a ``RotatingKVCache``'s kept first tokens."""
+    keep = getattr(layer, "keep", 0)
+    return type(layer).__name__ + (f"(keep={keep})" if keep else "")
 
 
 def _logsumexp(logits: Any, chunk: int = 256) -> Any:
