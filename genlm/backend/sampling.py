@@ -99,15 +99,10 @@ class TokenSampler:
         return answers
 
     def _generator(self, device: str) -> torch.Generator:
-        import torch
 
         generator = self._generators.get(device)
         if generator is None:
-            generator = self._generators[device] = torch.Generator(device)
-            if self.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(self.seed)
+            generator = self._generators[device] = seeded_generator(self.seed, device)
         return generator
 
     def close(self) -> None:
@@ -192,6 +187,18 @@ def check_seed(seed: Any, seeds: int = 1) -> None:
     if not 0 <= int(seed) <= SEED_LIMIT - max(seeds, 1):
         which = "" if seeds <= 1 else f" (prompt i uses seed + i, for {seeds} prompts)"
         raise ValueError(f"seed must be in [0, 2**63){which}, got {seed}")
+
+
+def seeded_generator(seed: int | None, device: str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (None: from the system's entropy)."""
+    import torch
+
+    generator = torch.Generator(device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed))
+    return generator
 
 
 def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:

@@ -1,25 +1,18 @@
-"""`AsyncLM`, the interface every backend implements, and `BatchedAsyncLM`.
-
-A backend provides ``next_token_logprobs`` (auto-batched, awaited by many
-particles at once) and ``next_token_logprobs_sync``; this base class adds input
-validation (`genlm.backend.llm.request`), the LoRA adapter registry, batched variants,
-ancestral sampling and the lifecycle (``close``, ``with`` / ``async with``) on top of them.
-
-Adapters are chosen per request (``lora_name=``): every request becomes a `Query`,
-its validated prefix plus the adapter that serves it (``None``: the base model), and
-every cache of every backend is keyed by it, so a base-model row is never served for
-an adapter or the reverse.
+"""`AsyncLM`, the interface every backend implements, and `BatchedAsyncLM`, whose requests
+go through one auto-batcher: input validation, the LoRA registry, batched variants,
+sampling and the lifecycle over a backend's ``next_token_logprobs``. Every request
+becomes a `Query` (its validated prefix and the adapter serving it), the key of every
+cache, so a base-model row is never served for an adapter or the reverse.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -36,9 +29,10 @@ from genlm.backend.llm.handle import (
     rebound,
     takes_handles,
 )
+from genlm.backend.llm.lists import TOKEN_ID_METHODS, listed, lists_for_handles
 from genlm.backend.llm.options import Option, declared_options
 from genlm.backend.llm.request import PrefixIndex, Query, TokenIds, checked_id, tuple_of_ids
-from genlm.backend.sampling import check_sampling_args, sample_token
+from genlm.backend.sampling import check_sampling_args, sample_token, seeded_generator
 from genlm.backend.tokenization import decode_vocab
 
 
@@ -358,11 +352,7 @@ class AsyncLM(ABC):
         else:
             context = new_handle(self._handle_owner, ids, query.lora)
         limit = self.max_context_length
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(int(seed))
+        generator = seeded_generator(seed)
         generated: list[int] = []
         for _ in range(max_tokens):
             logprobs = await self.next_token_logprobs(context)
@@ -470,84 +460,6 @@ class AsyncLM(ABC):
             method = cls.__dict__.get(name)
             if inspect.isfunction(method) and not handles_taken(method):
                 setattr(cls, name, lists_for_handles(method, batched))
-
-    def _as_lists(self, value: Any, lora_name: str | None, batched: bool) -> tuple[Any, str | None]:
-        """A method's token ids (``batched``: a list of prefixes) with each handle of this
-        LM as ``list(h.ids)``, and the adapter the handles name (else ``lora_name``):
-        ``ValueError`` for handles of another LM or of another adapter than ``lora_name``
-        or each other's."""
-        if not batched:
-            if type(value) is not PrefixHandle:
-                return value, lora_name
-            return list(value.ids), self._handle_lora(value, lora_name)
-        if type(value) is not list and type(value) is not tuple:
-            return value, lora_name
-        handles = [ids for ids in value if type(ids) is PrefixHandle]
-        if not handles:
-            return value, lora_name
-        loras = {self._handle_lora(handle, lora_name) for handle in handles}
-        if len(loras) > 1 or (len(handles) < len(value) and loras != {lora_name}):
-            raise ValueError(
-                f"{type(self).__name__} takes one lora_name per batch: its handles name "
-                f"{sorted(map(repr, loras))} and lora_name is {lora_name!r}; send a batch "
-                "per adapter"
-            )
-        return [listed(ids) for ids in value], loras.pop()
-
-
-# The methods that take token ids (True: a list of prefixes), where a user's subclass may
-# get handles (`AsyncLM.__init_subclass__`).
-TOKEN_ID_METHODS = {
-    "next_token_logprobs": False,
-    "next_token_logprobs_sync": False,
-    "batch_next_token_logprobs": True,
-    "batch_next_token_logprobs_sync": True,
-    "sample": False,
-    "batch_sample": True,
-    "next_token_logprobs_uncached": False,
-    "cache_kv": False,
-    "walk_cache": False,
-    "add_query": False,
-}
-
-
-def listed(ids: Sequence[int]) -> Any:
-    """A handle's ids as a list (what a method written for lists gets), other ids as they are."""
-    return list(ids.ids) if type(ids) is PrefixHandle else ids
-
-
-def lists_for_handles(method: Callable[..., Any], batched: bool) -> Callable[..., Any]:
-    """``method`` (of an `AsyncLM` subclass, taking token ids first, a list of prefixes if
-    ``batched``) called with each handle among them as ``list(h.ids)`` and the handles'
-    adapter as ``lora_name`` (`AsyncLM._as_lists`)."""
-    names = list(inspect.signature(method).parameters)
-    first = names[1] if len(names) > 1 else None
-
-    def converted(self: AsyncLM, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        if args:
-            value, rest = args[0], args[1:]
-        elif first in kwargs:
-            value, rest = kwargs.pop(first), ()
-        else:
-            return args
-        value, lora = self._as_lists(value, kwargs.get("lora_name"), batched)
-        if lora is not None:
-            kwargs["lora_name"] = lora
-        return (value, *rest)
-
-    if inspect.iscoroutinefunction(method):
-
-        @functools.wraps(method)
-        async def wrapped_async(self: AsyncLM, *args: Any, **kwargs: Any) -> Any:
-            return await method(self, *converted(self, args, kwargs), **kwargs)
-
-        return takes_handles(wrapped_async)
-
-    @functools.wraps(method)
-    def wrapped(self: AsyncLM, *args: Any, **kwargs: Any) -> Any:
-        return method(self, *converted(self, args, kwargs), **kwargs)
-
-    return takes_handles(wrapped)
 
 
 def owned_rows(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
