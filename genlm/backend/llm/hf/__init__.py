@@ -1,7 +1,6 @@
-"""Hugging Face transformers backend: `AsyncTransformer` (`model`), its runner over a batch's
-rows (`runner`), the model's step (`forward`) and attention backend (`step`), the model as
-the LMs over it share it (`shared`), CUDA graphs (`graphs`), LM head (`head`), loading
-options (`options`) and what families KV reuse refuses (`families`)."""
+"""Hugging Face transformers backend: `AsyncTransformer` (`model`), its runner (`runner`),
+step (`forward`), attention backend (`step`), shared model object (`shared`), CUDA graphs
+(`graphs`), LM head (`head`), loading options (`options`) and family rules (`families`)."""
 
 from genlm.backend.llm.hf.forward import BASE_ADAPTER, ModelForward
 from genlm.backend.llm.hf.model import (

@@ -1,30 +1,13 @@
 """Which models `AsyncTransformer`'s paged step can serve with KV reuse: the per-family
-rules its layout probe asks (`kv_reuse_refusal`).
-
-The paged step runs each forward over new tokens only, with explicit positions and a 4-D
-mask, and reads the rest from the KV of earlier forwards. That is right where a token's
-keys and values depend only on the tokens before it and their positions, and the
-attention on the mask given. Where a family departs from that, its model runs each
-request's whole prefix instead (`genlm.backend.kv.pool.NoKVPool` warns with the reason):
-
-- cache layers other than attention (recurrent or state-space states): the store holds
-  attention KV only. Sliding-window layers keep reuse: the store holds their KV as a full
-  layer's, and each step's mask hides the keys out of their window (`sliding_window`);
-  a window at or beyond the context is full attention. Hybrids (sliding and full layers)
-  need their config's ``layer_types`` (one mask per type) and one window for all.
-- ALiBi built from a 2-D attention mask (Bloom, Falcon with ``alibi=True``): the bias
-  is computed from the mask's columns, and a step's mask is 4-D. (MPT builds its ALiBi
-  from positions: right.)
-- RoPE whose factors depend on the forward's longest position (``longrope`` with
-  ``original_max_position_embeddings`` below the context): a forward past that position
-  rotates every token with the long factors, so KV cached by a shorter forward no longer
-  matches. Dynamic NTK changes its frequencies only past the context, which the LM
-  refuses: it keeps reuse.
+rules its layout probe asks (`kv_reuse_refusal`). The paged step is right where a token's
+KV depends only on the tokens before it and their positions, and attention on the 4-D mask
+given; a family that departs from that runs each request's whole prefix. The rules and the
+families they refuse: docs/families.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -102,22 +85,17 @@ def alibi_from_mask(config: Any) -> str | None:
 def position_dependent_rope(config: Any, context: int | None) -> str | None:
     """Why a model whose RoPE factors change with the forward's longest position, within
     its context, cannot reuse KV across forwards."""
-    for parameters in rope_parameter_sets(config):
-        if parameters.get("rope_type") != "longrope":
+    parameters = getattr(config, "rope_parameters", None)
+    if not isinstance(parameters, Mapping):
+        return None
+    nested = [value for value in parameters.values() if isinstance(value, Mapping)]
+    for rope in nested or [parameters]:  # one set, or one per layer type
+        if rope.get("rope_type") != "longrope":
             continue
-        switch = parameters.get("original_max_position_embeddings")
+        switch = rope.get("original_max_position_embeddings")
         if context is None or switch is None or switch < context:
             return (
                 f"its longrope RoPE switches factors past position {switch}, within its "
                 f"context of {context}"
             )
     return None
-
-
-def rope_parameter_sets(config: Any) -> Iterator[Mapping[str, Any]]:
-    """The config's RoPE parameters: one set, or one per layer type."""
-    parameters = getattr(config, "rope_parameters", None)
-    if not isinstance(parameters, Mapping):
-        return
-    nested = [value for value in parameters.values() if isinstance(value, Mapping)]
-    yield from nested or [parameters]

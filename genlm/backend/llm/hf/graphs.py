@@ -1,11 +1,9 @@
 """CUDA graphs of `AsyncTransformer`'s decode steps: `DecodeGraphs` wraps the model's step
 (`ModelForward.step`) on a step padded to its shape bucket (`bucket_shape`), one graph per
-bucket over static buffers: a step is one copy of its inputs in, one replay, one copy of its
-rows out. A wrong row is never served: a bucket's capture and first replays are checked
-against the eager forward, and a difference, or a capture or replay that raises, turns
-graphs off for the LM (a failed capture leaves the device as it found it). The graphs hold
-the KV pool's addresses: with graphs on, the pool is sized once. The design, buckets and
-covering graphs: docs/kv-store.md ("One batch").
+bucket over static buffers. A wrong row is never served: a bucket's capture and first
+replays are checked against the eager forward, and a difference, or a capture or replay
+that raises, turns graphs off for the LM. The graphs hold the KV pool's addresses: with
+graphs on, the pool is sized once. Design, buckets and covering graphs: docs/kv-store.md.
 """
 
 from __future__ import annotations
@@ -55,9 +53,8 @@ def round_down(n: int) -> int:
 
 def bucket_shape(shape: StepShape) -> StepShape | None:
     """The graph bucket of a decode step's exact shape (None: the step runs eagerly): rows
-    rounded up by at most half (`round_up`), shared slots to a power of two from 16, each
-    row's own keys to a power of 4 from 64 (up to `MAX_WIDTH`), so that a growing prefix
-    changes buckets rarely."""
+    up by at most half (`round_up`), shared slots to a power of two from 16, own keys to a
+    power of 4 from 64, so that a growing prefix changes buckets rarely."""
     if shape.new != 1 or shape.rows > MAX_ROWS or shape.past >= MAX_WIDTH:
         return None
     width = 64
@@ -80,8 +77,7 @@ class Recorder(Protocol):
 class CudaRecorder:
     """CUDA graphs: captured on a side stream, every graph in one memory pool (a graph's
     memory is scratch: its inputs and outputs live outside the pool, and replays never
-    overlap), in ``thread_local`` mode so other threads may use the device meanwhile. A
-    failed capture leaves the process as it found it (`capture`)."""
+    overlap), in ``thread_local`` mode so other threads may use the device meanwhile."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -99,16 +95,11 @@ class CudaRecorder:
 
     def capture(self, forward: Callable[[], None]) -> Callable[[], None]:
         """Capture ``forward`` with ``torch.cuda.graph``; if that raises, undo what a
-        failed capture leaves behind, then raise.
-
-        torch 2.13's ``graph.__exit__`` raises from ``capture_end`` before the allocator's
-        ``endAllocateToPool`` and before its stream context's exit. Left over: a capture
-        into ``self.pool`` counted as underway (every later ``empty_cache()`` fails):
-        `_end_pool_allocation` ends it; the capture stream as this thread's current one: our
-        own stream context's exit restores it. Nothing captured ran, so no sync is needed;
-        the pinned-memory allocator's leftover refuses only a capture into this same pool,
-        which `DecodeGraphs` never asks for after a failure.
-        """
+        failed capture leaves behind, then raise. torch 2.13's ``graph.__exit__`` raises
+        before ending the allocation to ``self.pool`` (every later ``empty_cache()`` would
+        fail: `_end_pool_allocation` ends it) and before restoring the stream (our own
+        stream context does). Nothing captured ran, so no sync is needed; the pinned-memory
+        allocator's leftover refuses only a capture into this pool, never asked again."""
         graph = torch.cuda.CUDAGraph()
         try:
             with (
@@ -169,10 +160,9 @@ class GraphMismatch(RuntimeError):
 class DecodeGraphs:
     """Decode steps replayed from one CUDA graph per shape bucket (see the module's doc).
 
-    ``forward(step, out)`` runs the model over a step's inputs (`ModelForward.step`), its
-    log-probabilities into ``out``, allocating only scratch memory; ``block_size`` is the
-    KV pool's. Every graph writes its rows into one output buffer of ``max_rows`` rows (the
-    batcher's batch size, at most `MAX_ROWS`); larger steps run eagerly."""
+    ``forward(step, out)`` runs the model over a step's inputs, its log-probabilities into
+    ``out``, allocating only scratch memory; ``block_size`` is the KV pool's. Every graph
+    writes its rows into one output buffer of ``max_rows`` rows (at most `MAX_ROWS`)."""
 
     def __init__(
         self,
@@ -193,10 +183,7 @@ class DecodeGraphs:
         self.checked: set[StepShape] = set()  # buckets whose replays matched the eager forward
         self.failure: str | None = None  # why graphs are off for good
         # captures, replays, eager forwards checked against, steps run eagerly
-        self.captures = 0
-        self.replays = 0
-        self.checks = 0
-        self.eager_steps = 0
+        self.captures = self.replays = self.checks = self.eager_steps = 0
         self._out: torch.Tensor | None = None  # allocated at the first capture
 
     def run(self, plans: Sequence[RowPlan], skip: int, out: torch.Tensor) -> bool:
@@ -209,15 +196,14 @@ class DecodeGraphs:
         if self.failure is not None:
             self.eager_steps += 1
             return False
-        size = self.block_size
-        exact = exact_shape(plans, size, skip)
+        exact = exact_shape(plans, self.block_size, skip)
         bucket = bucket_shape(exact)
         if bucket is None or bucket.rows > self.max_rows:
             self.eager_steps += 1
             return False
         if bucket not in self.graphs:
             bucket, skip = self._covering(exact, skip) or (self._spare(bucket, exact), skip)
-        host = host_step(plans, size, skip, bucket, pin=self.device.type == "cuda")
+        host = host_step(plans, self.block_size, skip, bucket, pin=self.device.type == "cuda")
         rows = len(plans)
         try:
             graph = self.graphs.get(bucket)
@@ -250,8 +236,7 @@ class DecodeGraphs:
         """The captured bucket with the fewest rows that holds the step of shape ``exact``
         (reading ``skip`` shared blocks), and how many of those blocks it reads as shared;
         None if none does. A graph holds a step with at most twice its rows, in its own
-        width and shared buckets once the shared blocks beyond its slots are read as each
-        row's own keys."""
+        widths once the shared blocks beyond its slots are read as each row's own keys."""
         best: tuple[StepShape, int] | None = None
         block_size = self.block_size
         for shape in self.graphs:

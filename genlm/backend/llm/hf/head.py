@@ -1,10 +1,7 @@
-"""`OutputHead`: a model's LM head applied by `AsyncTransformer` itself, into reused memory.
-
-Only for a model whose logits are exactly its head's output over its base model's last
-hidden state (`plain_head` checks it on a probe): the tokenizer's columns only, into one
-buffer reused from step to step (a fresh ``[rows, vocab]`` tensor is page-faulted in on
-every CPU step), the float32 log-softmax straight from it. Any other model (scaled or
-capped logits, a wrapped or offloaded head, an adapter loaded) runs its own forward.
+"""`OutputHead`: a model's LM head applied by `AsyncTransformer` itself, the tokenizer's
+columns only, into one buffer reused from step to step (a fresh ``[rows, vocab]`` tensor is
+page-faulted in on every CPU step). Only for a model whose logits are exactly its head's
+output (`plain_head`); any other model runs its own forward.
 """
 
 from __future__ import annotations
@@ -55,10 +52,8 @@ class OutputHead:
 def plain_head(model: PreTrainedModel, vocab_size: int, device: torch.device) -> OutputHead | None:
     """An `OutputHead` for ``model`` if its logits are exactly its output head (a plain
     ``nn.Linear``, no hooks) applied to its base model's last hidden state, else None.
-
-    Checked on a one-token probe: the head's input must equal the base model's output and
-    the forward must return the head's output itself, unchanged (a model that scales,
-    caps or converts its logits returns another tensor)."""
+    Checked on a one-token probe: the head's input must be the base model's output, and
+    the forward return the head's output itself, unchanged (not scaled, capped, converted)."""
     head = model.get_output_embeddings()
     base = getattr(model, "base_model", model)  # a bare nn.Module has none
     if (

@@ -91,17 +91,16 @@ def bitsandbytes_config(bitsandbytes_opts: dict[str, Any]) -> Any:
 ONE_DEVICE_WEIGHT_SHARE = 0.9
 
 # Keyword arguments of ``from_pretrained`` that say where the config is or how to read it.
-_CONFIG_OPTIONS = ("trust_remote_code", "revision", "subfolder", "cache_dir", "token")
+_CONFIG_OPTIONS = ("trust_remote_code", "revision", "subfolder", "cache_dir", "token", "gguf_file")
 
 
 def default_device_map(
     model_id: str, path: str, from_pretrained_kwargs: dict[str, Any]
 ) -> str | dict[str, int]:
-    """The ``device_map`` for ``from_pretrained(path, **from_pretrained_kwargs)`` (which
-    loads ``model_id``) where the caller named none: without CUDA ``"auto"``; with CUDA the
-    whole model on the current device (``{"": index}``; ``"auto"`` would spread it over
-    every GPU, without KV reuse), or ValueError naming the ways to split it where its
-    weights (`weight_bytes`) take more than ``ONE_DEVICE_WEIGHT_SHARE`` of the free memory."""
+    """The ``device_map`` for loading ``model_id`` where the caller named none: without CUDA
+    ``"auto"``; with CUDA the whole model on the current device (``"auto"`` would spread it
+    over every GPU, without KV reuse), or ValueError naming the ways to split it where its
+    weights take more than ``ONE_DEVICE_WEIGHT_SHARE`` of the free memory."""
     if not torch.cuda.is_available():
         return "auto"
     device = torch.cuda.current_device()
@@ -130,11 +129,7 @@ def weight_bytes(path: str, from_pretrained_kwargs: dict[str, Any]) -> int:
     from accelerate.utils import CustomDtype, compute_module_sizes
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_kwargs = {
-        key: value
-        for key, value in from_pretrained_kwargs.items()
-        if key in _CONFIG_OPTIONS or key == "gguf_file"
-    }
+    config_kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in _CONFIG_OPTIONS}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(

@@ -1,11 +1,9 @@
 """`SharedModel`: the model object a user hands to `AsyncTransformer`, as the LMs over it
-share it (`SharedModel.of`). Each LM has its own worker thread, but peft's LoRA layers and
-the attention implementation live on the model's modules, so they share one lock, under
-which each step sets what it needs (`ModelForward.serving`); one peft wrapper holding every
-LM's adapters under names of its own (a forward names each row's adapter, none for base
-rows); and what the model was given as (train mode, attention implementation, which
-parameters required gradients), restored once its last LM closes or its last adapter goes.
-"""
+share it (`SharedModel.of`): one lock, under which each step sets what it needs
+(`ModelForward.serving`: peft's layers and the attention implementation live on the shared
+modules); one peft wrapper holding every LM's adapters under names of its own (a forward
+names each row's adapter); and what the model was given as (train mode, attention
+implementation, ``requires_grad``), restored once its last LM closes or adapter goes."""
 
 from __future__ import annotations
 
@@ -52,9 +50,8 @@ class SharedModel:
         model.eval()
 
     def leave(self, model: Any, user: object, adapters: list[str]) -> None:
-        """``user`` stops serving ``model``: its ``adapters`` (peft names) are removed, and
-        the last user restores the model's attention implementation (if an LM's is still
-        set) and train mode."""
+        """``user`` stops serving ``model``: its ``adapters`` (peft names) are removed; the
+        last user restores the model's attention implementation and train mode."""
         from genlm.backend.llm.hf.step import CASCADE_ATTENTION, set_attention
 
         with self.lock:

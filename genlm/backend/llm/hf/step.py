@@ -1,12 +1,10 @@
-"""`AsyncTransformer`'s attention backend in one place, as vLLM writes one: a step's inputs
-(`StepInputs`, its metadata), their builder (`host_step`: ONE int64 tensor built on the
-host, one copy to the device, so a step's ops do not grow with its rows or their context),
-the model's inputs built from them (`model_inputs`: an eager step, a chunk of a long
-prefill and a CUDA graph's capture alike), the paged cache the attention modules write and
-read (`PagedCache`), and cascade attention. The cache reaches attention through one channel
-no decoder layer can drop: it is the current one (`STEP_CACHE`, a context variable) while
-the model runs over it, as vLLM's attention layers find their metadata in the forward
-context.
+"""`AsyncTransformer`'s attention backend, as vLLM writes one: a step's inputs (`StepInputs`)
+and their builder (`host_step`: one int64 host tensor, one copy to the device, so a step's
+ops do not grow with its rows or context), the model's inputs built from them
+(`model_inputs`: eager step, prefill chunk and graph capture alike), the paged cache the
+attention modules write and read (`PagedCache`), and cascade attention. The cache reaches
+attention through a context variable (`STEP_CACHE`), a channel no decoder layer can drop.
+Narrative: docs/kv-store.md.
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ from genlm.backend.kv.torch_pool import TorchBlockPool
 CASCADE_MIN_SHARED = 64  # shared tokens from which a group uses cascade attention
 # The attention implementation `use_cascade` gives a model: `sdpa_or_cascade_attention`.
 CASCADE_ATTENTION = "genlm_cascade"
-# A step's attention mask: one for every layer, or one per layer type (a hybrid's).
-Mask = torch.Tensor | dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -53,14 +49,11 @@ class StepShape:
 
 @dataclass(frozen=True)
 class StepInputs:
-    """A step's inputs, all views of one device tensor.
-
-    ``read`` holds each row's tokens after the ``shared`` ones, left-padded to ``past +
-    new`` keys with slot 0 (block 0, all zeros); ``first`` is each row's first unpadded key
-    in ``read``; ``shared`` the slots every row reads first (cascade attention, if any), of
-    which the first ``shared_used`` are the prefix's (the rest padding, when
-    ``shared_padded``).
-    """
+    """A step's inputs, all views of one device tensor. ``read`` holds each row's tokens
+    after the ``shared`` ones, left-padded to ``past + new`` keys with slot 0 (block 0, all
+    zeros); ``first`` is each row's first unpadded key in ``read``; ``shared`` the slots
+    every row reads first (cascade attention, if any), of which the first ``shared_used``
+    are the prefix's (the rest padding, when ``shared_padded``)."""
 
     input_ids: torch.Tensor  # [rows, new]
     position_ids: torch.Tensor  # [rows, new]
@@ -91,25 +84,17 @@ class StepInputs:
 class SlidingWindow:
     """The window of a model's sliding layers (``sliding``: whether each KV layer is one):
     a query attends to the ``size`` keys up to its own (key position > query position -
-    ``size``, as transformers' sliding masks). Where some layers attend fully the model
-    takes one mask per layer type (``config.layer_types``), else one mask for all."""
+    ``size``, as transformers' sliding masks)."""
 
     size: int
     sliding: tuple[bool, ...]
 
-    @property
-    def every_layer(self) -> bool:
-        return all(self.sliding)
-
 
 def cascade_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
     """The blocks at the start of every plan's chain, within every plan's past, that a
-    step's cascade attention reads once for all its plans, or 0 (no cascade: a lone plan,
-    or fewer than ``CASCADE_MIN_SHARED`` shared tokens; a lone row reading its whole past as
-    shared would change graph buckets every few tokens). A block follows one predecessor in
-    every chain that holds it (`genlm.backend.kv.blocks`), so chains holding the same block
-    at an index hold the same blocks before it: a binary search over the index finds the
-    shared blocks in O(plans x log context), never a pass over a chain."""
+    step's cascade attention reads once for all its plans, or 0 (a lone plan, or fewer than
+    ``CASCADE_MIN_SHARED`` shared tokens). A block has one predecessor in every chain
+    holding it (`genlm.backend.kv.blocks`), so a binary search over the index finds them."""
     if len(plans) < 2:
         return 0
     chains = [plan.chain for plan in plans]
@@ -224,8 +209,8 @@ class PagedCache(Cache):
     """A transformers `Cache` over the pool for one forward: its layers write the ``write``
     slots and read the ``read`` rows, after the ``shared`` slots every row attends to with
     cascade attention (None: no cascade), of which ``shared_mask`` hides the padding ones
-    and, from the ``window``'s sliding layers, ``shared_window`` those out of each query's
-    window. Inside ``with``, the current one (`STEP_CACHE`)."""
+    and ``shared_window`` those out of each query's window on the ``window``'s sliding
+    layers. Inside ``with``, the current one (`STEP_CACHE`)."""
 
     _token: Token[PagedCache | None]
 
@@ -237,8 +222,8 @@ class PagedCache(Cache):
         past: int,
         shared: torch.Tensor | None,
         shared_mask: torch.Tensor | None,
-        window: SlidingWindow | None = None,
-        shared_window: torch.Tensor | None = None,
+        window: SlidingWindow | None,
+        shared_window: torch.Tensor | None,
     ):
         self.shared, self.shared_mask, self.pool_layers = shared, shared_mask, pool.layers
         self.window, self.shared_window = window, shared_window
@@ -247,13 +232,6 @@ class PagedCache(Cache):
     def shared_kv(self, layer: int) -> tuple[torch.Tensor, ...]:
         """The prefix every row shares, read once: keys and values ``[heads, shared, dim]``."""
         return self.pool_layers[layer][:, self.shared].transpose(1, 2).unbind(0)
-
-    def shared_window_of(self, layer: int) -> torch.Tensor | None:
-        """The shared keys within each query's window, ``[rows, 1, new, shared]``, if
-        ``layer`` is a sliding one (else None: its queries read them all)."""
-        if self.window is not None and self.window.sliding[layer]:
-            return self.shared_window
-        return None
 
     def __enter__(self) -> PagedCache:
         self._token = STEP_CACHE.set(self)
@@ -276,16 +254,15 @@ def model_inputs(
     mask_dtype: torch.dtype | None,
     window: SlidingWindow | None = None,
 ) -> tuple[PagedCache, dict[str, Any]]:
-    """The model's inputs for new tokens ``begin:end`` of each row of ``step`` (the one
-    builder of a forward's inputs: an eager step, a chunk of a long prefill, a graph's
-    capture): its `PagedCache` (cascade attention when the step has shared slots) and the
-    ids, positions and ``[rows, 1, new, keys]`` mask (boolean, or additive in
-    ``mask_dtype`` for eager attention; none when no row is padded and the tokens run
-    causally from the start). With a sliding ``window`` its layers' mask also hides keys
-    out of each query's window: one mask, or one per layer type (`SlidingWindow`)."""
+    """The model's inputs for new tokens ``begin:end`` of each row of ``step``: its
+    `PagedCache` (cascade attention when the step has shared slots) and the ids, positions
+    and ``[rows, 1, new, keys]`` mask (boolean, or additive in ``mask_dtype`` for eager
+    attention; none when no row is padded and the tokens run causally from the start).
+    With a sliding ``window`` the mask also hides keys out of each query's window: one
+    mask, or one per layer type (``config.layer_types``) where some layers attend fully."""
     new, past = end - begin, step.past + begin
     shared = step.shared if step.shared.shape[0] else None
-    mask: Mask | None = None
+    mask: torch.Tensor | dict[str, torch.Tensor] | None = None
     shared_window = None
     if window is not None or shared is not None or step.padded or (past and new > 1):
         keys = torch.arange(past + new, device=step.first.device)
@@ -295,9 +272,11 @@ def model_inputs(
             # a key's distance from a query in ``read`` is their positions' distance
             sliding = mask & (keys > queries - window.size)
             by_type = {"full_attention": mask, "sliding_attention": sliding}  # a hybrid's
-            mask = sliding if window.every_layer else by_type
-            if shared is not None:
-                shared_window = _shared_in_window(step, begin, end, window.size)
+            mask = sliding if all(window.sliding) else by_type
+            if shared is not None:  # the shared keys (positions 0, 1, ...) in each window
+                slots = torch.arange(shared.shape[0], device=shared.device)
+                shared_window = slots > step.position_ids[:, begin:end, None] - window.size
+                shared_window = shared_window[:, None]
         if mask_dtype is not None and isinstance(mask, dict):
             mask = {name: _additive(part, mask_dtype) for name, part in mask.items()}
         elif mask_dtype is not None and isinstance(mask, torch.Tensor):
@@ -317,13 +296,6 @@ def model_inputs(
     return cache, dict(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True)
 
 
-def _shared_in_window(step: StepInputs, begin: int, end: int, size: int) -> torch.Tensor:
-    """The shared keys (positions 0, 1, ...) within the window of each query ``begin:end``
-    of a sliding layer, ``[rows, 1, new, shared]``."""
-    slots = torch.arange(step.shared.shape[0], device=step.shared.device)
-    return (slots > step.position_ids[:, begin:end, None] - size)[:, None]
-
-
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Eager attention's additive mask in ``dtype`` for a boolean ``mask``: 0 where a key
     is read, the dtype's lowest value where not."""
@@ -336,18 +308,14 @@ def cascade_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over a prefix shared by every row plus each row's own tokens.
-
-    The shared keys (the current `PagedCache`'s) are read once for all rows (one matmul per
-    KV head over every row's queries), each row's own keys (``key``/``value``,
-    ``attention_mask`` a boolean ``[rows, 1, new, own]`` mask) apart; the two softmax parts
-    are merged exactly through their running maximum and sums (log-sum-exp).
-    """
+    """Attention over a prefix shared by every row (the current `PagedCache`'s, read once
+    for all rows: one matmul per KV head) plus each row's own keys (``attention_mask``: a
+    boolean ``[rows, 1, new, own]`` mask); the two softmax parts merge exactly (log-sum-exp)."""
     cache = STEP_CACHE.get()
     assert cache is not None and attention_mask is not None  # a cascade step's forward
     shared_keys, shared_values = cache.shared_kv(module.layer_idx)
@@ -358,7 +326,9 @@ def cascade_attention(
     q = query.reshape(rows, kv_heads, groups * new, dim) * scale
     flat = q.transpose(0, 1).reshape(kv_heads, rows * groups * new, dim)
     shared = torch.matmul(flat, shared_keys.transpose(1, 2))
-    window = cache.shared_window_of(module.layer_idx)
+    window = (
+        cache.shared_window if cache.window and cache.window.sliding[module.layer_idx] else None
+    )
     if window is not None:  # a sliding layer: the shared keys out of each query's window
         shared = torch.where(window, shared.view(kv_heads, rows, groups, new, -1), float("-inf"))
     shared = shared.view(kv_heads, rows, groups * new, -1).transpose(0, 1)
@@ -391,22 +361,19 @@ def sdpa_or_cascade_attention(
     else transformers' ``sdpa`` attention: the attention `use_cascade` gives a model."""
     cache = STEP_CACHE.get()
     if cache is not None and cache.shared is not None:
-        assert attention_mask is not None  # a cascade step passes its boolean mask
         return cascade_attention(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def use_cascade(model: Any, num_layers: int) -> bool:
-    """Make `sdpa_or_cascade_attention` the attention of ``model``, a model that runs
-    ``sdpa``: registered with transformers under a name of its own, `CASCADE_ATTENTION`
-    (with ``sdpa``'s masks), and set as the model's implementation (`set_attention`).
-    transformers' own entries stay as they are, and so does every other model; this one
-    runs ``sdpa`` as before outside a cascade step. Whether each of its attention modules
-    (one per KV layer) now finds it (a model that cannot switch, or whose attention is not
-    a plain softmax (`plain_softmax`), keeps its ``sdpa`` and no cascade runs)."""
-    if model.config._attn_implementation not in ("sdpa", CASCADE_ATTENTION):
-        return False
-    if not all(plain_softmax(module) for module in attention_modules(model)):
+    """Make `sdpa_or_cascade_attention` (registered with transformers as
+    `CASCADE_ATTENTION`, with ``sdpa``'s masks) the attention of ``model``, a model that
+    runs ``sdpa``; other models and transformers' own entries are left as they are.
+    Whether each of its attention modules (one per KV layer) now finds it: a model that
+    cannot switch, or is not a `plain_softmax`, keeps its ``sdpa`` and runs no cascade."""
+    modules = attention_modules(model)
+    implementation = model.config._attn_implementation
+    if implementation not in ("sdpa", CASCADE_ATTENTION) or not all(map(plain_softmax, modules)):
         return False
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -414,7 +381,6 @@ def use_cascade(model: Any, num_layers: int) -> bool:
     AttentionInterface.register(CASCADE_ATTENTION, sdpa_or_cascade_attention)
     AttentionMaskInterface.register(CASCADE_ATTENTION, sdpa_mask)
     set_attention(model, CASCADE_ATTENTION)
-    modules = attention_modules(model)
     registries = [
         getattr(sys.modules[type(module).__module__], "ALL_ATTENTION_FUNCTIONS", None)
         for module in modules
@@ -447,9 +413,8 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def set_attention(model: torch.nn.Module, implementation: str) -> None:
-    """Set ``model``'s attention implementation (that of the outermost transformers model:
-    ``model``, or the one a wrapper of it holds), which its attention modules look up at
-    each forward."""
+    """Set the attention implementation of ``model`` (or of the transformers model a
+    wrapper of it holds), which its attention modules look up at each forward."""
     from transformers import PreTrainedModel
 
     outermost = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
