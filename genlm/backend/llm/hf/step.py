@@ -93,20 +93,15 @@ class SlidingWindow:
 def cascade_blocks(plans: Sequence[RowPlan], block_size: int) -> int:
     """The blocks at the start of every plan's chain, within every plan's past, that a
     step's cascade attention reads once for all its plans, or 0 (a lone plan, or fewer than
-    ``CASCADE_MIN_SHARED`` shared tokens). A block has one predecessor in every chain
-    holding it (`genlm.backend.kv.blocks`), so a binary search over the index finds them."""
+    ``CASCADE_MIN_SHARED`` shared tokens). The common prefix of the lexicographically first
+    and last chains."""
     if len(plans) < 2:
         return 0
-    chains = [plan.chain for plan in plans]
-    low, high = 0, min(plan.start for plan in plans) // block_size
-    while low < high:
-        middle = (low + high + 1) // 2
-        block = chains[0][middle - 1]
-        if all(chain[middle - 1] == block for chain in chains):
-            low = middle
-        else:
-            high = middle - 1
-    return low if low * block_size >= CASCADE_MIN_SHARED else 0
+    limit = min(plan.start for plan in plans) // block_size
+    cut = [plan.chain[:limit] for plan in plans]
+    low, high = min(cut), max(cut)
+    blocks = next((i for i, (a, b) in enumerate(zip(low, high, strict=True)) if a != b), len(low))
+    return blocks if blocks * block_size >= CASCADE_MIN_SHARED else 0
 
 
 def exact_shape(plans: Sequence[RowPlan], block_size: int, skip_blocks: int) -> StepShape:
