@@ -93,6 +93,14 @@ class ModelForward:
         if self.pool is not None and current not in ("sdpa", CASCADE_ATTENTION):
             self._mask_dtype = self.pool.layout.dtype  # eager attention adds its mask
 
+    def step_down(self, *, kv_reuse: bool, reason: str = "") -> None:
+        """Run steps without cascade attention and, unless ``kv_reuse``, without KV reuse
+        (each request's whole prefix, for ``reason``): where the probe of the steps found
+        them wrong (`genlm.backend.llm.hf.probe`)."""
+        self.cascade = False
+        if not kv_reuse:
+            self.pool, self.kv_reason, self.attention, self._mask_dtype = None, reason, None, None
+
     def close(self) -> None:
         """Let go of the head's logits buffer and of the model: this LM's adapters removed,
         and, if no other LM serves it, the model as it was given (`SharedModel.leave`)."""
@@ -183,11 +191,17 @@ class ModelForward:
 
     def uncached(self, ids: tuple[int, ...], lora: str | None) -> torch.Tensor:
         """The reference answer: one plain forward of the whole prefix, no cache."""
+        return self.uncached_rows([ids], lora)[0]
+
+    def uncached_rows(self, contexts: Sequence[Sequence[int]], lora: str | None) -> torch.Tensor:
+        """The reference answers of ``contexts`` of one length: one plain forward of the
+        model's own, no cache (``[rows, vocab]``)."""
         with self.serving(), torch.inference_mode():
-            out = torch.empty((1, self.vocab_size), device=self.output_device)
-            input_ids = torch.tensor([ids], device=self.input_device)
-            self._logprobs_into([lora], out, {"input_ids": input_ids, "use_cache": False}, False)
-            return out[0]
+            out = torch.empty((len(contexts), self.vocab_size), device=self.output_device)
+            input_ids = torch.tensor(contexts, device=self.input_device)
+            inputs = {"input_ids": input_ids, "use_cache": False}
+            self._logprobs_into([lora] * len(contexts), out, inputs, False)
+            return out
 
     def _logprobs_into(
         self,

@@ -22,6 +22,7 @@ from genlm.backend.kv.store import RowPlan
 from genlm.backend.kv.torch_pool import TorchBlockPool
 from genlm.backend.llm.hf.forward import ModelForward
 from genlm.backend.llm.hf.graphs import DecodeGraphs, recorder_for
+from genlm.backend.llm.hf.probe import prove_fast_path
 from genlm.backend.llm.hf.step import cascade_blocks, step_inputs
 
 
@@ -47,6 +48,12 @@ class TransformerRunner:
         self.max_batch_tokens = max_batch_tokens
         self.lora_batching = lora_batching
         self.cascade = self.forward.cascade
+        self.graphs: DecodeGraphs | None = None
+        try:
+            prove_fast_path(self)  # may turn the cascade off, or KV reuse
+        except BaseException:
+            self.forward.close()
+            raise
         self.graphs = self._decode_graphs(batch_size) if cuda_graphs else None
 
     def read_past(self, chain: Chain, tokens: int) -> torch.Tensor:
