@@ -2,8 +2,10 @@
 a right model keeps its cascade without a word, in float32 and in half precision; a fault
 planted in the cascade or in the paged step makes the LM step down (no cascade, then each
 request's whole prefix) with one warning naming the difference, and its rows stay right
-against a plain transformers forward of each whole context; the probe leaves nothing
-behind, runs `PROBE_FORWARDS` forwards, and none without KV reuse."""
+against a plain transformers forward of each whole context; the probe runs the cascade
+over padded rows, leaves nothing behind, runs `PROBE_FORWARDS` forwards once per model,
+and none without KV reuse. A fault is planted on a model of its own (verdicts are kept
+per model object)."""
 
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ from genlm.backend.llm.hf import AsyncTransformer
 from genlm.backend.llm.hf import forward as forward_module
 from genlm.backend.llm.hf import runner as runner_module
 from genlm.backend.llm.hf import step as step_module
-from genlm.backend.llm.hf.probe import PROBE_FORWARDS
+from genlm.backend.llm.hf.probe import PROBE_FORWARDS, SHARED_TOKENS
 
 TOL = 1e-4  # float32 rows: the LM's against one plain forward
 MODEL = {"hidden_size": 32, "std": 0.3}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tiny_model(smollm2_tokenizer):
+    """A model of its own for each test: no verdict kept for it."""
     return tiny_llama(len(smollm2_tokenizer), attn_implementation="sdpa", **MODEL)
 
 
@@ -221,10 +224,39 @@ def construction_forwards(model, tokenizer):
     return counter.count
 
 
-def test_the_probe_costs_its_stated_forwards(smollm2_tokenizer, tiny_model, monkeypatch):
+def test_the_probe_costs_its_stated_forwards_once_per_model(
+    smollm2_tokenizer, tiny_model, monkeypatch
+):
     probed = construction_forwards(tiny_model, smollm2_tokenizer)
+    again = construction_forwards(tiny_model, smollm2_tokenizer)  # the verdict kept
     monkeypatch.setattr(runner_module, "prove_fast_path", lambda runner: None)
-    assert probed - construction_forwards(tiny_model, smollm2_tokenizer) == PROBE_FORWARDS
+    unprobed = construction_forwards(tiny_model, smollm2_tokenizer)
+    assert (probed - unprobed, again - unprobed) == (PROBE_FORWARDS, 0)
+
+
+def test_a_kept_verdict_steps_down_and_warns_again(smollm2_tokenizer, tiny_model, monkeypatch):
+    monkeypatch.setattr(step_module, "cascade_attention", ignore_shared_prompt)
+    first, second = (open_lm(tiny_model, smollm2_tokenizer) for _ in range(2))
+    for lm, caught in (first, second):
+        with lm:
+            assert (lm.kv_reuse, lm.runner.cascade, len(caught)) == (True, False, 1)
+    assert first[1] == second[1]
+
+
+def test_the_probe_runs_the_cascade_over_padded_rows(smollm2_tokenizer, tiny_model, monkeypatch):
+    """Its steps as the runner builds them: the rows' cached lengths, new tokens and the
+    prompt's blocks read once (cascade attention)."""
+    seen = []
+    build = runner_module.step_inputs
+
+    def recorded(plans, block_size, skip_blocks, device):
+        seen.append(([plan.start for plan in plans], plans[0].new_tokens, skip_blocks))
+        return build(plans, block_size, skip_blocks, device)
+
+    monkeypatch.setattr(runner_module, "step_inputs", recorded)
+    open_lm(tiny_model, smollm2_tokenizer)[0].close()
+    shared = SHARED_TOKENS
+    assert seen == [([0], shared, 0), ([shared, shared - 2], 1, 4), ([shared, shared + 1], 3, 4)]
 
 
 @pytest.mark.parametrize(

@@ -191,43 +191,50 @@ class ModelForward:
 
     def uncached(self, ids: tuple[int, ...], lora: str | None) -> torch.Tensor:
         """The reference answer: one plain forward of the whole prefix, no cache."""
-        return self.uncached_rows([ids], lora)[0]
+        return self.uncached_rows([ids], lora)[0, -1]
 
-    def uncached_rows(self, contexts: Sequence[Sequence[int]], lora: str | None) -> torch.Tensor:
-        """The reference answers of ``contexts`` of one length: one plain forward of the
-        model's own, no cache (``[rows, vocab]``)."""
+    def uncached_rows(
+        self, contexts: Sequence[Sequence[int]], lora: str | None, positions: int = 1
+    ) -> torch.Tensor:
+        """The reference answers of ``contexts`` of one length and of their prefixes: one
+        plain forward of the model's own, no cache, into the float32 logprobs after each
+        of their last ``positions`` tokens (``[rows, positions, vocab]``)."""
         with self.serving(), torch.inference_mode():
-            out = torch.empty((len(contexts), self.vocab_size), device=self.output_device)
             input_ids = torch.tensor(contexts, device=self.input_device)
             inputs = {"input_ids": input_ids, "use_cache": False}
-            self._logprobs_into([lora] * len(contexts), out, inputs, False)
-            return out
+            logits = self._own_logits([lora] * len(contexts), inputs, positions)
+            return torch.log_softmax(logits[..., : self.vocab_size].float(), dim=-1)
 
     def _logprobs_into(
         self,
         loras: Sequence[str | None] | None,
         out: torch.Tensor,
         inputs: dict[str, Any],
-        head: bool = True,
         reuse_logits: bool = True,
     ) -> None:
         """The forward's float32 logprobs at each row's last position over the tokenizer's
         vocabulary (padding dropped), into ``out``: the base model and our `OutputHead`
         (logits in reused memory, unless not ``reuse_logits``) where `plain_head` found the
-        model's logits to be its head's, ``head`` allows and no adapter is loaded; else the
-        model's own forward, through peft (naming each row's adapter) when one is."""
-        peft = self.shared.peft
-        if head and self.head is not None and peft is None:
+        model's logits to be its head's and no adapter is loaded; else the model's own
+        forward (`_own_logits`)."""
+        if self.head is not None and self.shared.peft is None:
             hidden = self.model.base_model(**inputs).last_hidden_state
             self.head.logprobs(hidden[:, -1], out, reuse_logits)
             return
-        if peft is None:
-            logits = self.model(**inputs, logits_to_keep=1).logits
-        else:
-            loras = loras or [None] * inputs["input_ids"].shape[0]
-            names = [BASE_ADAPTER if name is None else self.adapters[name] for name in loras]
-            logits = peft(**inputs, logits_to_keep=1, adapter_names=names).logits
+        logits = self._own_logits(loras, inputs, 1)
         torch.log_softmax(logits[:, -1, : self.vocab_size].float(), dim=-1, out=out)
+
+    def _own_logits(
+        self, loras: Sequence[str | None] | None, inputs: dict[str, Any], positions: int
+    ) -> torch.Tensor:
+        """The model's own forward's logits at the last ``positions`` positions, through
+        peft (naming each row's adapter) when one is loaded."""
+        peft = self.shared.peft
+        if peft is None:
+            return self.model(**inputs, logits_to_keep=positions).logits
+        loras = loras or [None] * inputs["input_ids"].shape[0]
+        names = [BASE_ADAPTER if name is None else self.adapters[name] for name in loras]
+        return peft(**inputs, logits_to_keep=positions, adapter_names=names).logits
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,11 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
 
     The other arguments are the options below (``batch_size`` and ``timeout`` as on
     `BatchedAsyncLM`), each an attribute of the LM too.
+
+    With KV reuse, construction probes the steps against the model's uncached forward
+    (`genlm.backend.llm.hf.probe`: nine forwards of at most 83 tokens, PROBE_COST_DOC on
+    SmolLM2-135M on a CPU), and steps down where they differ, with a warning
+    (docs/families.md).
     """
 
     runner: TransformerRunner

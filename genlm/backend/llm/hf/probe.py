@@ -7,15 +7,17 @@ So a few short forwards (`PROBE_FORWARDS`) run through the path the LM's steps t
 (`TransformerRunner.run` over a scratch `PrefixKVStore` on the LM's own pool, freed after)
 and through the model's own uncached forward (`ModelForward.uncached_rows`). Where the rows
 differ by more than rounding allows (`Tolerance`), the LM steps down, with one warning
-naming the reason: no cascade attention, then each request's whole prefix.
+naming the reason: no cascade attention, then each request's whole prefix. The verdict is
+kept per model object and path (`VERDICTS`): the LMs built over one model probe it once.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,56 +27,46 @@ from genlm.backend.llm.hf.step import CASCADE_MIN_SHARED
 if TYPE_CHECKING:
     from genlm.backend.llm.hf.runner import TransformerRunner
 
-# The probe's prompt: the cascade's shared minimum and one more block.
-PROMPT_TOKENS = CASCADE_MIN_SHARED + 16
-NEW_TOKENS = 3  # a multi-token extension's
-# Forwards of a probe that finds the steps right: its two steps (a prefill, then one
-# forward per number of new tokens) and the references (one per row, and one batch).
-PROBE_FORWARDS = 1 + 2 + 5 + 1
+# The prompt two probe contexts share: the cascade's shared minimum and a few tokens more,
+# then each context's own tokens.
+SHARED_TOKENS = CASCADE_MIN_SHARED + 4
+OWN_TOKENS = 4
+CONTEXT_TOKENS = SHARED_TOKENS + OWN_TOKENS
+# Forwards of a probe that finds the steps right: three steps (the prompt's prefill, then
+# two steps of two rows each) and two references (one context alone, both batched).
+PROBE_FORWARDS = 3 + 2
 
 
 @dataclass(frozen=True)
 class ProbeRows:
-    """The probe's contexts: a prompt, run alone (a prefill), then one step of rows
-    extending it from different cached lengths (all past the cascade's shared minimum), by
-    one new token and by `NEW_TOKENS`: the rows of a step are left-padded, and share the
-    prompt's first blocks (read once, where the LM runs cascade attention)."""
+    """Two contexts sharing a prompt (``first``, ``second``), and the probe's three steps
+    over their prefixes, as (context, length) pairs: the prompt alone (a prefill), then
+    two steps of rows sharing the prompt's first `CASCADE_MIN_SHARED` tokens (cascade
+    attention reads them once, where the LM runs it) from different cached lengths
+    (left-padded), by one new token, then by three."""
 
-    prompt: tuple[int, ...]
-    extensions: tuple[tuple[int, ...], ...]
+    first: tuple[int, ...]
+    second: tuple[int, ...]
 
     @classmethod
     def draw(cls, vocab_size: int) -> ProbeRows:
         """Random tokens (seeded) of the tokenizer's vocabulary."""
         generator = torch.Generator().manual_seed(0)
-        more = 2 + 2 * NEW_TOKENS
-        ids = torch.randint(0, vocab_size, (PROMPT_TOKENS + more,), generator=generator)
-        prompt, new = tuple(ids[:PROMPT_TOKENS].tolist()), tuple(ids[PROMPT_TOKENS:].tolist())
-        one, two, three, four = (
-            new[:1],
-            new[1:2],
-            new[2 : 2 + NEW_TOKENS],
-            new[2 + NEW_TOKENS :],
-        )
-        return cls(
-            prompt,
-            (
-                prompt + one,
-                prompt[: CASCADE_MIN_SHARED + 8] + two,
-                prompt + three,
-                # as long as the first: with it, a batch of the model's own
-                prompt[: PROMPT_TOKENS + 1 - NEW_TOKENS] + four,
-            ),
-        )
+        ids = torch.randint(0, vocab_size, (SHARED_TOKENS + 2 * OWN_TOKENS,), generator=generator)
+        prompt, own = ids[:SHARED_TOKENS].tolist(), ids[SHARED_TOKENS:].tolist()
+        return cls(tuple(prompt + own[:OWN_TOKENS]), tuple(prompt + own[OWN_TOKENS:]))
 
     @property
-    def contexts(self) -> tuple[tuple[int, ...], ...]:
-        return (self.prompt, *self.extensions)
-
-    @property
-    def same_length(self) -> tuple[int, int]:
-        """Two contexts of one length (positions in `contexts`)."""
-        return 1, 4
+    def steps(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Each step's rows: (context: 0 first, 1 second; the row's prefix length). The
+        store starts each row from the deepest KV it holds on its path: the second step's
+        rows from 68 and 66 tokens (a prefix of the cached prompt), the third's from 68
+        and 69."""
+        return (
+            ((0, SHARED_TOKENS),),
+            ((1, SHARED_TOKENS + 1), (0, SHARED_TOKENS - 1)),
+            ((0, SHARED_TOKENS + 3), (1, SHARED_TOKENS + 4)),
+        )
 
 
 @dataclass(frozen=True)
@@ -82,8 +74,8 @@ class Tolerance:
     """How far the steps' rows may lie from the model's uncached forward (the largest
     difference of logprobs over the vocabulary, `row_difference`): `NOISE_FACTOR` times
     the model's own batch noise (the same rows batched and alone: on a GPU its kernels
-    differ with the batch), and at least `EPSILONS` rounding steps of the dtype at the
-    rows' largest magnitude (on a CPU half-precision batches round alike, and our steps'
+    differ with the batch), at least `EPSILONS` rounding steps of the dtype at the rows'
+    largest magnitude (on a CPU half-precision batches round alike, and our steps'
     attention rounds differently: measured 0.30 in bfloat16 on SmolLM2, 0.05 in float16),
     and at least `MINIMUM` (float32 rows differ by up to 3e-5 on SmolLM2). A fault the
     probe is for differs by far more: a cascade that ignores the shared prompt by 7 or
@@ -94,17 +86,14 @@ class Tolerance:
     MINIMUM = 1e-3
 
     value: float
-    noise: float
 
     @classmethod
-    def measure(
-        cls, dtype: torch.dtype, references: Sequence[torch.Tensor], batched: Sequence[torch.Tensor]
-    ) -> Tolerance:
-        """From ``references`` (rows alone) and the same rows ``batched``."""
-        noise = max(row_difference(b, r) for b, r in zip(batched, references, strict=True))
-        scale = max(float(row[row.isfinite()].abs().max()) for row in references)
+    def measure(cls, dtype: torch.dtype, alone: torch.Tensor, batched: torch.Tensor) -> Tolerance:
+        """From rows of the model's forward ``alone`` and the same rows ``batched``."""
+        noise = max(map(row_difference, batched, alone))
+        scale = float(alone[alone.isfinite()].abs().max())
         rounding = cls.EPSILONS * torch.finfo(dtype).eps * scale
-        return cls(max(cls.NOISE_FACTOR * noise, rounding, cls.MINIMUM), noise)
+        return cls(max(cls.NOISE_FACTOR * noise, rounding, cls.MINIMUM))
 
 
 def row_difference(row: torch.Tensor, reference: torch.Tensor) -> float:
@@ -114,39 +103,73 @@ def row_difference(row: torch.Tensor, reference: torch.Tensor) -> float:
     return float(difference.nan_to_num(nan=float("inf")).max())
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a probe found wrong: with cascade attention (``cascade``), and without KV
+    reuse's steps (``steps``; then each request runs its whole prefix); None: right."""
+
+    cascade: str | None = None
+    steps: str | None = None
+
+
+# Each model object's verdicts, by path: (KV layout, cascade, most tokens per forward,
+# attention implementation). A model no LM serves is collected with its verdicts.
+VERDICTS: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], Verdict]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def prove_fast_path(runner: TransformerRunner) -> None:
-    """Check the runner's steps against the model's uncached forward, stepping down where
-    they differ (`ModelForward.step_down`), with one warning: without cascade attention if
-    its rows are right so, else without KV reuse (the store's `NoKVPool` then warns).
-    Nothing is run without KV reuse, nor for a model whose context is shorter than the
-    probe."""
+    """Check the runner's steps against the model's uncached forward (once per model
+    object and path), stepping down where they differ (`ModelForward.step_down`), with
+    one warning: without cascade attention where its rows are right so, else without KV
+    reuse (the store's `NoKVPool` then warns). Nothing is run without KV reuse, nor for a
+    model whose context is shorter than the probe's."""
     forward = runner.forward
-    context = getattr(forward.model.config.get_text_config(), "max_position_embeddings", None)
-    if runner.pool is None or (context is not None and context < PROMPT_TOKENS + NEW_TOKENS):
+    model, pool = forward.model, runner.pool
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if pool is None or (context is not None and context < CONTEXT_TOKENS):
         return
-    rows = ProbeRows.draw(forward.vocab_size)
-    references = [forward.uncached(ids, None) for ids in rows.contexts]
-    same = [rows.contexts[i] for i in rows.same_length]
-    batched = forward.uncached_rows(same, None).unbind()
-    alone = [references[i] for i in rows.same_length]
-    tolerance = Tolerance.measure(runner.pool.layout.dtype, alone, batched)
-    fault = step_fault(runner, rows, references, tolerance)
-    if fault is None:
-        return
-    if runner.cascade:
+    path = (pool.layout, runner.cascade, runner.max_batch_tokens, forward.attention)
+    verdicts = VERDICTS.setdefault(model, {})
+    verdict = verdicts.get(path)
+    if verdict is None:
+        verdict = verdicts[path] = probe(runner)
+    if verdict.steps is not None:
+        forward.step_down(
+            kv_reuse=False, reason=f"the probe of its paged step found {verdict.steps}"
+        )
+        runner.pool, runner.cascade = None, False
+    elif verdict.cascade is not None:
         forward.step_down(kv_reuse=True)
         runner.cascade = False
-        without = step_fault(runner, rows, references, tolerance)
-        if without is None:
-            warnings.warn(
-                f"cascade attention is off for this model (with it, {fault}): its steps run "
-                "without it",
-                stacklevel=4,
-            )
-            return
-        fault = f"with cascade attention, {fault}; without, {without}"
-    forward.step_down(kv_reuse=False, reason=f"the probe of its paged step found {fault}")
-    runner.pool = None
+        warnings.warn(
+            f"cascade attention is off for this model (with it, {verdict.cascade}): its "
+            "steps run without it",
+            stacklevel=4,
+        )
+
+
+def probe(runner: TransformerRunner) -> Verdict:
+    """Run the probe: its steps with the runner's path (and without cascade attention,
+    where they are wrong with it), against the model's uncached forward."""
+    forward = runner.forward
+    assert runner.pool is not None  # probed with KV reuse
+    rows = ProbeRows.draw(forward.vocab_size)
+    last = CONTEXT_TOKENS + 1 - min(length for step in rows.steps for _, length in step)
+    alone = forward.uncached_rows([rows.first], None, last)[0]
+    batched = forward.uncached_rows([rows.first, rows.second], None, last)
+    tolerance = Tolerance.measure(runner.pool.layout.dtype, alone, batched[0])
+    references = (alone, batched[1])
+    fault = step_fault(runner, rows, references, tolerance)
+    if fault is None or not runner.cascade:
+        return Verdict(steps=fault)
+    runner.cascade = False
+    without = step_fault(runner, rows, references, tolerance)
+    runner.cascade = True
+    if without is None:
+        return Verdict(cascade=fault)
+    return Verdict(fault, f"with cascade attention, {fault}; without, {without}")
 
 
 def step_fault(
@@ -156,24 +179,25 @@ def step_fault(
     tolerance: Tolerance,
 ) -> str | None:
     """What is wrong with the rows of the runner's steps over ``rows`` (a scratch store on
-    its pool, freed after), against ``references``: too far from them, or an error; None
-    where they are right."""
+    its pool, freed after), against ``references`` (each context's logprobs after its
+    last positions): too far from them, or an error; None where they are right."""
     pool = runner.pool
     assert pool is not None  # probed with KV reuse
+    contexts = (rows.first, rows.second)
     store = PrefixKVStore(pool)
-    worst, done = 0.0, 0
+    worst = 0.0
     try:
-        for contexts in ((rows.prompt,), rows.extensions):
-            plan = store.plan([(ids, None) for ids in contexts], 0)
+        for step in rows.steps:
+            plan = store.plan([(contexts[i][:length], None) for i, length in step], 0)
             try:
                 out = runner.run(plan.rows)
             except Exception as error:
                 store.release(plan)
                 return f"its steps fail: {type(error).__name__}: {error}"
             store.commit(plan, list(out.unbind()))
-            for row, reference in zip(out, references[done : done + len(out)], strict=True):
+            for row, (i, length) in zip(out, step, strict=True):
+                reference = references[i][length - CONTEXT_TOKENS - 1]
                 worst = max(worst, row_difference(row, reference))
-            done += len(out)
     finally:
         store.free()
         if runner.forward.head is not None:
