@@ -17,7 +17,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -73,13 +73,13 @@ class ProbeRows:
 class Tolerance:
     """How far the steps' rows may lie from the model's uncached forward (the largest
     difference of logprobs over the vocabulary, `row_difference`): `NOISE_FACTOR` times
-    the model's own batch noise (the same rows batched and alone: on a GPU its kernels
+    the model's own batch noise (the same context batched and alone: on a GPU its kernels
     differ with the batch), at least `EPSILONS` rounding steps of the dtype at the rows'
-    largest magnitude (on a CPU half-precision batches round alike, and our steps'
-    attention rounds differently: measured 0.30 in bfloat16 on SmolLM2, 0.05 in float16),
-    and at least `MINIMUM` (float32 rows differ by up to 3e-5 on SmolLM2). A fault the
-    probe is for differs by far more: a cascade that ignores the shared prompt by 7 or
-    more, positions off by one by 0.7 to 2.3, in any dtype."""
+    largest magnitude (on a CPU half-precision batches round alike, while our steps'
+    attention rounds differently: on SmolLM2 the probe's rows differ by 0.35 in bfloat16,
+    within 1.22, and 0.039 in float16, within 0.15), and at least `MINIMUM` (4.4e-5 in
+    float32). The faults the probe is for differ by far more in every dtype: a cascade
+    that ignores the shared prompt by 13.5, positions off by one by 2.5."""
 
     NOISE_FACTOR = 4
     EPSILONS = 5
@@ -114,7 +114,7 @@ class Verdict:
 
 # Each model object's verdicts, by path: (KV layout, cascade, most tokens per forward,
 # attention implementation). A model no LM serves is collected with its verdicts.
-VERDICTS: weakref.WeakKeyDictionary[Any, dict[tuple[object, ...], Verdict]] = (
+VERDICTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[object, ...], Verdict]] = (
     weakref.WeakKeyDictionary()
 )
 
