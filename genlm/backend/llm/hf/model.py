@@ -56,9 +56,9 @@ class AsyncTransformer(PrefixCachedLM[torch.Tensor]):
     `BatchedAsyncLM`), each an attribute of the LM too.
 
     With KV reuse, construction probes the steps against the model's uncached forward
-    (`genlm.backend.llm.hf.probe`: five forwards of 292 tokens in all, about four
-    72-token prefills, PROBE_COST_DOC on SmolLM2-135M on a CPU; once per model object),
-    and steps down where they differ, with a warning (docs/families.md).
+    (`genlm.backend.llm.hf.probe`: five forwards of 292 tokens in all, 2.4 s for
+    SmolLM2-135M on one CPU core; once per model object), and steps down where they
+    differ, with a warning (docs/families.md).
     """
 
     runner: TransformerRunner

@@ -124,7 +124,8 @@ def prove_fast_path(runner: TransformerRunner) -> None:
     object and path), stepping down where they differ (`ModelForward.step_down`), with
     one warning: without cascade attention where its rows are right so, else without KV
     reuse (the store's `NoKVPool` then warns). Nothing is run without KV reuse, nor for a
-    model whose context is shorter than the probe's."""
+    model whose context is shorter than the probe's. Before the LM's store is made: the
+    probe's own store lets go of the pool's memory."""
     forward = runner.forward
     model, pool = forward.model, runner.pool
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
