@@ -85,8 +85,8 @@ def positions_off_by_one(monkeypatch):
     """Plant a fault in the paged step: new tokens after a cached past one position late."""
     build = forward_module.model_inputs
 
-    def shifted(pool, step, begin, end, mask_dtype):
-        cache, inputs = build(pool, step, begin, end, mask_dtype)
+    def shifted(pool, step, begin, end, *options):
+        cache, inputs = build(pool, step, begin, end, *options)
         if step.shared.shape[0] + step.past + begin:
             inputs["position_ids"] = inputs["position_ids"] + 1
         return cache, inputs
@@ -156,10 +156,10 @@ def test_a_paged_step_that_fails_runs_whole_prefixes(smollm2_tokenizer, tiny_mod
     """As Bloom's did before its family was refused: a step of mixed cached lengths fails."""
     build = forward_module.model_inputs
 
-    def failing(pool, step, begin, end, mask_dtype):
+    def failing(pool, step, begin, end, *options):
         if step.padded:
             raise ValueError("too many values to unpack (expected 2)")
-        return build(pool, step, begin, end, mask_dtype)
+        return build(pool, step, begin, end, *options)
 
     monkeypatch.setattr(forward_module, "model_inputs", failing)
     lm, caught = open_lm(tiny_model, smollm2_tokenizer)
@@ -262,7 +262,7 @@ def test_the_probe_runs_the_cascade_over_padded_rows(smollm2_tokenizer, tiny_mod
 @pytest.mark.parametrize(
     "make",
     [
-        lambda vocab: family_model(family("mistral"), vocab),
+        lambda vocab: family_model(family("bloom"), vocab),
         lambda vocab: tiny_llama(vocab, max_positions=64, **MODEL),
     ],
     ids=["without-kv-reuse", "context-shorter-than-the-probe"],
