@@ -266,7 +266,9 @@ def test_cascade_attention_is_softmax_attention_over_shared_plus_own_keys():
     # padding shared slots (zero keys and values, as slot 0 reads) hidden by the cache's mask
     pad = torch.zeros(kv_heads, 3, dim)
     layers = {1: (torch.cat([shared_k, pad], 1), torch.cat([shared_v, pad], 1))}
-    cache = SimpleNamespace(shared_kv=layers.get, shared_mask=torch.arange(shared + 3) < shared)
+    cache = SimpleNamespace(
+        shared_kv=layers.get, shared_mask=torch.arange(shared + 3) < shared, window=None
+    )
     module = SimpleNamespace(layer_idx=1)
     token = STEP_CACHE.set(cache)  # the step's cache, as `ModelForward.step` makes it current
     try:
