@@ -54,6 +54,17 @@ sys.path.insert(0, str(BENCHMARK_DIR))
 from bench_host import FIXED_MALLOC, ForwardClock, tiny_model  # noqa: E402
 
 FORMS = ("lists", "handles")
+# The columns of the docs' table (a row also holds each repeat's host ms).
+TABLE = [
+    "backend",
+    "prompt_tokens",
+    "lists_host_ms",
+    "handles_host_ms",
+    "handles_vs_lists",
+    "lists_computed",
+    "handles_computed",
+    "bitwise_equal",
+]
 HF_TOLERANCE = 1e-6
 
 
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                 "warmup": args.warmup,
                 "repeats": args.repeats,
                 "hf_tolerance": HF_TOLERANCE,
+                "table": TABLE,
                 "rows": rows,
             },
             indent=1,
