@@ -422,8 +422,8 @@ BACKENDS = {
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_rows_with_handles_are_the_rows_with_lists(backend, smollm2_tokenizer, monkeypatch):
     make = BACKENDS[backend]
-    # past two chunk boundaries; past one on the stand-in engines (a row costs ~10 ms there)
-    particles, steps = (6, 2 * CHUNK + 2) if "stand-in" not in backend else (3, CHUNK + 2)
+    # past two chunk boundaries; past one on the stand-in engines (a row costs ~0.1 s there)
+    particles, steps = (6, 2 * CHUNK + 2) if "stand-in" not in backend else (3, 6)
     prompt, plan = particle_requests(0, particles, CHUNK - 3, steps)
     results = {}
     for form in ("lists", "handles"):
