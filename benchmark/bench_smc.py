@@ -29,28 +29,23 @@ Results: a table, and benchmark/results/smc.json.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import gc
+import json
 import os
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 BENCHMARK_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARK_DIR))
 
+# bench_host sets the environment (one torch thread, offline) before anything imports torch.
 from bench_host import FIXED_MALLOC, ForwardClock, tiny_model  # noqa: E402
 
 FORMS = ("lists", "handles")
